@@ -1,0 +1,86 @@
+"""Command line: python -m scaling {train, shardings, plan, generate, sweep, fit} ..."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scaling.config import ConfigError, load_config
+
+
+def _config_args(argv: list[str], prog: str, extra=None):
+    """--config FILE [--run_dir DIR] then dotted overrides (--model.num_layers=4 ...)."""
+    parser = argparse.ArgumentParser(prog=f"python -m scaling {prog}", allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of deltas from the defaults")
+    if extra:
+        extra(parser)
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--") or "." not in o.split("=", 1)[0]]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}; overrides look like --section.key=value")
+    # `--a.b value` (space-separated) -> `--a.b=value`
+    merged: list[str] = []
+    for item in overrides:
+        if merged and "=" not in merged[-1] and not item.startswith("--"):
+            merged[-1] += "=" + item
+        else:
+            merged.append(item)
+    return args, load_config(args.config, merged)
+
+
+def cmd_train(argv: list[str]) -> int:
+    from scaling.train import NonFiniteError, train
+
+    args, cfg = _config_args(argv, "train", lambda p: p.add_argument("--run_dir", default=None))
+    try:
+        summary = train(cfg, args.run_dir, config_path=args.config)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    print(f"run directory: {summary['run_dir']}")
+    return 0
+
+
+def cmd_shardings(argv: list[str]) -> int:
+    from scaling.sharding.report import sharding_report
+    from scaling.train import make_setup
+
+    _, cfg = _config_args(argv, "shardings")
+    print(sharding_report(make_setup(cfg)))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "shardings": cmd_shardings}
+
+
+def _lazy(module: str, func: str = "main"):
+    def run(argv):
+        import importlib
+
+        return importlib.import_module(module).__dict__[func](argv)
+
+    return run
+
+
+COMMANDS.update(
+    plan=_lazy("scaling.plan"),
+    generate=_lazy("scaling.generate_cli"),
+    sweep=_lazy("scaling.sweep"),
+    fit=_lazy("scaling.fit_cli"),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(f"usage: python -m scaling {{{','.join(COMMANDS)}}} [--config FILE] [--section.key=value ...]")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return int(COMMANDS[argv[0]](argv[1:]) or 0)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The attention block and the one dispatch point for the attention core.
+
+Core implementations share one signature:
+    core(q_btnh, k_bskh, v_bskh, *, causal, segment_ids) -> out_btnh
+with N query heads and K key/value heads (GQA when K < N, N % K == 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from scaling import layers
+from scaling.config import AttentionImpl, ModelConfig
+from scaling.sharding import axes as A
+from scaling.sharding import constrain
+
+
+def _segment_mask(segment_ids, t: int, s: int):
+    if segment_ids is None:
+        return None
+    q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    return q_seg[:, :, None] == kv_seg[:, None, :]  # [B, T, S]
+
+
+def xla_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
+    """Reference: softmax(q k^T / sqrt(H)) v in f32, GQA by grouping query heads."""
+    b, t, n, h = q_btnh.shape
+    s, kh = k_bskh.shape[1], k_bskh.shape[2]
+    g = n // kh
+    q_btkgh = q_btnh.reshape(b, t, kh, g, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(h)
+    mask = jnp.ones((t, s), bool) if not causal else jnp.tril(jnp.ones((t, s), bool), k=s - t)
+    mask = mask[None]
+    seg = _segment_mask(segment_ids, t, s)
+    if seg is not None:
+        mask = mask & seg
+    logits = jnp.where(mask[:, None, None], logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1)
+    # Rows with no visible key (possible with segment ids) give 0, not a uniform average.
+    probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def cudnn_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
+    if jax.default_backend() != "gpu":
+        raise ValueError(
+            f"attention.impl=cudnn needs a GPU (backend is {jax.default_backend()!r}); use attention.impl=xla or auto"
+        )
+    mask = None
+    if segment_ids is not None:
+        mask = _segment_mask(segment_ids, q_btnh.shape[1], k_bskh.shape[1])[:, None]
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, is_causal=causal, implementation="cudnn")
+
+
+def pallas_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
+    from scaling.kernels import flash_attention  # imported lazily: the kernel is optional
+
+    return flash_attention(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
+
+
+ATTENTION_CORES: dict[AttentionImpl, Callable] = {
+    AttentionImpl.xla: xla_attention,
+    AttentionImpl.cudnn: cudnn_attention,
+    AttentionImpl.pallas: pallas_attention,
+}
+
+
+def resolve_impl(impl: AttentionImpl) -> AttentionImpl:
+    """`auto` picks the fastest implementation measured on the current backend."""
+    if impl != AttentionImpl.auto:
+        return impl
+    return AttentionImpl.cudnn if jax.default_backend() == "gpu" else AttentionImpl.xla
+
+
+def attention_core(impl: AttentionImpl) -> Callable:
+    return ATTENTION_CORES[resolve_impl(impl)]
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with RoPE. Q/K/V column-parallel, output row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        init = layers.normal_init(cfg.init_std)
+        self.q_dnh = layers.make_param(rngs, init, (d, n, h), (A.EMBED, A.HEADS, A.HEAD_DIM), param_dtype)
+        self.k_dkh = layers.make_param(rngs, init, (d, k, h), (A.EMBED, A.KV_HEADS, A.HEAD_DIM), param_dtype)
+        self.v_dkh = layers.make_param(rngs, init, (d, k, h), (A.EMBED, A.KV_HEADS, A.HEAD_DIM), param_dtype)
+        out_init = layers.normal_init(cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.o_nhd = layers.make_param(rngs, out_init, (n, h, d), (A.HEADS, A.HEAD_DIM, A.EMBED), param_dtype)
+
+    def project_qkv(self, x_btd, positions_bt, inv_freq):
+        """q [B, T, N, H], k and v [B, T, K, H], RoPE applied to q and k."""
+        dt = x_btd.dtype
+        q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt)), layers.QUERY_PROJ)
+        k = checkpoint_name(jnp.einsum("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt)), layers.KEY_PROJ)
+        v = checkpoint_name(jnp.einsum("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt)), layers.VALUE_PROJ)
+        q = constrain(layers.apply_rope(q, positions_bt, inv_freq), (A.BATCH, A.SEQ, A.ACT_HEADS, A.HEAD_DIM))
+        k = constrain(layers.apply_rope(k, positions_bt, inv_freq), (A.BATCH, A.SEQ, A.ACT_KV_HEADS, A.HEAD_DIM))
+        v = constrain(v, (A.BATCH, A.SEQ, A.ACT_KV_HEADS, A.HEAD_DIM))
+        return q, k, v
+
+    def project_out(self, attn_btnh):
+        dt = attn_btnh.dtype
+        out = jnp.einsum("btnh,nhd->btd", attn_btnh, self.o_nhd[...].astype(dt))
+        return constrain(checkpoint_name(out, layers.OUT_PROJ), (A.BATCH, A.SEQ, A.ACT_EMBED))
+
+    def __call__(self, x_btd, positions_bt, inv_freq, *, core: Callable, segment_ids=None):
+        q, k, v = self.project_qkv(x_btd, positions_bt, inv_freq)
+        attn = core(q, k, v, causal=True, segment_ids=segment_ids)
+        attn = checkpoint_name(constrain(attn, (A.BATCH, A.SEQ, A.ACT_HEADS, A.HEAD_DIM)), layers.ATTENTION_OUT)
+        return self.project_out(attn)

@@ -1,0 +1,429 @@
+"""Typed, frozen, nested configs.
+
+A run's config is the defaults below, updated by a YAML file that holds only the deltas,
+updated by dotted command-line overrides (`--model.num_layers=4`). draccus decodes the
+merged dict into the dataclasses (typed, unknown keys rejected); `validate` then checks
+what types cannot express (divisibility, lengths, signs) before anything compiles.
+
+A YAML file may name another one to start from with `inherit: relative/path.yaml`
+(experiment configs inherit a model preset from `configs/models/`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import draccus
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or impossible. The message names the key."""
+
+
+class StrEnum(str, enum.Enum):
+    def __str__(self) -> str:
+        return self.value
+
+
+class DType(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    auto = "auto"  # compute dtype only: bfloat16 on GPU/TPU, float32 on CPU
+
+
+class AttentionImpl(StrEnum):
+    xla = "xla"  # reference einsum + softmax, runs anywhere
+    cudnn = "cudnn"  # jax.nn.dot_product_attention(implementation="cudnn"), GPU only
+    pallas = "pallas"  # our Pallas flash-attention kernel (scaling.kernels)
+    auto = "auto"  # pallas on GPU, xla elsewhere
+
+
+class RematPolicyName(StrEnum):
+    none = "none"
+    full = "full"
+    dots = "dots"
+    names = "names"
+    offload = "offload"
+    selective = "selective"
+
+
+class Schedule(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class DataSource(StrEnum):
+    text = "text"  # real text, tokenized and packed (the default corpus when path is unset)
+    tokens = "tokens"  # a pre-tokenized flat token file (.npy, or raw uint16/uint32 .bin)
+    synthetic = "synthetic"  # deterministic random tokens, for benchmarks
+
+
+class TokenizerKind(StrEnum):
+    bpe = "bpe"  # byte-level BPE trained on the corpus (HF `tokenizers`)
+    byte = "byte"  # raw UTF-8 bytes, vocabulary 256 (+ EOS)
+
+
+class NonFinitePolicy(StrEnum):
+    stop = "stop"
+    skip = "skip"
+
+
+class AxisType(StrEnum):
+    auto = "auto"  # the compiler propagates shardings; our constraints pin key activations
+    explicit = "explicit"  # shardings are part of the types (JAX's default since 0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family decoder shape. Dimension names follow the book: D, F, N, K, H, L, V."""
+
+    vocab_size: int = 512  # V
+    hidden_size: int = 128  # D
+    num_layers: int = 2  # L
+    num_heads: int = 4  # N, query heads
+    num_kv_heads: int = 2  # K, GQA key/value heads (K == N is MHA)
+    head_dim: int | None = None  # H; defaults to D / N
+    mlp_dim: int = 384  # F, SwiGLU hidden width
+    max_seq_len: int = 2048  # RoPE table length; train.seq_len must not exceed it
+    rope_theta: float = 10000.0
+    # Llama 3.x frequency scaling ("llama3" rope_type); factor 0 means off.
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    param_dtype: DType = DType.float32
+    compute_dtype: DType = DType.auto
+    scan_layers: bool = True  # one compiled layer body under lax.scan; False unrolls
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh over named axes; one size may be -1 to take the remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    rules: str = "default"  # named logical-axis rule set (scaling.sharding.rules)
+    axis_type: AxisType = AxisType.auto
+    # Multi-host: jax.distributed. Unset fields fall back to the usual environment
+    # variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16  # global batch, in sequences, per optimizer step
+    seq_len: int = 128
+    grad_accum: int = 1  # micro-batches per step; batch_size must divide evenly
+    log_every: int = 10
+    eval_every: int = 50  # 0 disables eval
+    eval_batches: int = 4
+    seed: int = 0
+    nonfinite: NonFinitePolicy = NonFinitePolicy.stop
+    show_shardings: bool = False  # print the sharding report before training
+    profile_steps: tuple[int, ...] = ()  # e.g. (10, 13): capture a trace of steps [10, 13)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    schedule: Schedule = Schedule.cosine
+    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matrices only (not norms); see decay_embeddings
+    decay_embeddings: bool = False
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: DataSource = DataSource.text
+    path: str | None = None  # None: the embedded default corpus (Python stdlib sources)
+    tokenizer: TokenizerKind = TokenizerKind.bpe
+    cache_dir: str = ".cache/data"  # tokenized corpora are stored here once, memory-mapped
+    eval_fraction: float = 0.05  # held-out share of the packed sequences
+    max_corpus_mb: float = 8.0  # cap on the default corpus size
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    impl: AttentionImpl = AttentionImpl.auto
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+    policy: RematPolicyName = RematPolicyName.none
+    names: tuple[str, ...] = ()  # checkpoint_name tags to save, for `names` and `offload`
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    every: int = 100  # steps between saves (and always at the end); 0: only at the end
+    keep: int = 3  # most recent checkpoints kept
+    keep_period: int = 0  # also keep every M-th step forever; 0: off
+    async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    progress: bool = True  # tqdm progress bar on the console
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+    remat: RematConfig = dataclasses.field(default_factory=RematConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    run_dir: str | None = None  # None: runs/<config name>-<timestamp>
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"inherit cycle: {' -> '.join(map(str, seen + (path,)))}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    parent = data.pop("inherit", None)
+    if parent is None:
+        return data
+    base = _read_yaml(path.parent / parent, seen + (path,))
+    return _deep_merge(base, data)
+
+
+def _deep_merge(base: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in delta.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """`--model.num_layers=4` / `model.num_layers=4` -> {"model": {"num_layers": 4}}.
+
+    Values are parsed as YAML scalars (so `4` is an int, `[1, 2]` a list, `null` None).
+    """
+    tree: dict[str, Any] = {}
+    for raw in overrides:
+        item = raw[2:] if raw.startswith("--") else raw
+        if "=" not in item:
+            raise ConfigError(f"override {raw!r} must look like --section.key=value")
+        dotted, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {raw!r} conflicts with an earlier one")
+        node[parts[-1]] = value
+    return tree
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_keys(cls: type, data: Mapping[str, Any], prefix: str = "") -> None:
+    """Reject unknown keys with the list of allowed ones (draccus's message lacks it)."""
+    hints = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in hints:
+            where = f"{prefix}{key}"
+            raise ConfigError(
+                f"unknown config key {where!r}; allowed keys under "
+                f"{prefix.rstrip('.') or 'the top level'}: {', '.join(_field_names(cls))}"
+            )
+        default = hints[key].default_factory if hints[key].default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        if default is not None and dataclasses.is_dataclass(default):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{prefix}{key} must be a mapping of its fields, got {value!r}")
+            _check_keys(default, value, f"{prefix}{key}.")
+
+
+def _enum_hint(cls: type, dotted: str) -> str:
+    """For an enum-typed field, the allowed values (to append to a decoding error)."""
+    node: Any = cls
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(node):
+            return ""
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return ""
+        f = fields[part]
+        node = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        if dataclasses.is_dataclass(node):
+            node = type(node)
+    if isinstance(node, enum.Enum):
+        return f"; allowed values: {', '.join(m.value for m in type(node))}"
+    return ""
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    _check_keys(Config, data)
+    try:
+        cfg = draccus.decode(Config, dict(data))
+    except Exception as e:  # draccus.utils.DecodingError, names the key as `a.b`
+        msg = str(e)
+        key = msg.split("`")[1] if msg.count("`") >= 2 else ""
+        raise ConfigError(f"invalid config value: {msg}{_enum_hint(Config, key)}") from None
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults <- YAML deltas at `path` (if any) <- dotted overrides. Validated."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    data = _deep_merge(data, parse_overrides(overrides))
+    return config_from_dict(data)
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain nested dict (enums as strings, tuples as lists): for YAML/JSON and checkpoints."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    if isinstance(cfg, (tuple, list)):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def replace(cfg: Config, **sections: Mapping[str, Any]) -> Config:
+    """Copy with some fields changed, e.g. replace(cfg, train={"steps": 5}); re-validated."""
+    data = to_dict(cfg)
+    data = _deep_merge(data, sections)
+    return config_from_dict(data)
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(cfg: Config) -> None:
+    m, t, o, d, mesh = cfg.model, cfg.train, cfg.optimizer, cfg.data, cfg.mesh
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "max_seq_len"):
+        _require(getattr(m, name) > 0, f"model.{name}", f"must be a positive integer, got {getattr(m, name)}")
+    _require(
+        m.num_heads % m.num_kv_heads == 0,
+        "model.num_heads",
+        f"{m.num_heads} heads is not divisible by model.num_kv_heads={m.num_kv_heads}; "
+        "GQA needs num_heads to be a multiple of num_kv_heads",
+    )
+    if m.head_dim is None:
+        _require(
+            m.hidden_size % m.num_heads == 0,
+            "model.hidden_size",
+            f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}; set model.head_dim explicitly",
+        )
+    else:
+        _require(m.head_dim > 0, "model.head_dim", f"must be positive, got {m.head_dim}")
+    _require(m.resolved_head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {m.resolved_head_dim}")
+    _require(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
+    _require(m.rope_scaling_factor >= 0, "model.rope_scaling_factor", "must be >= 0 (0 turns it off)")
+    _require(m.norm_eps > 0, "model.norm_eps", f"must be positive, got {m.norm_eps}")
+    _require(m.init_std > 0, "model.init_std", f"must be positive, got {m.init_std}")
+    _require(m.param_dtype != DType.auto, "model.param_dtype", "must be float32, bfloat16 or float16 (not auto)")
+
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
+        _require(getattr(t, name) > 0, f"train.{name}", f"must be a positive integer, got {getattr(t, name)}")
+    _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 disables eval), got {t.eval_every}")
+    _require(
+        t.seq_len <= m.max_seq_len,
+        "train.seq_len",
+        f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len} (the RoPE table length)",
+    )
+    _require(
+        t.batch_size % t.grad_accum == 0,
+        "train.batch_size",
+        f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
+    )
+    _require(
+        len(t.profile_steps) in (0, 2) and (not t.profile_steps or 0 <= t.profile_steps[0] < t.profile_steps[1]),
+        "train.profile_steps",
+        f"must be empty or [start, stop) with 0 <= start < stop, got {list(t.profile_steps)}",
+    )
+
+    _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be positive, got {o.learning_rate}")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", f"must be in [0, 1), got {o.b1}, {o.b2}")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _require(o.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0 (0 disables), got {o.clip_norm}")
+
+    _require(0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
+    _require(d.max_corpus_mb > 0, "data.max_corpus_mb", f"must be positive, got {d.max_corpus_mb}")
+    if d.source == DataSource.tokens:
+        _require(d.path is not None, "data.path", "data.source=tokens needs a token file path")
+    if d.tokenizer == TokenizerKind.byte and d.source == DataSource.text:
+        _require(m.vocab_size >= 257, "model.vocab_size", f"the byte tokenizer needs >= 257 (256 bytes + EOS), got {m.vocab_size}")
+    if d.tokenizer == TokenizerKind.bpe and d.source == DataSource.text:
+        _require(m.vocab_size >= 260, "model.vocab_size", f"a byte-level BPE needs >= 260 tokens, got {m.vocab_size}")
+
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    for name, size in sizes.items():
+        _require(size == -1 or size >= 1, f"mesh.{name}", f"must be >= 1 or -1 (take the remaining devices), got {size}")
+    _require(
+        sum(1 for s in sizes.values() if s == -1) <= 1,
+        "mesh",
+        f"at most one axis may be -1, got {sizes}",
+    )
+
+    _require(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+    _require(cfg.checkpoint.keep_period >= 0, "checkpoint.keep_period", f"must be >= 0, got {cfg.checkpoint.keep_period}")
+    if cfg.remat.policy in (RematPolicyName.names, RematPolicyName.offload):
+        _require(
+            len(cfg.remat.names) > 0,
+            "remat.names",
+            f"remat.policy={cfg.remat.policy.value} needs the checkpoint_name tags to save",
+        )

@@ -1,0 +1,353 @@
+"""Corpus -> tokens -> packed sequences -> per-process batches.
+
+Text is tokenized once and stored as a flat memory-mapped token file under
+`data.cache_dir`, keyed by a hash of the corpus identity and the tokenizer settings.
+Documents are joined with EOS separators and cut into windows of seq_len + 1 tokens
+(input and shifted target share seq_len of them). A held-out tail of the token stream
+is the eval split.
+
+The loader's whole state is the index of the next batch: batch i is a deterministic
+function of (seed, i), so resuming means restoring one integer. Each process builds only
+its own rows of the global batch (multi-host ready).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from scaling.config import Config, DataSource, TokenizerKind
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".html", ".tex", ".csv"}
+DATA_SEED = 1234  # document shuffle before packing; part of the cache key
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def default_corpus_files(max_mb: float) -> list[Path]:
+    """The embedded default corpus: this Python's standard-library sources.
+
+    Present on every machine with no download; real text (code and docstrings) with a
+    real vocabulary. Files in sorted order, up to `max_mb` megabytes.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    out, total = [], 0
+    for p in files:
+        size = p.stat().st_size
+        if total + size > max_mb * 1e6:
+            break
+        out.append(p)
+        total += size
+    return out
+
+
+def text_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        if files:
+            return files
+        raise ValueError(f"data.path={str(path)!r} holds no text files (suffixes {sorted(TEXT_SUFFIXES)})")
+    raise ValueError(f"data.path={str(path)!r} does not exist")
+
+
+def read_documents(files: list[Path]) -> list[str]:
+    docs = []
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            docs.append(text)
+    return docs
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255, EOS = 256."""
+
+    eos_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"kind": "byte"}))
+
+
+class BPETokenizer:
+    """Byte-level BPE from HF `tokenizers` (GPT-2's pre-tokenization), EOS = <|eos|>."""
+
+    EOS = "<|eos|>"
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_id = tok.token_to_id(self.EOS)
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def train(cls, docs: list[str], vocab_size: int) -> "BPETokenizer":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[cls.EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(docs, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def load(cls, path: Path) -> "BPETokenizer":
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def save(self, path: Path) -> None:
+        self.tok.save(str(path))
+
+
+def load_tokenizer(path: Path):
+    text = Path(path).read_text()
+    if json.loads(text).get("kind") == "byte":
+        return ByteTokenizer()
+    return BPETokenizer.load(Path(path))
+
+
+# ---------------------------------------------------------------------- token store
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStore:
+    """A tokenized corpus on disk: tokens.bin (flat, memory-mapped) + tokenizer.json."""
+
+    directory: Path
+    tokens: np.ndarray  # memmap, 1-D
+    eos_id: int
+    vocab_size: int
+    eval_start: int  # tokens[eval_start:] is the held-out split
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.directory / "tokenizer.json"
+
+    def split(self, name: str) -> np.ndarray:
+        return self.tokens[: self.eval_start] if name == "train" else self.tokens[self.eval_start :]
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _corpus_key(cfg: Config, files: list[Path]) -> str:
+    d = cfg.data
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}\n".encode())
+    h.update(f"{d.tokenizer.value}|{cfg.model.vocab_size}|{d.eval_fraction}|{DATA_SEED}|v1".encode())
+    return h.hexdigest()[:16]
+
+
+def build_token_store(cfg: Config, log=print) -> TokenStore:
+    """Tokenize and pack the text corpus once; later calls memory-map the cached file."""
+    d = cfg.data
+    files = default_corpus_files(d.max_corpus_mb) if d.path is None else text_files(Path(d.path))
+    directory = Path(d.cache_dir) / f"{'stdlib' if d.path is None else Path(d.path).name}-{_corpus_key(cfg, files)}"
+    meta_path = directory / "meta.json"
+    if not meta_path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        what = f"Python {sys.version.split()[0]} stdlib sources" if d.path is None else d.path
+        log(f"data: tokenizing {len(files)} files from {what} into {directory} (once)")
+        docs = read_documents(files)
+        # Shuffle documents so the held-out tail is not one corner of the corpus.
+        order = np.random.default_rng(DATA_SEED).permutation(len(docs))
+        docs = [docs[i] for i in order]
+        if d.tokenizer == TokenizerKind.byte:
+            tok = ByteTokenizer()
+            ids = [tok.encode(doc) for doc in docs]
+        else:
+            tok = BPETokenizer.train(docs, cfg.model.vocab_size)
+            ids = tok.encode_batch(docs)
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"tokenizer has {tok.vocab_size} tokens > model.vocab_size={cfg.model.vocab_size}")
+        flat = np.fromiter(
+            (t for doc in ids for t in (*doc, tok.eos_id)), dtype=np.uint32, count=sum(len(x) + 1 for x in ids)
+        )
+        dtype = np.uint16 if cfg.model.vocab_size <= 2**16 else np.uint32
+        tok.save(directory / "tokenizer.json")
+        _atomic_write_bytes(directory / "tokens.bin", flat.astype(dtype).tobytes())
+        meta = {
+            "num_tokens": int(flat.size),
+            "dtype": np.dtype(dtype).name,
+            "eos_id": int(tok.eos_id),
+            "vocab_size": int(tok.vocab_size),
+            "eval_start": int(flat.size * (1 - d.eval_fraction)),
+            "num_documents": len(docs),
+            "source": what,
+        }
+        _atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())  # written last: marks completion
+    meta = json.loads(meta_path.read_text())
+    tokens = np.memmap(directory / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],))
+    return TokenStore(directory, tokens, meta["eos_id"], meta["vocab_size"], meta["eval_start"])
+
+
+def load_token_file(cfg: Config) -> TokenStore:
+    """A pre-tokenized flat token file: .npy, or raw .bin (uint16 if vocab <= 65536, else uint32)."""
+    path = Path(cfg.data.path)  # type: ignore[arg-type]
+    if not path.is_file():
+        raise ValueError(f"data.path={str(path)!r} is not a file")
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r")
+    else:
+        tokens = np.memmap(path, dtype=np.uint16 if cfg.model.vocab_size <= 2**16 else np.uint32, mode="r")
+    if tokens.ndim != 1:
+        raise ValueError(f"data.path={str(path)!r}: expected a flat token array, got shape {tokens.shape}")
+    return TokenStore(path.parent, tokens, -1, cfg.model.vocab_size, int(tokens.size * (1 - cfg.data.eval_fraction)))
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@dataclasses.dataclass
+class Batches:
+    """Deterministic batches of windows from a token array.
+
+    Batch i holds windows perm_e[j] for the flat indices j in [i*B, (i+1)*B) over the
+    concatenation of per-epoch permutations perm_e (seeded by (seed, e)). This process
+    yields only rows [p*B/P, (p+1)*B/P) of each global batch.
+    """
+
+    tokens: np.ndarray
+    seq_len: int
+    global_batch: int
+    seed: int
+    process_index: int = 0
+    process_count: int = 1
+    shuffle: bool = True
+    next_index: int = 0  # the loader's entire state
+
+    def __post_init__(self):
+        self.num_windows = (len(self.tokens) - 1) // self.seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"{len(self.tokens)} tokens are fewer than one sequence of train.seq_len={self.seq_len} + 1")
+        if self.global_batch % self.process_count:
+            raise ValueError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm_cache:
+            if not self.shuffle:
+                perm = np.arange(self.num_windows)
+            else:
+                perm = np.random.default_rng((self.seed, epoch)).permutation(self.num_windows)
+            self._perm_cache = {epoch: perm}  # keep one epoch: O(windows) memory
+        return self._perm_cache[epoch]
+
+    def batch(self, index: int) -> np.ndarray:
+        """This process's rows of global batch `index`: int32 [B/P, seq_len + 1]."""
+        rows = self.global_batch // self.process_count
+        start = index * self.global_batch + self.process_index * rows
+        out = np.empty((rows, self.seq_len + 1), np.int32)
+        for r in range(rows):
+            epoch, j = divmod(start + r, self.num_windows)
+            w = int(self._perm(epoch)[j])
+            out[r] = self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1]
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        b = self.batch(self.next_index)
+        self.next_index += 1
+        return b
+
+    def state(self) -> dict:
+        return {"next_index": self.next_index}
+
+    def restore(self, state: dict) -> None:
+        self.next_index = int(state["next_index"])
+
+
+@dataclasses.dataclass
+class SyntheticBatches(Batches):
+    """Uniform random tokens, a deterministic function of (seed, batch index)."""
+
+    vocab_size: int = 0
+
+    def __post_init__(self):
+        if self.global_batch % self.process_count:
+            raise ValueError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
+
+    def batch(self, index: int) -> np.ndarray:
+        rows = self.global_batch // self.process_count
+        rng = np.random.default_rng((self.seed, index))
+        full = rng.integers(0, self.vocab_size, (self.global_batch, self.seq_len + 1), dtype=np.int32)
+        return full[self.process_index * rows : (self.process_index + 1) * rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    train: Batches
+    eval: Batches | None
+    tokenizer_path: Path | None
+    eos_id: int
+
+
+def make_dataset(cfg: Config, *, process_index: int = 0, process_count: int = 1, log=print) -> Dataset:
+    t, d = cfg.train, cfg.data
+    if d.source == DataSource.synthetic:
+        mk = lambda seed: SyntheticBatches(  # noqa: E731
+            np.zeros(0), t.seq_len, t.batch_size, seed, process_index, process_count, vocab_size=cfg.model.vocab_size
+        )
+        return Dataset(mk(t.seed), mk(t.seed + 1_000_003), None, -1)
+    store = build_token_store(cfg, log) if d.source == DataSource.text else load_token_file(cfg)
+    max_id = int(store.tokens[: min(len(store.tokens), 1_000_000)].max())
+    if max_id >= cfg.model.vocab_size:
+        raise ValueError(f"data: token id {max_id} >= model.vocab_size={cfg.model.vocab_size}")
+    train = Batches(store.split("train"), t.seq_len, t.batch_size, t.seed, process_index, process_count)
+    # Eval walks the held-out split in order, always from its start (same batches each eval).
+    eval_tokens = store.split("eval")
+    ev = None
+    if (len(eval_tokens) - 1) // t.seq_len >= 1:
+        ev = Batches(eval_tokens, t.seq_len, t.batch_size, 0, process_index, process_count, shuffle=False)
+    tok_path = store.tokenizer_path if store.tokenizer_path.exists() else None
+    return Dataset(train, ev, tok_path, store.eos_id)
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the empirical unigram distribution: the loss of a context-free model."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

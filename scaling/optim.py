@@ -1,0 +1,56 @@
+"""AdamW with warmup + decay, global-norm clipping and a weight-decay mask."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from scaling.config import OptimizerConfig, Schedule
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to the peak, then cosine/linear decay to min_lr_ratio x peak."""
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    decay_steps = max(total_steps - warmup, 1)
+    if cfg.schedule == Schedule.cosine:
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == Schedule.linear:
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(peak)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def decay_mask(params: dict, decay_embeddings: bool) -> dict:
+    """Decay matrices only: not norm scales (1-D), and not embeddings unless asked."""
+
+    def keep(path, p) -> bool:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if p.ndim <= 1 or (keys[-1] == "scale"):
+            return False
+        if "embed" in keys and not decay_embeddings:
+            return False
+        return True
+
+    return jax.tree.map_with_path(keep, params)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    schedule = learning_rate_schedule(cfg, total_steps)
+    parts = []
+    if cfg.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(
+        optax.adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=lambda params: decay_mask(params, cfg.decay_embeddings),
+        )
+    )
+    return optax.chain(*parts)

@@ -1,0 +1,83 @@
+"""Rematerialization policies as a registry of typed values.
+
+A policy decides which intermediates of the layer body are saved for the backward pass;
+everything else is recomputed. Applied with `jax.checkpoint` to the (scanned) layer body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from scaling import layers
+from scaling.config import RematConfig, RematPolicyName
+
+cp = jax.checkpoint_policies
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    name: RematPolicyName
+    description: str
+    # names -> jax checkpoint policy, or None for "no jax.checkpoint at all".
+    make: Callable[[tuple[str, ...]], Callable | None]
+
+
+def _offload(names: tuple[str, ...]):
+    return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(names),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+# Models": keep the linear layers' outputs, recompute the attention core (QK^T, softmax,
+# probabilities x V), whose activations grow with T^2 (or cost a flash re-run).
+SELECTIVE_SAVED = (
+    layers.QUERY_PROJ,
+    layers.KEY_PROJ,
+    layers.VALUE_PROJ,
+    layers.OUT_PROJ,
+    layers.MLP_GATE,
+    layers.MLP_UP,
+    layers.MLP_DOWN,
+)
+
+POLICIES: dict[RematPolicyName, RematPolicy] = {
+    p.name: p
+    for p in (
+        RematPolicy(RematPolicyName.none, "save everything; no recomputation", lambda names: None),
+        RematPolicy(RematPolicyName.full, "save only each layer's input; recompute the layer", lambda names: cp.nothing_saveable),
+        RematPolicy(
+            RematPolicyName.dots,
+            "save matmul outputs without batch dims (the projections), recompute the rest",
+            lambda names: cp.dots_with_no_batch_dims_saveable,
+        ),
+        RematPolicy(RematPolicyName.names, "save the checkpoint_name tags listed in remat.names", lambda names: cp.save_only_these_names(*names)),
+        RematPolicy(RematPolicyName.offload, "offload the tags in remat.names to host memory", _offload),
+        RematPolicy(
+            RematPolicyName.selective,
+            "Korthikanti et al.: keep the linear layers' outputs, recompute the attention core",
+            lambda names: cp.save_only_these_names(*SELECTIVE_SAVED),
+        ),
+    )
+}
+
+
+def validate_names(names: tuple[str, ...]) -> None:
+    unknown = [n for n in names if n not in layers.CHECKPOINT_NAMES]
+    if unknown:
+        raise ValueError(f"remat.names: unknown tag(s) {unknown}; allowed: {', '.join(layers.CHECKPOINT_NAMES)}")
+
+
+def apply(fn: Callable, cfg: RematConfig, *, prevent_cse: bool = True) -> Callable:
+    """Wrap a layer body with jax.checkpoint under the configured policy."""
+    validate_names(cfg.names)
+    policy = POLICIES[cfg.policy].make(tuple(cfg.names))
+    if cfg.policy == RematPolicyName.none:
+        return fn
+    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)

@@ -1,0 +1,958 @@
+"""Scaling-law fits: Kaplan power laws, Chinchilla Approaches 2 and 3, compute-optimal allocation.
+
+Sources:
+  [K20] Kaplan et al. 2020, "Scaling Laws for Neural Language Models", arXiv:2001.08361.
+  [H22] Hoffmann et al. 2022, "Training Compute-Optimal Large Language Models" (Chinchilla),
+        arXiv:2203.15556. Approach 2 (IsoFLOP profiles) is their Section 3.2; Approach 3
+        (parametric loss) is Section 3.3 and Appendix D.2; compute-optimal allocation is eq. (4).
+  [B24] Besiroglu et al. 2024, "Chinchilla Scaling: A replication attempt" (Epoch AI),
+        arXiv:2404.10102; repository epoch-research/analyzing-chinchilla.
+
+Every fit is numpy + scipy only. The Approach-3 objective is vectorised over many starting
+points at once (`_lbfgs_batched`), so the papers' full grid of 4,500 starts runs in seconds;
+the best few end points are then polished with scipy's L-BFGS-B.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import math
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from scipy.optimize import minimize
+
+# Hoffmann et al. 2022, eq. (10): L(N, D) = E + A/N^alpha + B/D^beta.
+HOFFMANN_2022 = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+# Besiroglu et al. 2024, Table 1 (their refit on the same 245 runs, five highest losses dropped).
+BESIROGLU_2024 = {"E": 1.82, "A": 482.01, "B": 2085.43, "alpha": 0.3478, "beta": 0.3658}
+
+FLOPS_PER_TOKEN_PER_PARAM = 6.0  # C ≈ 6 N D: forward 2ND + backward 4ND [K20, Sec. 2.1].
+MIN_POINTS_PARAMETRIC = 6  # more observations than the five parameters of L(N, D).
+MIN_POINTS_POWER_LAW = 4  # more observations than the three parameters of E + (X_c/X)^alpha.
+MIN_POINTS_PER_BUDGET = 3  # a parabola has three coefficients.
+
+
+# ---------------------------------------------------------------------------------------------
+# The LSE-form objective, vectorised over K parameter vectors.
+#
+# For M power-law terms with inputs x_m and a constant E the model is
+#   log L̂ = LSE(c_1 - alpha_1 log x_1, ..., c_M - alpha_M log x_M, e)        [B24, Sec. 2]
+# with coefficient_m = exp(c_m), E = exp(e). Parameter layout: [c_1..c_M, e, alpha_1..alpha_M];
+# for Chinchilla (M = 2) that is [a, b, e, alpha, beta], the papers' order.
+# The loss is the Huber loss of (log L̂ - log L), summed over points (not averaged: [B24]'s
+# `custom_huber_loss` returns np.sum), optionally weighted (bootstrap resamples as counts).
+# ---------------------------------------------------------------------------------------------
+
+
+def _huber(r: np.ndarray, delta: float) -> np.ndarray:
+    a = np.abs(r)
+    return np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
+
+
+def _lse_objective(
+    x_kp: np.ndarray,
+    logx_mn: np.ndarray,
+    logy_n: np.ndarray,
+    delta: float,
+    weights: np.ndarray | None = None,
+    *,
+    chunk: int = 128,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Summed Huber loss and its gradient for K parameter vectors at once.
+
+    x_kp: [K, 2M+1]; logx_mn: [M, n]; logy_n: [n]; weights: None, [n] or [K, n].
+    Returns f: [K], g: [K, 2M+1]. Rows are processed in chunks so the [chunk, n] temporaries
+    stay in cache (about 3x faster than one pass over all 4,500 starts).
+    """
+    k, m = x_kp.shape[0], logx_mn.shape[0]
+    f = np.empty(k)
+    g = np.empty_like(x_kp, dtype=float)
+    for lo in range(0, k, chunk):
+        xb = x_kp[lo : lo + chunk]
+        wb = weights if weights is None or weights.ndim == 1 else weights[lo : lo + chunk]
+        e_b1 = xb[:, m : m + 1]
+        terms = [xb[:, j : j + 1] - xb[:, m + 1 + j : m + 2 + j] * logx_mn[j] for j in range(m)]  # [B, n] each
+        top = np.maximum(terms[0], e_b1)  # subtracted so exp never overflows
+        for t in terms[1:]:
+            np.maximum(top, t, out=top)
+        for t in terms:
+            t -= top
+            np.exp(t, out=t)
+        w_e = np.exp(e_b1 - top)
+        s = w_e.copy()
+        for t in terms:
+            s += t
+        r = np.log(s)
+        r += top
+        r -= logy_n  # residual log L̂ - log L, [B, n]
+        psi = np.clip(r, -delta, delta)  # Huber'(r)
+        h = r - 0.5 * psi  # Huber(r) = psi * (r - psi/2) in both regimes
+        if wb is not None:
+            psi *= wb
+        h *= psi
+        f[lo : lo + chunk] = h.sum(axis=1)
+        psi /= s  # d log L̂ / d term_j = exp(term_j) / s
+        for j, t in enumerate(terms):
+            t *= psi
+            g[lo : lo + chunk, j] = t.sum(axis=1)
+            g[lo : lo + chunk, m + 1 + j] = -(t @ logx_mn[j])
+        w_e *= psi
+        g[lo : lo + chunk, m] = w_e.sum(axis=1)
+    return f, g
+
+
+def _lbfgs_batched(
+    fg: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    x0: np.ndarray,
+    *,
+    memory: int = 10,
+    max_iter: int = 500,
+    rtol: float = 1e-6,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Independent L-BFGS runs from each row of x0, advanced together in numpy.
+
+    fg(x_kp, rows) returns (f[K'], g[K', P]) for the rows `rows` of the batch (so per-row data,
+    e.g. bootstrap weights, can be selected). Each row keeps its own history, step and
+    stopping state; the line search is a per-row backtracking Armijo search. A row stops when
+    its objective decreases by less than rtol (relative) in an iteration, or the search fails.
+    Returns (x_kp, f_k) at the end points.
+    """
+    x = np.array(x0, dtype=float)
+    k, p = x.shape
+    f, g = fg(x, np.arange(k))
+    s_hist = np.zeros((k, memory, p))  # newest pair first
+    y_hist = np.zeros((k, memory, p))
+    rho = np.zeros((k, memory))  # 1 / s·y; 0 marks an empty slot
+    active = np.ones(k, dtype=bool)
+    stats = {"iterations": 0, "row_evals": k}
+    for _ in range(max_iter):
+        rows = np.flatnonzero(active)
+        if rows.size == 0:
+            break
+        stats["iterations"] += 1
+        gr, sh, yh, rh = g[rows], s_hist[rows], y_hist[rows], rho[rows]  # gather once
+        # Two-loop recursion (Nocedal & Wright 2006, Alg. 7.4), one row per start.
+        q = gr.copy()
+        alphas = np.zeros((rows.size, memory))
+        for j in range(memory):
+            a_j = rh[:, j] * np.einsum("kp,kp->k", sh[:, j], q)
+            q -= a_j[:, None] * yh[:, j]
+            alphas[:, j] = a_j
+        have = rh[:, 0] > 0
+        gnorm = np.linalg.norm(gr, axis=1)
+        yy = np.einsum("kp,kp->k", yh[:, 0], yh[:, 0])
+        # Initial Hessian scale s·y / y·y, or a unit-length first step along -g.
+        gamma = np.where(have, 1.0 / np.where(have, rh[:, 0] * yy, 1.0), 1.0 / np.maximum(gnorm, 1e-300))
+        d = gamma[:, None] * q
+        for j in reversed(range(memory)):
+            b_j = rh[:, j] * np.einsum("kp,kp->k", yh[:, j], d)
+            d += (alphas[:, j] - b_j)[:, None] * sh[:, j]
+        d = -d
+        slope = np.einsum("kp,kp->k", gr, d)
+        bad = ~(slope < 0)  # not a descent direction: restart from steepest descent
+        if bad.any():
+            d[bad] = -gr[bad] / np.maximum(gnorm[bad, None], 1e-300)
+            slope[bad] = -gnorm[bad]
+            rho[rows[bad]] = 0.0
+        # Backtracking Armijo line search, per row.
+        step = np.ones(rows.size)
+        f_new = np.full(rows.size, np.inf)
+        g_new = np.zeros_like(gr)
+        todo = np.arange(rows.size)
+        f_old = f[rows]
+        for _ in range(60):
+            ft, gt = fg(x[rows[todo]] + step[todo, None] * d[todo], rows[todo])
+            stats["row_evals"] += todo.size
+            ok = np.isfinite(ft) & (ft <= f_old[todo] + 1e-4 * step[todo] * slope[todo])
+            f_new[todo[ok]] = ft[ok]
+            g_new[todo[ok]] = gt[ok]
+            todo = todo[~ok]
+            if todo.size == 0:
+                break
+            step[todo] *= 0.5
+        moved = np.isfinite(f_new)
+        active[rows[~moved]] = False  # line search failed: as good as it gets from here
+        mr = rows[moved]
+        s_new = step[moved, None] * d[moved]
+        y_new = g_new[moved] - gr[moved]
+        sy = np.einsum("kp,kp->k", s_new, y_new)
+        x[mr] += s_new
+        f[mr] = f_new[moved]
+        g[mr] = g_new[moved]
+        curv = sy > 1e-12 * np.linalg.norm(s_new, axis=1) * np.linalg.norm(y_new, axis=1)
+        cr = mr[curv]
+        s_hist[cr, 1:] = s_hist[cr, :-1]
+        s_hist[cr, 0] = s_new[curv]
+        y_hist[cr, 1:] = y_hist[cr, :-1]
+        y_hist[cr, 0] = y_new[curv]
+        rho[cr, 1:] = rho[cr, :-1]
+        rho[cr, 0] = 1.0 / sy[curv]
+        done = f_old[moved] - f_new[moved] <= rtol * np.abs(f_new[moved])
+        active[mr[done]] = False
+    _lbfgs_batched.last_stats = stats  # type: ignore[attr-defined]
+    return x, f
+
+
+def _polish(
+    fg1: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """scipy L-BFGS-B from x0 with tight tolerances; keeps x0 if scipy ends worse."""
+    f0 = fg1(x0)[0]
+    res = minimize(fg1, x0, jac=True, method="L-BFGS-B", options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-14})
+    if np.isfinite(res.fun) and res.fun <= f0:
+        return np.asarray(res.x), float(res.fun)
+    return np.asarray(x0, dtype=float), float(f0)
+
+
+def _distinct_best(x_kp: np.ndarray, f_k: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the `count` lowest-objective rows whose end points differ (rounded)."""
+    order = np.argsort(f_k)
+    order = order[np.isfinite(f_k[order])]
+    chosen: list[int] = []
+    seen: set[tuple[float, ...]] = set()
+    for i in order:
+        key = tuple(np.round(x_kp[i], 3))
+        if key in seen:
+            continue
+        seen.add(key)
+        chosen.append(int(i))
+        if len(chosen) == count:
+            break
+    return np.array(chosen, dtype=int)
+
+
+def _fit_lse(
+    logx_mn: np.ndarray,
+    logy_n: np.ndarray,
+    starts_kp: np.ndarray,
+    delta: float,
+    *,
+    polish: int = 8,
+) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+    """Batched L-BFGS from every start, then scipy L-BFGS-B on the best `polish` distinct ends.
+
+    Returns (best_x, best_f, all_end_x, all_end_f).
+    """
+
+    def fg(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return _lse_objective(x, logx_mn, logy_n, delta)
+
+    def fg1(x: np.ndarray) -> tuple[float, np.ndarray]:
+        f, g = _lse_objective(x[None], logx_mn, logy_n, delta)
+        return float(f[0]), g[0]
+
+    ends, fends = _lbfgs_batched(fg, starts_kp)
+    best_x, best_f = None, np.inf
+    for i in _distinct_best(ends, fends, polish):
+        x, f = _polish(fg1, ends[i])
+        if f < best_f:
+            best_x, best_f = x, f
+    if best_x is None:
+        raise RuntimeError("every start of the fit diverged (non-finite objective)")
+    return best_x, best_f, ends, fends
+
+
+# ---------------------------------------------------------------------------------------------
+# Kaplan-style single-variable power laws [K20, eqs. (1.1)-(1.3)], with an irreducible term
+# as in Henighan et al. 2020 / [H22]: L(X) = E + (X_c / X)^alpha.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PowerLawFit:
+    """L(X) = E + (x_c / X)^alpha, fitted by Huber loss in log space."""
+
+    E: float
+    x_c: float
+    alpha: float
+    objective: float
+    n_points: int
+    huber_delta: float
+
+    def predict(self, x: Any) -> np.ndarray:
+        x = np.asarray(x, dtype=float)
+        return self.E + (self.x_c / x) ** self.alpha
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "E": self.E,
+            "x_c": self.x_c,
+            "alpha": self.alpha,
+            "objective": self.objective,
+            "n_points": self.n_points,
+            "huber_delta": self.huber_delta,
+        }
+
+
+def _as_positive(name: str, values: Any) -> np.ndarray:
+    arr = np.asarray(values, dtype=float).ravel()
+    if arr.size and not (np.all(np.isfinite(arr)) and np.all(arr > 0)):
+        raise ValueError(f"{name} must be finite and positive; got min={np.nanmin(arr)!r}")
+    return arr
+
+
+def fit_power_law(x: Any, loss: Any, *, huber_delta: float = 1e-3) -> PowerLawFit:
+    """Fits L = E + (x_c/x)^alpha as log L̂ = LSE(c - alpha log x, e), c = alpha log x_c.
+
+    Starting grid: alpha over typical LM exponents, E over fractions of the lowest loss, and
+    c chosen so that each start passes through the data's geometric-mean point.
+    """
+    x = _as_positive("x", x)
+    loss = _as_positive("loss", loss)
+    if x.shape != loss.shape:
+        raise ValueError(f"x and loss differ in length: {x.size=} {loss.size=}")
+    if x.size < MIN_POINTS_POWER_LAW:
+        raise ValueError(f"fit_power_law needs at least {MIN_POINTS_POWER_LAW} points, got {x.size}")
+    logx, logy = np.log(x), np.log(loss)
+    lx_mid, y_mid = logx.mean(), float(np.exp(logy.mean()))
+    starts = []
+    for alpha in (0.03, 0.07, 0.15, 0.3, 0.6, 1.0, 2.0):
+        for frac in (1e-3, 0.25, 0.5, 0.75, 0.9, 0.97):
+            e_val = frac * loss.min()
+            c = math.log(max(y_mid - e_val, 1e-6)) + alpha * lx_mid
+            starts.append((c, math.log(e_val), alpha))
+    best, fbest, _, _ = _fit_lse(logx[None], logy, np.array(starts), huber_delta)
+    c, e, alpha = best
+    return PowerLawFit(
+        E=float(np.exp(e)),
+        x_c=float(np.exp(c / alpha)) if alpha != 0 else float("inf"),
+        alpha=float(alpha),
+        objective=fbest,
+        n_points=int(x.size),
+        huber_delta=huber_delta,
+    )
+
+
+def pareto_frontier(x: Any, loss: Any) -> np.ndarray:
+    """Indices (ascending x) of the points with lower loss than every point of smaller x."""
+    x = np.asarray(x, dtype=float)
+    loss = np.asarray(loss, dtype=float)
+    keep, best = [], np.inf
+    for i in np.lexsort((loss, x)):
+        if loss[i] < best:
+            keep.append(int(i))
+            best = loss[i]
+    return np.array(keep, dtype=int)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chinchilla Approach 2: IsoFLOP profiles [H22, Sec. 3.2].
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IsoFlopBudget:
+    """One IsoFLOP profile: L ≈ p0 + p1 u + p2 u^2 with u = log N."""
+
+    flops: float  # geometric mean of the group's C
+    n_points: int
+    coeffs: tuple[float, float, float]  # (p0, p1, p2)
+    n_opt: float
+    d_opt: float
+    loss_opt: float
+    log_n_range: tuple[float, float]
+    valid: bool  # convex, minimum inside the sampled N range
+    reason: str = ""
+    n: tuple[float, ...] = field(default=(), repr=False)  # the runs of this budget
+    loss: tuple[float, ...] = field(default=(), repr=False)
+
+    def predict(self, n: Any) -> np.ndarray:
+        u = np.log(np.asarray(n, dtype=float))
+        p0, p1, p2 = self.coeffs
+        return p0 + p1 * u + p2 * u * u
+
+
+@dataclass(frozen=True)
+class IsoFlopFit:
+    """N_opt = n_coeff C^a and D_opt = d_coeff C^b, fitted over the valid budgets."""
+
+    budgets: tuple[IsoFlopBudget, ...]
+    a: float
+    b: float
+    n_coeff: float
+    d_coeff: float
+
+    def n_opt(self, c: Any) -> np.ndarray:
+        return self.n_coeff * np.asarray(c, dtype=float) ** self.a
+
+    def d_opt(self, c: Any) -> np.ndarray:
+        return self.d_coeff * np.asarray(c, dtype=float) ** self.b
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "n_coeff": self.n_coeff,
+            "d_coeff": self.d_coeff,
+            "budgets": [
+                {
+                    "flops": bud.flops,
+                    "n_points": bud.n_points,
+                    "coeffs": list(bud.coeffs),
+                    "n_opt": bud.n_opt,
+                    "d_opt": bud.d_opt,
+                    "loss_opt": bud.loss_opt,
+                    "valid": bud.valid,
+                    "reason": bud.reason,
+                }
+                for bud in self.budgets
+            ],
+        }
+
+
+def group_budgets(c: Any, *, tol_dex: float = 0.02) -> np.ndarray:
+    """Integer budget label per run: runs whose sorted log10 C differ by <= tol_dex chain together.
+
+    Exactly equal budgets (a sweep) group for any tol_dex >= 0; for C read off a figure
+    (Chinchilla) a tolerance of a few hundredths of a decade separates the IsoFLOP columns.
+    """
+    logc = np.log10(np.asarray(c, dtype=float))
+    order = np.argsort(logc, kind="stable")
+    labels = np.empty(logc.size, dtype=int)
+    label = 0
+    for j, i in enumerate(order):
+        if j and logc[i] - logc[order[j - 1]] > tol_dex:
+            label += 1
+        labels[i] = label
+    return labels
+
+
+def fit_isoflop(
+    n: Any,
+    d: Any | None,
+    loss: Any,
+    c: Any | None = None,
+    *,
+    budgets: Any | None = None,
+    tol_dex: float = 0.02,
+    min_points: int = 5,
+) -> IsoFlopFit:
+    """Chinchilla Approach 2 [H22, Sec. 3.2].
+
+    For each budget, fit a parabola in log N to the losses and take its minimum N*(C); then
+    D*(C) = C / (k N*) with k = median C/(N D) of that budget (k = 6 when D = C/(6N)). Finally
+    log N* = log n_coeff + a log C and log D* = log d_coeff + b log C by least squares over the
+    valid budgets (convex parabola, minimum inside the sampled range of N).
+
+    Give `d` (tokens) or `c` (FLOPs) or both; a missing one uses C = 6 N D. Budgets are the
+    explicit `budgets` labels if given, else `group_budgets(c, tol_dex=tol_dex)`; groups with
+    fewer than `min_points` runs or fewer than three distinct N are skipped.
+    """
+    n = _as_positive("N", n)
+    loss = _as_positive("loss", loss)
+    if d is None and c is None:
+        raise ValueError("fit_isoflop needs tokens D or FLOPs C")
+    d = _as_positive("D", d) if d is not None else _as_positive("C", c) / (FLOPS_PER_TOKEN_PER_PARAM * n)
+    c = _as_positive("C", c) if c is not None else FLOPS_PER_TOKEN_PER_PARAM * n * d
+    if not (n.size == d.size == loss.size == c.size):
+        raise ValueError(f"inputs differ in length: N={n.size} D={d.size} loss={loss.size} C={c.size}")
+    labels = np.asarray(budgets) if budgets is not None else group_budgets(c, tol_dex=tol_dex)
+    out: list[IsoFlopBudget] = []
+    for lab in np.unique(labels):
+        idx = np.flatnonzero(labels == lab)
+        if idx.size < max(min_points, MIN_POINTS_PER_BUDGET) or np.unique(n[idx]).size < MIN_POINTS_PER_BUDGET:
+            continue
+        u = np.log(n[idx])
+        p2, p1, p0 = np.polyfit(u, loss[idx], 2)
+        cb = float(np.exp(np.mean(np.log(c[idx]))))
+        k = float(np.median(c[idx] / (n[idx] * d[idx])))
+        lo, hi = float(u.min()), float(u.max())
+        if p2 <= 0:
+            u_opt, valid, reason = float(u[np.argmin(loss[idx])]), False, "parabola not convex"
+        else:
+            u_opt = -p1 / (2 * p2)
+            valid = lo <= u_opt <= hi
+            reason = "" if valid else "minimum outside sampled N range"
+        n_opt = float(np.exp(u_opt))
+        out.append(
+            IsoFlopBudget(
+                flops=cb,
+                n_points=int(idx.size),
+                coeffs=(float(p0), float(p1), float(p2)),
+                n_opt=n_opt,
+                d_opt=cb / (k * n_opt),
+                loss_opt=float(p0 + p1 * u_opt + p2 * u_opt**2),
+                log_n_range=(lo, hi),
+                valid=valid,
+                reason=reason,
+                n=tuple(float(v) for v in n[idx]),
+                loss=tuple(float(v) for v in loss[idx]),
+            )
+        )
+    out.sort(key=lambda bud: bud.flops)
+    good = [bud for bud in out if bud.valid]
+    if len(good) < 2:
+        raise ValueError(
+            f"Approach 2 needs at least two IsoFLOP budgets with an interior minimum; found {len(good)} "
+            f"of {len(out)} budgets with >= {min_points} runs (try explicit budgets or another tol_dex)"
+        )
+    logc = np.log([bud.flops for bud in good])
+    a, log_kn = np.polyfit(logc, np.log([bud.n_opt for bud in good]), 1)
+    b, log_kd = np.polyfit(logc, np.log([bud.d_opt for bud in good]), 1)
+    return IsoFlopFit(
+        budgets=tuple(out), a=float(a), b=float(b), n_coeff=float(np.exp(log_kn)), d_coeff=float(np.exp(log_kd))
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Chinchilla Approach 3: parametric L(N, D) = E + A/N^alpha + B/D^beta [H22, Sec. 3.3, App. D.2],
+# fitted as in [B24]: Huber(delta=1e-3) on log L, LSE form, L-BFGS from a grid of starts.
+# ---------------------------------------------------------------------------------------------
+
+# [H22, App. D.2] / [B24]: alpha, beta in {0, 0.5, ..., 2}; e in {-1, -0.5, ..., 1};
+# a, b in {0, 5, ..., 25}: 5 * 5 * 5 * 6 * 6 = 4,500 starts.
+PAPER_GRID = {
+    "alpha": np.arange(0.0, 2.5, 0.5),
+    "beta": np.arange(0.0, 2.5, 0.5),
+    "e": np.arange(-1.0, 1.5, 0.5),
+    "a": np.arange(0.0, 30.0, 5.0),
+    "b": np.arange(0.0, 30.0, 5.0),
+}
+PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
+
+
+def paper_grid() -> np.ndarray:
+    """The 4,500 starting points of [H22, App. D.2], rows [a, b, e, alpha, beta]."""
+    g = PAPER_GRID
+    return np.array(list(itertools.product(g["a"], g["b"], g["e"], g["alpha"], g["beta"])), dtype=float)
+
+
+@dataclass(frozen=True)
+class ChinchillaFit:
+    """L(N, D) = E + A / N^alpha + B / D^beta."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    objective: float  # summed Huber loss at the optimum
+    n_points: int
+    huber_delta: float
+    ci: dict[str, tuple[float, float]] | None = None  # bootstrap percentile intervals
+    ci_level: float | None = None
+    n_bootstrap: int = 0
+    bootstrap_samples: np.ndarray | None = field(default=None, repr=False, compare=False)  # [B, 5]
+
+    @property
+    def params_log(self) -> np.ndarray:
+        """[a, b, e, alpha, beta], the optimiser's coordinates."""
+        return np.array([math.log(self.A), math.log(self.B), math.log(self.E), self.alpha, self.beta])
+
+    def predict(self, n: Any, d: Any) -> np.ndarray:
+        n = np.asarray(n, dtype=float)
+        d = np.asarray(d, dtype=float)
+        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+    def objective_at(self, n: Any, d: Any, loss: Any) -> float:
+        """The fit's objective evaluated at these parameters on (n, d, loss)."""
+        return chinchilla_objective(self.params_log, n, d, loss, huber_delta=self.huber_delta)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: getattr(self, name) for name in PARAM_NAMES}
+        out.update(objective=self.objective, n_points=self.n_points, huber_delta=self.huber_delta)
+        out["a_exponent"] = self.beta / (self.alpha + self.beta)  # N_opt ∝ C^a, [H22] eq. (4)
+        out["b_exponent"] = self.alpha / (self.alpha + self.beta)  # D_opt ∝ C^b
+        if self.ci is not None:
+            out["ci"] = {k: list(v) for k, v in self.ci.items()}
+            out["ci_level"] = self.ci_level
+            out["n_bootstrap"] = self.n_bootstrap
+        return out
+
+
+def chinchilla_objective(
+    params_log: Sequence[float], n: Any, d: Any, loss: Any, *, huber_delta: float = 1e-3
+) -> float:
+    """Summed Huber loss of log L̂ - log L at [a, b, e, alpha, beta] (for independent checks)."""
+    logx = np.log(np.stack([np.asarray(n, dtype=float), np.asarray(d, dtype=float)]))
+    f, _ = _lse_objective(np.asarray(params_log, dtype=float)[None], logx, np.log(np.asarray(loss, float)), huber_delta)
+    return float(f[0])
+
+
+def _ci_from_samples(samples_bp: np.ndarray, level: float) -> dict[str, tuple[float, float]]:
+    lo, hi = 50 * (1 - level), 50 * (1 + level)
+    nat = np.column_stack([np.exp(samples_bp[:, 2]), np.exp(samples_bp[:, 0]), np.exp(samples_bp[:, 1]), samples_bp[:, 3:]])
+    return {
+        name: (float(np.percentile(nat[:, j], lo)), float(np.percentile(nat[:, j], hi)))
+        for j, name in enumerate(PARAM_NAMES)
+    }
+
+
+def fit_chinchilla(
+    n: Any,
+    d: Any,
+    loss: Any,
+    *,
+    huber_delta: float = 1e-3,
+    bootstrap: int = 0,
+    seed: int = 0,
+    ci_level: float = 0.95,
+    starts: np.ndarray | None = None,
+) -> ChinchillaFit:
+    """Chinchilla Approach 3 fit of L(N, D) = E + A/N^alpha + B/D^beta.
+
+    Minimises sum_i Huber_delta(LSE(a - alpha log N_i, b - beta log D_i, e) - log L_i) over
+    [a, b, e, alpha, beta] (A = e^a, B = e^b, E = e^e) with L-BFGS from every row of `starts`
+    (default: the papers' 4,500-point grid) and keeps the lowest objective [H22, App. D.2; B24].
+
+    bootstrap > 0 resamples the points with replacement that many times and refits each
+    resample from the full-data optimum and the best distinct end points of the full grid
+    (the optimum's neighbourhood: a cheap stand-in for the full grid per resample); `ci` holds
+    the percentile intervals at `ci_level`.
+    """
+    n = _as_positive("N", n)
+    d = _as_positive("D", d)
+    loss = _as_positive("loss", loss)
+    if not (n.size == d.size == loss.size):
+        raise ValueError(f"inputs differ in length: N={n.size} D={d.size} loss={loss.size}")
+    if n.size < MIN_POINTS_PARAMETRIC:
+        raise ValueError(f"the parametric fit needs at least {MIN_POINTS_PARAMETRIC} points, got {n.size}")
+    if huber_delta <= 0:
+        raise ValueError(f"{huber_delta=} must be positive")
+    logx = np.log(np.stack([n, d]))  # [2, n]
+    logy = np.log(loss)
+    starts = paper_grid() if starts is None else np.atleast_2d(np.asarray(starts, dtype=float))
+    best, fbest, ends, fends = _fit_lse(logx, logy, starts, huber_delta)
+
+    ci = samples = None
+    if bootstrap > 0:
+        samples = _bootstrap(logx, logy, best, ends[_distinct_best(ends, fends, 8)], huber_delta, bootstrap, seed)
+        ci = _ci_from_samples(samples, ci_level)
+    a, b, e, alpha, beta = (float(v) for v in best)
+    return ChinchillaFit(
+        E=math.exp(e),
+        A=math.exp(a),
+        B=math.exp(b),
+        alpha=alpha,
+        beta=beta,
+        objective=fbest,
+        n_points=int(n.size),
+        huber_delta=huber_delta,
+        ci=ci,
+        ci_level=ci_level if bootstrap > 0 else None,
+        n_bootstrap=int(bootstrap),
+        bootstrap_samples=samples,
+    )
+
+
+def _bootstrap(
+    logx: np.ndarray,
+    logy: np.ndarray,
+    best: np.ndarray,
+    neighbours: np.ndarray,
+    delta: float,
+    n_resamples: int,
+    seed: int,
+) -> np.ndarray:
+    """Refits on `n_resamples` resamples with replacement; returns [n_resamples, 5] optima.
+
+    A resample is a vector of multiplicities (multinomial counts), so all resamples x starts
+    run as one weighted batch.
+    """
+    rng = np.random.default_rng(seed)
+    npts = logy.size
+    counts = rng.multinomial(npts, np.full(npts, 1.0 / npts), size=n_resamples).astype(float)  # [B, n]
+    starts = np.vstack([best[None], neighbours])  # [S, 5]
+    s = starts.shape[0]
+    x0 = np.tile(starts, (n_resamples, 1))  # row r*S + j: resample r, start j
+    w_rows = np.repeat(counts, s, axis=0)
+
+    def fg(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return _lse_objective(x, logx, logy, delta, w_rows[rows])
+
+    ends, fends = _lbfgs_batched(fg, x0)
+    fends = np.where(np.isfinite(fends), fends, np.inf).reshape(n_resamples, s)
+    pick = np.argmin(fends, axis=1)
+    out = np.empty((n_resamples, 5))
+    for r in range(n_resamples):
+        w = counts[r]
+
+        def fg1(x: np.ndarray, w: np.ndarray = w) -> tuple[float, np.ndarray]:
+            f, g = _lse_objective(x[None], logx, logy, delta, w)
+            return float(f[0]), g[0]
+
+        out[r] = _polish(fg1, ends[r * s + pick[r]])[0]
+    return out
+
+
+def compute_optimal(
+    fit: ChinchillaFit, c: Any, flops_per_token_per_param: float = FLOPS_PER_TOKEN_PER_PARAM
+) -> tuple[np.ndarray | float, np.ndarray | float]:
+    """(N_opt, D_opt) minimising L(N, D) subject to C = k N D [H22, eq. (4) and App. D.3].
+
+    With D = C/(kN), dL/dN = -alpha A N^(-alpha-1) + beta B (C/k)^(-beta) N^(beta-1) = 0, so
+    N^(alpha+beta) = (alpha A / (beta B)) (C/k)^beta. Writing G = (alpha A / (beta B))^(1/(alpha+beta)):
+      N_opt = G (C/k)^(beta/(alpha+beta)),   D_opt = (C/k) / N_opt = G^-1 (C/k)^(alpha/(alpha+beta)).
+    The stationary point is the minimum: both terms are convex in log N along the constraint.
+    Returns floats for scalar C, arrays otherwise.
+    """
+    c_arr = np.asarray(c, dtype=float)
+    if np.any(c_arr <= 0):
+        raise ValueError("compute budgets C must be positive")
+    s = fit.alpha + fit.beta
+    g = (fit.alpha * fit.A / (fit.beta * fit.B)) ** (1.0 / s)
+    ck = c_arr / flops_per_token_per_param
+    n_opt = g * ck ** (fit.beta / s)
+    d_opt = ck ** (fit.alpha / s) / g
+    if c_arr.ndim == 0:
+        return float(n_opt), float(d_opt)
+    return n_opt, d_opt
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading results.
+# ---------------------------------------------------------------------------------------------
+
+# Accepted CSV column names, case-insensitive; the first present wins.
+CSV_COLUMNS = {
+    "N": ("N", "n_params", "params", "Model Size"),
+    "D": ("D", "tokens", "Training Tokens"),
+    "C": ("C", "flops", "Training FLOP"),
+    "loss": ("eval_loss", "loss", "final_loss"),
+}
+SWEEP_DB = "results.sqlite"
+SWEEP_COLUMNS = ("n_params", "tokens", "flops", "final_loss", "eval_loss", "status")
+
+
+@dataclass(frozen=True)
+class RunTable:
+    """Finished runs: parameters N, tokens D, training FLOPs C and final loss, one entry per run."""
+
+    n: np.ndarray
+    d: np.ndarray
+    c: np.ndarray
+    loss: np.ndarray
+    source: str
+
+    def __len__(self) -> int:
+        return int(self.loss.size)
+
+    def drop_highest_loss(self, k: int) -> "RunTable":
+        """Without the k highest-loss runs ([B24] drop five: early-training outliers)."""
+        if k <= 0:
+            return self
+        if k >= len(self):
+            raise ValueError(f"cannot drop {k} of {len(self)} runs")
+        keep = np.sort(np.argsort(self.loss, kind="stable")[: len(self) - k])
+        return RunTable(self.n[keep], self.d[keep], self.c[keep], self.loss[keep], self.source)
+
+
+def _complete(n: np.ndarray, d: np.ndarray, c: np.ndarray, loss: np.ndarray, source: str) -> RunTable:
+    """Fills D = C/(6N) or C = 6ND where missing and drops rows without N or loss."""
+    d = np.where(np.isnan(d), c / (FLOPS_PER_TOKEN_PER_PARAM * n), d)
+    c = np.where(np.isnan(c), FLOPS_PER_TOKEN_PER_PARAM * n * d, c)
+    ok = np.isfinite(n) & np.isfinite(d) & np.isfinite(c) & np.isfinite(loss) & (n > 0) & (d > 0) & (loss > 0)
+    return RunTable(n[ok], d[ok], c[ok], loss[ok], source)
+
+
+def _float(s: Any) -> float:
+    if s is None:
+        return math.nan
+    if isinstance(s, str):
+        s = s.strip()
+        if not s:
+            return math.nan
+    return float(s)
+
+
+def _load_csv(path: Path) -> RunTable:
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = reader.fieldnames or []
+        rows = list(reader)
+    lower = {h.strip().lower(): h for h in header}
+
+    def pick(key: str) -> str | None:
+        for cand in CSV_COLUMNS[key]:
+            if cand.lower() in lower:
+                return lower[cand.lower()]
+        return None
+
+    cols = {key: pick(key) for key in CSV_COLUMNS}
+    missing = [f"{key} (one of {', '.join(CSV_COLUMNS[key])})" for key in ("N", "loss") if cols[key] is None]
+    if cols["D"] is None and cols["C"] is None:
+        missing.append(f"D or C (one of {', '.join(CSV_COLUMNS['D'] + CSV_COLUMNS['C'])})")
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {'; '.join(missing)}; found {header}")
+
+    def column(key: str) -> np.ndarray:
+        name = cols[key]
+        if name is None:
+            return np.full(len(rows), np.nan)
+        try:
+            return np.array([_float(r[name]) for r in rows], dtype=float)
+        except ValueError as err:
+            raise ValueError(f"{path}: column {name!r} holds a non-number: {err}") from None
+
+    return _complete(column("N"), column("D"), column("C"), column("loss"), str(path))
+
+
+def _load_sweep(db: Path) -> RunTable:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        have = {row[1] for row in con.execute("PRAGMA table_info(points)")}
+        if not have:
+            raise ValueError(f"{db}: no table 'points'")
+        missing = [col for col in SWEEP_COLUMNS if col not in have]
+        if missing:
+            raise ValueError(f"{db}: table 'points' lacks column(s) {', '.join(missing)}")
+        rows = con.execute(
+            "SELECT n_params, tokens, flops, COALESCE(eval_loss, final_loss) FROM points WHERE status = 'done'"
+        ).fetchall()
+    finally:
+        con.close()
+    arr = np.array([[_float(v) for v in row] for row in rows], dtype=float).reshape(-1, 4)
+    return _complete(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], str(db))
+
+
+def load_results(path: str | Path) -> RunTable:
+    """Runs from a CSV file or from a sweep directory holding `results.sqlite`.
+
+    CSV: columns (case-insensitive) N | n_params | params | Model Size; D | tokens | Training Tokens
+    and/or C | flops | Training FLOP; eval_loss | loss | final_loss. A missing D is C/(6N), a
+    missing C is 6ND (the Chinchilla CSV gives C, so D = C/(6N) as in [B24]).
+    Sweep store: table `points`, rows with status 'done', loss = eval_loss, else final_loss.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"results path does not exist: {p}")
+    if p.is_dir():
+        db = p / SWEEP_DB
+        if not db.is_file():
+            raise FileNotFoundError(f"{p} is a directory without a sweep store {SWEEP_DB}")
+        return _load_sweep(db)
+    if p.suffix in (".sqlite", ".db"):
+        return _load_sweep(p)
+    return _load_csv(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots.
+# ---------------------------------------------------------------------------------------------
+
+PLOT_NAMES = ("isoflop", "loss_vs_compute", "optimal_allocation", "residuals")
+
+
+def make_plots(
+    out_dir: str | Path,
+    runs: RunTable,
+    fit: ChinchillaFit,
+    isoflop: IsoFlopFit | None = None,
+    *,
+    compute_fit: PowerLawFit | None = None,
+    prefix: str = "",
+    title: str = "",
+) -> list[Path]:
+    """Writes PNGs: IsoFLOP profiles, loss vs compute with the frontier, N_opt and D_opt vs C,
+    and the Approach-3 residuals. Returns the written paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    tag = f" ({title})" if title else ""
+
+    def save(fig: Any, name: str) -> None:
+        path = out / f"{prefix}{name}.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+
+    c_lo, c_hi = runs.c.min(), runs.c.max()
+    cnorm = LogNorm(c_lo, c_hi)
+    cmap = plt.get_cmap("viridis")
+
+    # 1. IsoFLOP profiles with their parabolas.
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    if isoflop is not None and isoflop.budgets:
+        for bud in isoflop.budgets:
+            color = cmap(cnorm(bud.flops))
+            lo, hi = bud.log_n_range
+            ax.scatter(bud.n, bud.loss, s=12, color=color, alpha=0.7)
+            grid = np.exp(np.linspace(lo, hi, 100))
+            ax.plot(grid, bud.predict(grid), color=color, lw=1.5, ls="-" if bud.valid else ":",
+                    label=f"C = {bud.flops:.1e}")
+            if bud.valid:
+                ax.plot(bud.n_opt, bud.loss_opt, marker="*", ms=11, color=color, mec="k", mew=0.6)
+        ax.legend(fontsize=7, ncol=2, title="IsoFLOP budget (★ = minimum)", title_fontsize=8)
+    else:
+        ax.scatter(runs.n, runs.loss, c=runs.c, norm=cnorm, cmap=cmap, s=12)
+        ax.text(0.5, 0.95, "no IsoFLOP budget with enough runs", transform=ax.transAxes, ha="center", va="top")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel("final loss")
+    ax.set_title(f"Approach 2: IsoFLOP profiles, parabola in log N{tag}")
+    ax.grid(True, which="both", alpha=0.25)
+    save(fig, "isoflop")
+
+    # 2. Loss vs compute, with the frontier.
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    sc = ax.scatter(runs.c, runs.loss, c=runs.n, norm=LogNorm(runs.n.min(), runs.n.max()), cmap="plasma", s=12, alpha=0.8)
+    fig.colorbar(sc, ax=ax, label="parameters N")
+    front = pareto_frontier(runs.c, runs.loss)
+    ax.step(runs.c[front], runs.loss[front], where="post", color="0.3", lw=1, label="empirical frontier")
+    cgrid = np.logspace(math.log10(c_lo), math.log10(c_hi) + 1, 200)
+    n_opt, d_opt = compute_optimal(fit, cgrid)
+    ax.plot(cgrid, fit.predict(n_opt, d_opt), color="C0", lw=2, label="Approach 3: L(N_opt(C), D_opt(C))")
+    if compute_fit is not None:
+        ax.plot(cgrid, compute_fit.predict(cgrid), color="C2", lw=1.5, ls="--",
+                label=f"power law on frontier: E + (C_c/C)^{compute_fit.alpha:.3f}")
+    ax.axhline(fit.E, color="C0", ls=":", lw=1, label=f"E = {fit.E:.3f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel("final loss")
+    ax.set_title(f"Loss vs compute{tag}")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.25)
+    save(fig, "loss_vs_compute")
+
+    # 3. N_opt and D_opt vs C.
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    cgrid = np.logspace(math.log10(c_lo) - 0.5, math.log10(c_hi) + 2, 200)
+    n3, d3 = compute_optimal(fit, cgrid)
+    for ax, which, y3 in ((axes[0], "N", n3), (axes[1], "D", d3)):
+        ax.plot(cgrid, y3, color="C0", lw=2, label=f"Approach 3 (exponent {fit.beta / (fit.alpha + fit.beta) if which == 'N' else fit.alpha / (fit.alpha + fit.beta):.3f})")
+        if isoflop is not None:
+            good = [bud for bud in isoflop.budgets if bud.valid]
+            pts = [bud.n_opt if which == "N" else bud.d_opt for bud in good]
+            ax.scatter([bud.flops for bud in good], pts, color="C3", zorder=3, label="IsoFLOP minima")
+            y2 = isoflop.n_opt(cgrid) if which == "N" else isoflop.d_opt(cgrid)
+            ax.plot(cgrid, y2, color="C3", ls="--", lw=1.5,
+                    label=f"Approach 2 fit (exponent {isoflop.a if which == 'N' else isoflop.b:.3f})")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("training compute C (FLOPs)")
+        ax.set_ylabel("compute-optimal parameters N_opt" if which == "N" else "compute-optimal tokens D_opt")
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.25)
+    fig.suptitle(f"Compute-optimal allocation{tag}")
+    save(fig, "optimal_allocation")
+
+    # 4. Residuals of the Approach-3 fit in log space.
+    res = np.log(runs.loss) - np.log(fit.predict(runs.n, runs.d))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    sc = axes[0].scatter(runs.c, res, c=runs.n, norm=LogNorm(runs.n.min(), runs.n.max()), cmap="plasma", s=12)
+    fig.colorbar(sc, ax=axes[0], label="parameters N")
+    axes[0].axhline(0, color="k", lw=0.8)
+    for sgn in (-1, 1):
+        axes[0].axhline(sgn * fit.huber_delta, color="0.5", lw=0.8, ls=":")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("training compute C (FLOPs)")
+    axes[0].set_ylabel("log L - log L̂")
+    axes[0].set_title(f"Approach-3 residuals (dotted: ±Huber δ = {fit.huber_delta:g})")
+    axes[0].grid(True, which="both", alpha=0.25)
+    axes[1].hist(res, bins=40, color="C0", alpha=0.8)
+    axes[1].set_xlabel("log L - log L̂")
+    axes[1].set_ylabel("runs")
+    axes[1].set_title(f"median |res| = {np.median(np.abs(res)):.4f}")
+    save(fig, "residuals")
+    return written

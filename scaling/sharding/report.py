@@ -1,0 +1,41 @@
+"""The sharding report: per parameter, shape, spec and bytes per device; totals."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+
+def _per_device_bytes(shape, dtype, sharding) -> int:
+    shard = sharding.shard_shape(tuple(shape))
+    return int(math.prod(shard) * np.dtype(dtype).itemsize)
+
+
+def sharding_report(setup) -> str:
+    shard = setup.state_shardings["params"]
+    rows = []
+    flat = jax.tree_util.tree_flatten_with_path(setup.abstract_params)[0]
+    shards = jax.tree.leaves(shard)
+    total = total_dev = 0
+    for (path, leaf), s in zip(flat, shards):
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        full = int(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize)
+        dev = _per_device_bytes(leaf.shape, leaf.dtype, s)
+        total, total_dev = total + full, total_dev + dev
+        rows.append((name, str(tuple(leaf.shape)), str(s.spec), f"{dev / 2**20:,.2f}"))
+    mesh = setup.mesh
+    head = ("parameter", "shape", "spec", "MiB/device")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lines = [
+        f"mesh {dict(mesh.shape)} rules={setup.cfg.mesh.rules}",
+        fmt(head),
+        "-" * (sum(widths) + 6),
+        *map(fmt, rows),
+        "-" * (sum(widths) + 6),
+        f"params: {total / 2**20:,.2f} MiB total, {total_dev / 2**20:,.2f} MiB per device; "
+        f"with AdamW state (x3): {3 * total_dev / 2**20:,.2f} MiB per device",
+    ]
+    return "\n".join(lines)

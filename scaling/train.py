@@ -1,0 +1,440 @@
+"""Loss, the one jitted train step, sharded state init, and the training loop.
+
+The train state is a pure pytree (nested dicts of arrays), born sharded:
+    {"params", "opt_state", "step", "rng", "nonfinite": {"count", "first_step", "kind"}}
+The model object is rebuilt from (graphdef, params) inside the jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from scaling import accounting, hardware
+from scaling.checkpoint import Checkpointer, abstract_like
+from scaling.config import Config, NonFinitePolicy, dump_yaml, to_dict
+from scaling.data import Dataset, make_dataset
+from scaling.model import Transformer
+from scaling.optim import learning_rate_schedule, make_optimizer
+from scaling.sharding import axes as A
+from scaling.sharding import get_rule_set, logical_to_spec, make_mesh, use_sharding
+from scaling.sharding.params import logical_axes, param_shardings
+
+NONFINITE_LOSS, NONFINITE_GRADS = 1, 2
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token negative log-likelihood in nats, computed in f32."""
+    logits = logits_btv.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets_bt[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked)
+
+
+# ------------------------------------------------------------------------ the setup
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything derived from a config before any array is allocated."""
+
+    cfg: Config
+    mesh: Mesh
+    graphdef: Any
+    param_names: dict
+    abstract_params: dict
+    tx: optax.GradientTransformation
+    state_shardings: dict
+    batch_sharding: NamedSharding
+
+    @property
+    def rules(self):
+        return get_rule_set(self.cfg.mesh.rules)
+
+    def model(self, params) -> Transformer:
+        return nnx.merge(self.graphdef, params)
+
+
+def _build(cfg: Config, seed: int) -> Transformer:
+    return Transformer(cfg.model, attention=cfg.attention, remat_cfg=cfg.remat, rngs=nnx.Rngs(params=seed))
+
+
+def make_setup(cfg: Config, devices=None) -> Setup:
+    mesh = make_mesh(cfg.mesh, devices)
+    rules = get_rule_set(cfg.mesh.rules)
+    abstract_model = nnx.eval_shape(lambda: _build(cfg, 0))
+    graphdef, abs_state = nnx.split(abstract_model)
+    abstract_params = nnx.to_pure_dict(abs_state)
+    names = logical_axes(abstract_model)
+    p_shard = param_shardings(names, abstract_params, mesh, rules)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    replicated = NamedSharding(mesh, P())
+    abs_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_shard = optax.tree_map_params(tx, lambda _, s: s, abs_opt, p_shard, transform_non_params=lambda _: replicated)
+    state_shardings = {
+        "params": p_shard,
+        "opt_state": opt_shard,
+        "step": replicated,
+        "rng": replicated,
+        "nonfinite": {"count": replicated, "first_step": replicated, "kind": replicated},
+    }
+    batch_spec = logical_to_spec((A.BATCH, None), rules.activations, mesh)
+    return Setup(cfg, mesh, graphdef, names, abstract_params, tx, state_shardings, NamedSharding(mesh, batch_spec))
+
+
+def init_state(setup: Setup, seed: int | None = None) -> dict:
+    """Initialise params and optimizer state directly in their shardings (under jit)."""
+    cfg = setup.cfg
+    seed = cfg.train.seed if seed is None else seed
+
+    def init():
+        params = nnx.to_pure_dict(nnx.state(_build(cfg, seed)))
+        return {
+            "params": params,
+            "opt_state": setup.tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(seed)),
+            "nonfinite": {
+                "count": jnp.zeros((), jnp.int32),
+                "first_step": jnp.full((), -1, jnp.int32),
+                "kind": jnp.zeros((), jnp.int32),
+            },
+        }
+
+    with use_sharding(setup.mesh, setup.rules):
+        return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def abstract_state(setup: Setup) -> dict:
+    """The state's shapes, dtypes and shardings without allocating it (restore target)."""
+    abs_params = setup.abstract_params
+    abs_opt = jax.eval_shape(setup.tx.init, abs_params)
+    tree = {
+        "params": abs_params,
+        "opt_state": abs_opt,
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+        "nonfinite": {k: jax.ShapeDtypeStruct((), jnp.int32) for k in ("count", "first_step", "kind")},
+    }
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, setup.state_shardings)
+
+
+# ------------------------------------------------------------------------ the step
+
+
+def make_train_step(setup: Setup):
+    cfg = setup.cfg
+    accum = cfg.train.grad_accum
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+
+    def loss_fn(params, tokens_bt):
+        model = setup.model(params)
+        return cross_entropy(model(tokens_bt[:, :-1]), tokens_bt[:, 1:])
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def step_fn(state, batch_bt):
+        params = state["params"]
+        if accum == 1:
+            loss, grads = grad_fn(params, batch_bt)
+        else:
+            # Gradient accumulation: scan over micro-batches, summing grads in f32.
+            micro = batch_bt.reshape(accum, batch_bt.shape[0] // accum, batch_bt.shape[1])
+
+            def body(carry, mb):
+                l, g = grad_fn(params, mb)
+                return jax.tree.map(jnp.add, carry, (l, g)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+            loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt = setup.tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+
+        # A non-finite step is never applied: `skip` counts it and goes on; `stop` also
+        # keeps the last good params, and the host exits at the next check.
+        loss_ok, grads_ok = jnp.isfinite(loss), jnp.isfinite(grad_norm)
+        ok = loss_ok & grads_ok
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        nf = state["nonfinite"]
+        first = (nf["count"] == 0) & ~ok
+        new_state = {
+            "params": keep(new_params, params),
+            "opt_state": keep(new_opt, state["opt_state"]),
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+            "nonfinite": {
+                "count": nf["count"] + (~ok).astype(jnp.int32),
+                "first_step": jnp.where(first, state["step"] + 1, nf["first_step"]),
+                "kind": jnp.where(first, jnp.where(loss_ok, NONFINITE_GRADS, NONFINITE_LOSS), nf["kind"]),
+            },
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        return new_state, metrics
+
+    return jax.jit(
+        step_fn,
+        in_shardings=(setup.state_shardings, setup.batch_sharding),
+        out_shardings=(setup.state_shardings, None),
+        donate_argnums=(0,),
+    )
+
+
+def make_eval_step(setup: Setup):
+    def eval_fn(params, batch_bt):
+        model = setup.model(params)
+        return cross_entropy(model(batch_bt[:, :-1]), batch_bt[:, 1:])
+
+    return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
+
+
+def global_batch(setup: Setup, local_rows: np.ndarray) -> jax.Array:
+    """Assemble this process's rows into the global, sharded batch array."""
+    return jax.make_array_from_process_local_data(setup.batch_sharding, local_rows)
+
+
+# ------------------------------------------------------------------------ the loop
+
+
+class _Preemption:
+    """SIGTERM/SIGINT: finish the step, checkpoint, exit 0. A second signal exits at once."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old = {}
+
+    def _handler(self, signum, frame):
+        if self.requested is not None:
+            sys.stderr.write(f"\nsecond {signal.Signals(signum).name}: exiting now without a checkpoint\n")
+            os._exit(128 + signum)
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread (e.g. inside some test runners)
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def default_run_dir(config_path: str | None) -> str:
+    name = Path(config_path).stem if config_path else "run"
+    return str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+class MetricsLogger:
+    """metrics.jsonl (append, flushed per record) + TensorBoard event files."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.file = open(self.path, "a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _evaluate(eval_step, params, setup: Setup, data: Dataset) -> float | None:
+    if data.eval is None:
+        return None
+    n = min(setup.cfg.train.eval_batches, data.eval.num_windows // data.eval.global_batch or 1)
+    losses = [eval_step(params, global_batch(setup, data.eval.batch(i))) for i in range(n)]
+    return float(jnp.mean(jnp.stack(losses)))
+
+
+def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = None, log=None) -> dict:
+    """Train per `cfg`; resumes from the latest checkpoint in `run_dir` if there is one.
+
+    Returns a summary: final step, final (window-mean) train loss, last eval loss, etc.
+    """
+    from scaling.distributed import maybe_initialize
+
+    maybe_initialize(cfg.mesh)
+    is_main = jax.process_index() == 0
+    log = log or (lambda msg: print(msg, flush=True) if is_main else None)
+    run_dir_path = Path(run_dir or cfg.run_dir or default_run_dir(config_path))
+    run_dir_path.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        (run_dir_path / "config.yaml").write_text(dump_yaml(cfg))
+
+    setup = make_setup(cfg)
+    data = make_dataset(cfg, process_index=jax.process_index(), process_count=jax.process_count(), log=log)
+    if data.tokenizer_path is not None and is_main:
+        (run_dir_path / "tokenizer.json").write_bytes(data.tokenizer_path.read_bytes())
+
+    if cfg.train.show_shardings and is_main:
+        from scaling.sharding.report import sharding_report
+
+        log(sharding_report(setup))
+
+    ckpt = Checkpointer(run_dir_path, cfg.checkpoint) if cfg.checkpoint.enabled else None
+    state = None
+    if ckpt is not None:
+        for p in ckpt.partial:
+            log(f"checkpoint: ignoring partial (incomplete) save {p}")
+        restored = ckpt.restore(abstract_state(setup))
+        if restored is not None:
+            state = restored.state
+            data.train.restore(restored.meta["loader"])
+            log(f"resuming from checkpoint step {restored.step} in {ckpt.directory}")
+    if state is None:
+        state = init_state(setup)
+
+    train_step = make_train_step(setup)
+    eval_step = make_eval_step(setup)
+    start_step = int(state["step"])
+    total = cfg.train.steps
+
+    flops = accounting.flops_per_token(cfg.model, cfg.train.seq_len)
+    hw = hardware.detect()
+    peak = hw.bf16_flops * jax.device_count() if hw else None
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+
+    logger = MetricsLogger(run_dir_path, cfg.logging.tensorboard, enabled=is_main)
+    bar = None
+    if cfg.logging.progress and is_main and start_step < total:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+    write = bar.write if bar is not None else log
+
+    def save(step: int, force: bool = False):
+        if ckpt is None:
+            return
+        nf = int(state["nonfinite"]["count"])
+        if nf and cfg.train.nonfinite == NonFinitePolicy.stop:
+            return  # never checkpoint past a non-finite step under `stop`
+        ckpt.save(step, state, {"loader": data.train.state(), "config": to_dict(cfg)}, force=force)
+
+    def check_nonfinite():
+        nf = jax.device_get(state["nonfinite"])
+        if int(nf["count"]) and cfg.train.nonfinite == NonFinitePolicy.stop:
+            kind = "loss" if int(nf["kind"]) == NONFINITE_LOSS else "gradients"
+            raise NonFiniteError(
+                f"non-finite {kind} at step {int(nf['first_step'])}; the update was not applied and "
+                f"the last good checkpoint is kept (train.nonfinite=skip drops such steps instead)"
+            )
+
+    summary: dict[str, Any] = {"run_dir": str(run_dir_path), "start_step": start_step}
+    window: list = []
+    t_window = time.perf_counter()
+    steps_in_window = 0
+    eval_loss = None
+    profiling = False
+    exit_reason = "done"
+    try:
+        with _Preemption() as pre, use_sharding(setup.mesh, setup.rules):
+            step = start_step
+            while step < total:
+                if cfg.train.profile_steps and step == cfg.train.profile_steps[0] and is_main:
+                    jax.profiler.start_trace(str(run_dir_path / "profile"))
+                    profiling = True
+                batch = global_batch(setup, next(data.train))
+                state, metrics = train_step(state, batch)
+                step += 1
+                steps_in_window += 1
+                window.append(metrics)
+                if profiling and step == cfg.train.profile_steps[1]:
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                    profiling = False
+                    write(f"profile: trace of steps {cfg.train.profile_steps} written to {run_dir_path / 'profile'}")
+                if bar is not None:
+                    bar.update(1)
+
+                last = step == total
+                if step % cfg.train.log_every == 0 or last:
+                    m = jax.device_get(window)
+                    dt = time.perf_counter() - t_window
+                    tps = steps_in_window * tokens_per_step / dt
+                    rec = {
+                        "step": step,
+                        "loss": float(np.mean([x["loss"] for x in m])),
+                        "grad_norm": float(m[-1]["grad_norm"]),
+                        "lr": float(m[-1]["lr"]),
+                        "tokens_per_sec": tps,
+                        "step_time": dt / steps_in_window,
+                        "mfu": (flops.total * tps / peak) if peak else None,
+                        "nonfinite_steps": int(state["nonfinite"]["count"]),
+                    }
+                    logger.log(rec)
+                    summary["loss"] = rec["loss"]
+                    mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
+                    write(
+                        f"step {step:>6} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
+                        f"lr {rec['lr']:.2e} tok/s {tps:,.0f}{mfu}"
+                    )
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}")
+                    check_nonfinite()
+                    window, steps_in_window, t_window = [], 0, time.perf_counter()
+                if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+                    eval_loss = _evaluate(eval_step, state["params"], setup, data)
+                    if eval_loss is not None:
+                        logger.log({"step": step, "eval_loss": eval_loss})
+                        write(f"step {step:>6} eval_loss {eval_loss:.4f}")
+                        t_window = time.perf_counter()  # keep eval out of tokens/s
+                if ckpt is not None and (ckpt.should_save(step) or last):
+                    check_nonfinite()
+                    save(step, force=last)
+                if pre.requested and not last:
+                    check_nonfinite()
+                    save(step, force=True)
+                    if ckpt is not None:
+                        ckpt.wait()
+                    exit_reason = "preempted"
+                    msg = f"{pre.requested}: saved checkpoint at step {step} in {run_dir_path}; exiting"
+                    write(msg)
+                    break
+    finally:
+        if profiling:
+            jax.profiler.stop_trace()
+        if bar is not None:
+            bar.close()
+        if ckpt is not None:
+            ckpt.close()
+        logger.close()
+    summary.update(step=int(state["step"]), eval_loss=eval_loss, exit=exit_reason, state=state, setup=setup)
+    return summary
