@@ -1,0 +1,11 @@
+"""Train a model: the same arguments as `python -m scaling train`.
+
+    python experiments/train.py --config configs/tiny_corpus.yaml --train.steps=100
+"""
+
+import sys
+
+from scaling.__main__ import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))
