@@ -12,7 +12,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -162,7 +161,7 @@ def make_train_step(setup: Setup):
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(body, zeros, micro)
             loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, new_opt = setup.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
 
@@ -212,20 +211,30 @@ def global_batch(setup: Setup, local_rows: np.ndarray) -> jax.Array:
 
 
 class _Preemption:
-    """SIGTERM/SIGINT: finish the step, checkpoint, exit 0. A second signal exits at once."""
+    """SIGTERM/SIGINT: finish the step, checkpoint, exit 0. A second signal exits at once.
+
+    The first signal only sets a flag (the loop checks it after each step) and restores
+    the OS's default action for both signals, so a second one terminates the process
+    immediately, even while the main thread is inside a compile or a device call where a
+    Python-level handler would not run (exit status 128 + signum in a shell).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested: str | None = None
         self._old = {}
 
     def _handler(self, signum, frame):
-        if self.requested is not None:
-            sys.stderr.write(f"\nsecond {signal.Signals(signum).name}: exiting now without a checkpoint\n")
-            os._exit(128 + signum)
-        self.requested = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        self.requested = name
+        for sig in self._old:
+            signal.signal(sig, signal.SIG_DFL)
+        # os.write: print() is not safe here (the main thread may be inside a print).
+        os.write(2, f"\n{name}: finishing this step, then saving a checkpoint; send it again to exit now without one\n".encode())
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self.SIGNALS:
             try:
                 self._old[sig] = signal.signal(sig, self._handler)
             except ValueError:  # not the main thread (e.g. inside some test runners)
@@ -247,17 +256,27 @@ def default_run_dir(config_path: str | None) -> str:
 
 
 class MetricsLogger:
-    """metrics.jsonl (append, flushed per record) + TensorBoard event files."""
+    """metrics.jsonl (append, flushed per record) + TensorBoard event files.
 
-    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
+    A run that starts at `start_step` (0, or the step it resumed from) first drops the
+    records after that step: they came from an interrupted run whose later steps are being
+    redone, so the file always holds one record per logged step of one trajectory.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True, start_step: int = 0, log=print):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        if enabled:
+            dropped = truncate_metrics(self.path, start_step)
+            if dropped:
+                log(f"metrics: dropped {dropped} records after step {start_step} from the interrupted run")
         self.file = open(self.path, "a") if enabled else None
         self.tb = None
         if enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # purge_step hides events at or after it that an interrupted run wrote.
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -274,6 +293,27 @@ class MetricsLogger:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep only the records of steps <= last_step (and no torn last line); returns how many went."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            ok = json.loads(line)["step"] <= last_step
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            ok = False
+        if ok:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 def _evaluate(eval_step, params, setup: Setup, data: Dataset) -> float | None:
@@ -313,12 +353,14 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     state = None
     if ckpt is not None:
         for p in ckpt.partial:
-            log(f"checkpoint: ignoring partial (incomplete) save {p}")
-        restored = ckpt.restore(abstract_state(setup))
+            log(f"checkpoint: ignoring and removing partial save {p} (interrupted before it was committed)")
+        restored = ckpt.restore(abstract_state(setup), config=to_dict(cfg), log=log)
         if restored is not None:
             state = restored.state
             data.train.restore(restored.meta["loader"])
             log(f"resuming from checkpoint step {restored.step} in {ckpt.directory}")
+            if restored.step >= cfg.train.steps:
+                log(f"checkpoint step {restored.step} already reaches train.steps={cfg.train.steps}; nothing to train")
     if state is None:
         state = init_state(setup)
 
@@ -332,7 +374,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     peak = hw.bf16_flops * jax.device_count() if hw else None
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
 
-    logger = MetricsLogger(run_dir_path, cfg.logging.tensorboard, enabled=is_main)
+    logger = MetricsLogger(run_dir_path, cfg.logging.tensorboard, enabled=is_main, start_step=start_step, log=log)
     bar = None
     if cfg.logging.progress and is_main and start_step < total:
         from tqdm.auto import tqdm
@@ -352,9 +394,14 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
         nf = jax.device_get(state["nonfinite"])
         if int(nf["count"]) and cfg.train.nonfinite == NonFinitePolicy.stop:
             kind = "loss" if int(nf["kind"]) == NONFINITE_LOSS else "gradients"
+            kept = "no checkpoint was written"
+            if ckpt is not None:
+                ckpt.wait()
+                good = ckpt.latest_step()
+                kept = f"the last good checkpoint (step {good}) is kept" if good is not None else kept
             raise NonFiniteError(
-                f"non-finite {kind} at step {int(nf['first_step'])}; the update was not applied and "
-                f"the last good checkpoint is kept (train.nonfinite=skip drops such steps instead)"
+                f"non-finite {kind} at step {int(nf['first_step'])}; the update was not applied and {kept} "
+                f"(train.nonfinite=skip drops such steps instead)"
             )
 
     summary: dict[str, Any] = {"run_dir": str(run_dir_path), "start_step": start_step}

@@ -1,0 +1,76 @@
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from scaling.__main__ import main
+from scaling.config import load_config
+from scaling.data import make_dataset, unigram_entropy
+from scaling.train import global_batch, init_state, make_setup, make_train_step, train
+
+
+def test_loss_falls_below_unigram_entropy_on_default_corpus(tmp_path, corpus_cache):
+    overrides = [
+        f"--data.cache_dir={corpus_cache}",
+        "--data.max_corpus_mb=1",
+        "--train.steps=60",
+        "--train.batch_size=8",
+        "--train.seq_len=64",
+        "--train.log_every=10",
+        "--train.eval_every=60",
+        "--train.eval_batches=2",
+        "--optimizer.warmup_steps=10",
+        "--checkpoint.enabled=false",
+        "--logging.progress=false",
+    ]
+    cfg = load_config("configs/tiny_corpus.yaml", overrides)  # 8-way FSDP over the simulated devices
+    data = make_dataset(cfg, log=lambda m: None)
+    h_unigram = unigram_entropy(data.train.tokens, cfg.model.vocab_size)
+    summary = train(cfg, str(tmp_path / "run"), log=lambda m: None)
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    train_recs = [r for r in records if "loss" in r]
+    assert {"step", "loss", "lr", "tokens_per_sec", "grad_norm", "mfu"} <= set(train_recs[0])
+    assert train_recs[0]["loss"] > h_unigram > summary["eval_loss"], (train_recs[0]["loss"], h_unigram, summary["eval_loss"])
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "tokenizer.json").exists()
+    assert list((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_grad_accumulation_matches_full_batch():
+    base = ["--data.source=synthetic", "--model.compute_dtype=float32", "--train.batch_size=8", "--train.seq_len=16"]
+    cfg1 = load_config("configs/models/tiny.yaml", base)
+    cfg2 = load_config("configs/models/tiny.yaml", base + ["--train.grad_accum=4"])
+    batch = make_dataset(cfg1).train.batch(0)
+    out = []
+    for cfg in (cfg1, cfg2):
+        setup = make_setup(cfg, devices=jax.devices()[:1])
+        state = init_state(setup)
+        state, m = make_train_step(setup)(state, global_batch(setup, batch))
+        out.append((float(m["loss"]), float(m["grad_norm"]), jax.device_get(state["params"])))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-5)
+    assert out[0][1] == pytest.approx(out[1][1], rel=1e-4)
+    for a, b in zip(jax.tree.leaves(out[0][2]), jax.tree.leaves(out[1][2])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_cli_train_runs_and_reports_config_errors(tmp_path, capsys):
+    rc = main(
+        [
+            "train",
+            "--config",
+            "configs/models/tiny.yaml",
+            "--run_dir",
+            str(tmp_path / "cli"),
+            "--data.source=synthetic",
+            "--train.steps=3",
+            "--train.log_every=1",
+            "--train.eval_every=0",
+            "--checkpoint.enabled=false",
+            "--logging.progress=false",
+        ]
+    )
+    assert rc == 0
+    lines = [json.loads(line) for line in open(tmp_path / "cli" / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert main(["train", "--config", "configs/models/tiny.yaml", "--model.num_kv_heads=3"]) == 2
+    assert "model.num_heads" in capsys.readouterr().err
