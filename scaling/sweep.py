@@ -1,0 +1,801 @@
+"""Scaling-law sweeps: a spec -> points -> training runs -> a results store.
+
+A spec (configs/sweeps/*.yaml) names a base experiment config, a model family (shape from
+one size knob, the depth L), either a grid (depths x token budgets) or IsoFLOP (compute
+budgets x depths, tokens = C / FLOPs-per-token), per-size hyperparameter rules, and seeds.
+Each point is an ordinary training run in DIR/points/<point-id>/ (one process each,
+scaling.executors); each result lands in DIR/results.sqlite, table `points`, one
+transaction per update (WAL), so the store survives a crash at any moment. A re-run skips
+finished points and resumes the others from their checkpoints.
+
+    python -m scaling sweep --config configs/sweeps/tiny_cpu.yaml [--out DIR] [--dry-run]
+        [--workers K] [--executor local|submitit] [--only GLOB] [--spec.key=value ...]
+
+The runner never imports JAX: on a GPU machine it would claim memory the points need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import fnmatch
+import hashlib
+import math
+import os
+import signal
+import sqlite3
+import sys
+import time
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import draccus
+import yaml
+
+from scaling import accounting
+from scaling.config import (
+    Config,
+    ConfigError,
+    DataSource,
+    StrEnum,
+    _deep_merge,
+    _read_yaml,
+    config_from_dict,
+    dump_yaml,
+    parse_overrides,
+)
+
+
+class SpecError(ConfigError):
+    """A sweep spec key is unknown, mistyped or impossible. The message names the key."""
+
+
+# ------------------------------------------------------------------------ the spec
+
+
+class ScaleBy(StrEnum):
+    params = "params"  # N, the exact parameter count
+    tokens = "tokens"  # D, the point's token target
+    flops = "flops"  # C, the point's compute target
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerRule:
+    """value = base * (x / ref) ** exponent, x the point's N, D or C (`of`); then clamped
+    to [min, max] and, for integer settings, rounded to a multiple of `multiple_of`.
+
+    A learning rate that falls with size is a negative exponent: lr = 3e-3 (N / 1e6)^-0.5.
+    """
+
+    base: float
+    ref: float = 1.0
+    exponent: float = 0.0
+    of: ScaleBy = ScaleBy.params
+    min: float | None = None
+    max: float | None = None
+    multiple_of: int = 1
+
+    def value(self, x: float) -> float:
+        v = self.base * (x / self.ref) ** self.exponent
+        if self.min is not None:
+            v = max(v, self.min)
+        if self.max is not None:
+            v = min(v, self.max)
+        return v
+
+    def integer(self, x: float) -> int:
+        m = self.multiple_of
+        return max(m, int(round(self.value(x) / m)) * m)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseSpec:
+    config: str | None = None  # experiment config YAML, relative to the spec file
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # nested, like a config file
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    """Model shape from the depth L at a fixed aspect ratio (Kaplan et al. 2020, sec. 3.1:
+    loss depends weakly on shape at fixed N, so one knob suffices):
+    D = aspect * L; H fixed, N = D / H query heads; K = N / kv_ratio; F = mlp_ratio * D
+    rounded up to a multiple of mlp_multiple (SwiGLU's 8/3 keeps 3*D*F ~ 8*D^2, the
+    parameter count of a 4*D GELU MLP; Shazeer 2020)."""
+
+    aspect: int = 64
+    head_dim: int = 64
+    kv_ratio: int = 1  # 1 is MHA
+    mlp_ratio: float = 8 / 3
+    mlp_multiple: int = 64
+
+    def model(self, depth: int) -> dict[str, int]:
+        d = self.aspect * depth
+        if d % self.head_dim:
+            raise SpecError(f"family.head_dim: width {d} (aspect {self.aspect} x depth {depth}) is not a multiple of head_dim={self.head_dim}")
+        heads = d // self.head_dim
+        if heads % self.kv_ratio:
+            raise SpecError(f"family.kv_ratio: {heads} heads at depth {depth} are not divisible by kv_ratio={self.kv_ratio}")
+        mlp = int(math.ceil(self.mlp_ratio * d / self.mlp_multiple)) * self.mlp_multiple
+        return {
+            "num_layers": depth,
+            "hidden_size": d,
+            "num_heads": heads,
+            "num_kv_heads": heads // self.kv_ratio,
+            "head_dim": self.head_dim,
+            "mlp_dim": mlp,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSpec:
+    tokens: tuple[float, ...] = ()  # token budgets D; every depth trains on each
+
+
+@dataclasses.dataclass(frozen=True)
+class IsoFlopSpec:
+    budgets: tuple[float, ...] = ()  # compute budgets C in training FLOPs
+    min_steps: int = 1  # points that would train for fewer steps are dropped (and listed)
+
+
+@dataclasses.dataclass(frozen=True)
+class HParamsSpec:
+    """Settings that must scale with the point; unset ones keep the base config's value."""
+
+    learning_rate: PowerRule | None = None
+    batch_size: PowerRule | None = None  # sequences per step
+    warmup_fraction: float | None = None  # warmup = max(warmup_min, round(fraction * steps))
+    warmup_min: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateSpec:
+    """Assumptions behind --dry-run's predicted time (each overridable on the command line).
+
+    time per point = startup_s + steps * step_overhead_s + FLOPs / throughput, throughput
+    being tokens_per_sec if set, else mfu * the hardware's peak bf16 FLOP/s. Small models
+    are launch-bound, not FLOP-bound: step_overhead_s is that floor per step.
+    """
+
+    hardware: str = "h100"
+    mfu: float = 0.3
+    tokens_per_sec: float | None = None
+    startup_s: float = 30.0  # interpreter + JAX import + compile + data load, per point
+    step_overhead_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    name: str = "sweep"
+    base: BaseSpec = dataclasses.field(default_factory=BaseSpec)
+    family: FamilySpec = dataclasses.field(default_factory=FamilySpec)
+    depths: tuple[int, ...] = ()  # the size knob: one model per depth L
+    grid: GridSpec | None = None
+    isoflop: IsoFlopSpec | None = None
+    hparams: HParamsSpec = dataclasses.field(default_factory=HParamsSpec)
+    seeds: tuple[int, ...] = (0,)
+    # point-id glob -> config deltas for those points only (e.g. a smaller batch for one)
+    point_overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    estimate: EstimateSpec = dataclasses.field(default_factory=EstimateSpec)
+    submitit: dict[str, Any] = dataclasses.field(default_factory=dict)  # update_parameters(**)
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass inside `X` or `X | None`, else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        return inner[0] if inner else None
+    return None
+
+
+def _check_spec_keys(cls: type, data: Any, prefix: str = "") -> None:
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{prefix.rstrip('.') or 'the spec'} must be a mapping of its fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if key not in hints:
+            raise SpecError(
+                f"unknown sweep spec key {prefix + str(key)!r}; allowed keys under "
+                f"{prefix.rstrip('.') or 'the top level'}: {', '.join(hints)}"
+            )
+        sub = _dataclass_of(hints[key])
+        if sub is not None and value is not None:
+            _check_spec_keys(sub, value, f"{prefix}{key}.")
+
+
+def spec_from_dict(data: Mapping[str, Any]) -> SweepSpec:
+    _check_spec_keys(SweepSpec, data)
+    try:
+        spec = draccus.decode(SweepSpec, dict(data))
+    except Exception as e:  # draccus.utils.DecodingError names the key as `a.b`
+        raise SpecError(f"invalid sweep spec value: {e}") from None
+    validate_spec(spec)
+    return spec
+
+
+def validate_spec(spec: SweepSpec) -> None:
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise SpecError(f"{key}: {message}")
+
+    require((spec.grid is None) != (spec.isoflop is None), "grid/isoflop", "set exactly one of `grid` (depths x tokens) or `isoflop` (budgets x depths)")
+    require(len(spec.depths) > 0 and all(d > 0 for d in spec.depths), "depths", f"must be a non-empty list of positive depths, got {list(spec.depths)}")
+    require(len(set(spec.depths)) == len(spec.depths), "depths", f"has duplicates: {list(spec.depths)}")
+    require(len(spec.seeds) > 0, "seeds", "must name at least one seed")
+    if spec.grid is not None:
+        require(len(spec.grid.tokens) > 0 and all(t > 0 for t in spec.grid.tokens), "grid.tokens", f"must be positive token budgets, got {list(spec.grid.tokens)}")
+    if spec.isoflop is not None:
+        require(len(spec.isoflop.budgets) > 0 and all(c > 0 for c in spec.isoflop.budgets), "isoflop.budgets", f"must be positive FLOP budgets, got {list(spec.isoflop.budgets)}")
+        require(spec.isoflop.min_steps >= 1, "isoflop.min_steps", f"must be >= 1, got {spec.isoflop.min_steps}")
+    f = spec.family
+    for name in ("aspect", "head_dim", "kv_ratio", "mlp_multiple"):
+        require(getattr(f, name) > 0, f"family.{name}", f"must be positive, got {getattr(f, name)}")
+    require(f.mlp_ratio > 0, "family.mlp_ratio", f"must be positive, got {f.mlp_ratio}")
+    for name in ("learning_rate", "batch_size"):
+        rule = getattr(spec.hparams, name)
+        if rule is not None:
+            require(rule.base > 0 and rule.ref > 0, f"hparams.{name}", f"base and ref must be positive, got base={rule.base}, ref={rule.ref}")
+            require(rule.multiple_of >= 1, f"hparams.{name}.multiple_of", f"must be >= 1, got {rule.multiple_of}")
+    wf = spec.hparams.warmup_fraction
+    require(wf is None or 0 <= wf < 1, "hparams.warmup_fraction", f"must be in [0, 1), got {wf}")
+    e = spec.estimate
+    require(e.mfu > 0, "estimate.mfu", f"must be positive, got {e.mfu}")
+    require(e.tokens_per_sec is None or e.tokens_per_sec > 0, "estimate.tokens_per_sec", f"must be positive, got {e.tokens_per_sec}")
+    for pattern, delta in spec.point_overrides.items():
+        require(isinstance(delta, Mapping), f"point_overrides.{pattern}", f"must be a mapping of config deltas, got {delta!r}")
+
+
+def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[SweepSpec, Path]:
+    """The spec at `path` with dotted overrides (`--isoflop.budgets=[1e12]`); and its folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"sweep spec not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    data = _deep_merge(data, parse_overrides(overrides))
+    try:
+        return spec_from_dict(data), path.resolve().parent
+    except SpecError as e:
+        raise SpecError(f"{path}: {e}") from None
+
+
+# ------------------------------------------------------------------------ points
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    id: str
+    depth: int
+    seed: int
+    cfg: Config
+    n_params: int  # exact, accounting.param_count
+    n_params_nonembedding: int  # without the input embedding table (Kaplan's N)
+    tokens: int  # D actually trained on: steps * batch * seq_len
+    flops_per_token: float  # accounting.flops_per_token(...).total, training
+    flops: float  # C actually used: tokens * flops_per_token
+    target: float  # the budget asked for: C (IsoFLOP) or D (grid)
+    # Why this point cannot run (its point_overrides make an invalid config); `cfg` is
+    # then the config without them. The runner records it as failed; the others run.
+    error: str | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.cfg.train.steps
+
+    @property
+    def config_hash(self) -> str:
+        return hashlib.sha256(dump_yaml(self.cfg).encode()).hexdigest()[:16]
+
+
+def _fmt(x: float) -> str:
+    """1e15 -> '1e15', 3e14 -> '3e14', 2.5e9 -> '2.5e9': short and filename-safe."""
+    mant, exp = f"{x:.2e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
+def _point_config(spec: SweepSpec, base: dict, depth: int, seed: int, pid: str, train: dict, optimizer: dict) -> tuple[Config, str | None]:
+    """The point's config, and the error its point_overrides cause (then without them)."""
+    data = _deep_merge(base, {"model": spec.family.model(depth), "train": {**train, "seed": seed}, "optimizer": optimizer})
+    data = _deep_merge(data, {"logging": {"progress": False}})  # the child's stdout is a log file
+    try:
+        plain = config_from_dict(data)
+    except ConfigError as e:
+        raise SpecError(f"point {pid} (depth {depth}): {e}") from None
+    for pattern, delta in spec.point_overrides.items():
+        if fnmatch.fnmatchcase(pid, pattern):
+            data = _deep_merge(data, delta)
+    try:
+        return config_from_dict(data), None
+    except ConfigError as e:
+        return plain, f"point_overrides make an invalid config: {e}"
+
+
+def base_config_dict(spec: SweepSpec, spec_dir: Path) -> dict:
+    data = _read_yaml(spec_dir / spec.base.config) if spec.base.config else {}
+    return _deep_merge(data, spec.base.overrides)
+
+
+def generate_points(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], list[str]]:
+    """All points of the sweep, and a note for each dropped one (too few steps).
+
+    IsoFLOP: D = C / flops_per_token(model, T).total; steps = round(D / (B * T)); the
+    point then reports the C it actually uses (D rounded to whole steps).
+    """
+    base = base_config_dict(spec, spec_dir)
+    probe = config_from_dict(_deep_merge(base, {"model": spec.family.model(spec.depths[0])}))
+    seq_len = probe.train.seq_len
+    hp = spec.hparams
+    budgets = spec.isoflop.budgets if spec.isoflop is not None else spec.grid.tokens  # type: ignore[union-attr]
+    points, dropped = [], []
+    for target in budgets:
+        for depth in spec.depths:
+            model_cfg = config_from_dict(_deep_merge(base, {"model": spec.family.model(depth)})).model
+            n = accounting.param_count(model_cfg)
+            fpt = accounting.flops_per_token(model_cfg, seq_len).total
+            tokens_target = target / fpt if spec.isoflop is not None else target
+            by = {ScaleBy.params: n, ScaleBy.tokens: tokens_target, ScaleBy.flops: tokens_target * fpt}
+            batch = hp.batch_size.integer(by[hp.batch_size.of]) if hp.batch_size else probe.train.batch_size
+            steps = int(round(tokens_target / (batch * seq_len)))
+            for seed in spec.seeds:
+                kind = "C" if spec.isoflop is not None else "D"
+                pid = f"{kind}{_fmt(target)}-L{depth}-s{seed}"
+                min_steps = spec.isoflop.min_steps if spec.isoflop is not None else 1
+                if steps < min_steps:
+                    dropped.append(f"{pid}: {steps} steps of {batch}x{seq_len} tokens < min_steps={min_steps} (N={n:,})")
+                    continue
+                train = {"steps": steps, "batch_size": batch}
+                optimizer: dict[str, Any] = {}
+                if hp.learning_rate is not None:
+                    optimizer["learning_rate"] = hp.learning_rate.value(by[hp.learning_rate.of])
+                if hp.warmup_fraction is not None:
+                    optimizer["warmup_steps"] = max(hp.warmup_min, int(round(hp.warmup_fraction * steps)))
+                cfg, error = _point_config(spec, base, depth, seed, pid, train, optimizer)
+                # point_overrides may change anything; recount from the final config.
+                n = accounting.param_count(cfg.model)
+                fpt = accounting.flops_per_token(cfg.model, cfg.train.seq_len).total
+                d = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
+                emb = cfg.model.vocab_size * cfg.model.hidden_size
+                points.append(Point(pid, depth, seed, cfg, n, n - emb, d, fpt, d * fpt, float(target), error))
+    return points, dropped
+
+
+# ------------------------------------------------------------------------ the store
+
+COLUMNS = {
+    "id": "TEXT PRIMARY KEY",
+    "sweep": "TEXT",
+    "n_params": "INTEGER",  # N, exact
+    "n_params_nonembedding": "INTEGER",
+    "tokens": "INTEGER",  # D actually trained on
+    "flops": "REAL",  # C actually used (training FLOPs, accounting.flops_per_token)
+    "target": "REAL",  # the budget asked for: C (IsoFLOP) or D (grid)
+    "flops_per_token": "REAL",
+    "num_layers": "INTEGER",
+    "hidden_size": "INTEGER",
+    "steps": "INTEGER",
+    "batch_size": "INTEGER",
+    "seq_len": "INTEGER",
+    "learning_rate": "REAL",
+    "seed": "INTEGER",
+    "final_loss": "REAL",  # train loss, mean over the last logging window
+    "eval_loss": "REAL",  # last eval on the held-out split
+    "last_step": "INTEGER",
+    "wall_time": "REAL",  # seconds, summed over attempts
+    "status": "TEXT",  # pending, running, done, failed, interrupted
+    "error": "TEXT",  # tail of the failed attempt's stderr
+    "attempts": "INTEGER",
+    "job_id": "TEXT",  # pid (local) or cluster job id of the current attempt
+    "run_dir": "TEXT",
+    "config_hash": "TEXT",
+    "updated_at": "REAL",
+}
+
+
+class ResultStore:
+    """DIR/results.sqlite, table `points`: one row per point, one transaction per update.
+
+    WAL mode: readers (the fitter, a notebook) never block the runner, and a crash loses
+    at most the update in flight. scaling.scaling_laws.load_results reads this table.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        cols = ", ".join(f"{k} {v}" for k, v in COLUMNS.items())
+        self.db.execute(f"CREATE TABLE IF NOT EXISTS points ({cols})")
+        have = {r["name"] for r in self.db.execute("PRAGMA table_info(points)")}
+        for k, v in COLUMNS.items():  # a store from an older runner gains the new columns
+            if k not in have:
+                self.db.execute(f"ALTER TABLE points ADD COLUMN {k} {v.replace('PRIMARY KEY', '')}")
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def row(self, pid: str) -> dict | None:
+        r = self.db.execute("SELECT * FROM points WHERE id = ?", (pid,)).fetchone()
+        return dict(r) if r is not None else None
+
+    def rows(self) -> list[dict]:
+        return [dict(r) for r in self.db.execute("SELECT * FROM points ORDER BY rowid")]
+
+    def add(self, sweep: str, p: Point, run_dir: str) -> None:
+        """Insert a pending row for a new point (existing rows are left alone)."""
+        c = p.cfg
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO points (id, sweep, n_params, n_params_nonembedding, tokens, flops, target, "
+                "flops_per_token, num_layers, hidden_size, steps, batch_size, seq_len, learning_rate, seed, status, "
+                "attempts, wall_time, run_dir, config_hash, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (p.id, sweep, p.n_params, p.n_params_nonembedding, p.tokens, p.flops, p.target, p.flops_per_token,
+                 c.model.num_layers, c.model.hidden_size, c.train.steps, c.train.batch_size, c.train.seq_len,
+                 c.optimizer.learning_rate, p.seed, "pending", 0, 0.0, run_dir, p.config_hash, time.time()),
+            )  # fmt: skip
+
+    def delete(self, pid: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM points WHERE id = ?", (pid,))
+
+    def update(self, pid: str, **values: Any) -> None:
+        values["updated_at"] = time.time()
+        sets = ", ".join(f"{k} = ?" for k in values)
+        with self._tx() as db:
+            db.execute(f"UPDATE points SET {sets} WHERE id = ?", (*values.values(), pid))
+
+    def start(self, pid: str, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE points SET status = 'running', job_id = ?, error = NULL, attempts = attempts + 1, "
+                "updated_at = ? WHERE id = ?",
+                (job_id, time.time(), pid),
+            )
+
+    def finish(self, pid: str, out) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE points SET status = ?, final_loss = ?, eval_loss = ?, last_step = ?, error = ?, "
+                "wall_time = COALESCE(wall_time, 0) + ?, updated_at = ? WHERE id = ?",
+                (out.status, out.final_loss, out.eval_loss, out.last_step, out.error, out.wall_time, time.time(), pid),
+            )
+
+    def close(self) -> None:
+        self.db.close()
+
+
+# ------------------------------------------------------------------------ estimates
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    tokens_per_sec: float | None  # measured / given; else FLOP-based
+    flops_per_sec: float | None
+    startup_s: float
+    step_overhead_s: float
+    source: str  # what the numbers assume, printed with the estimate
+
+    def seconds(self, p: Point) -> float:
+        compute = p.tokens / self.tokens_per_sec if self.tokens_per_sec else p.flops / self.flops_per_sec  # type: ignore[operator]
+        return self.startup_s + p.steps * self.step_overhead_s + compute
+
+
+def throughput(e: EstimateSpec) -> Throughput:
+    if e.tokens_per_sec:
+        src = f"--tokens-per-sec {e.tokens_per_sec:,.0f} (given)"
+        return Throughput(e.tokens_per_sec, None, e.startup_s, e.step_overhead_s, src + _overheads(e))
+    # scaling.hardware imports jax (import only: no backend, no device memory).
+    from scaling.hardware import get_hardware
+
+    hw = get_hardware(e.hardware)
+    src = f"MFU {e.mfu:.0%} of {hw.name} peak {hw.bf16_flops / 1e12:,.0f} bf16 TFLOP/s (assumed)"
+    return Throughput(None, e.mfu * hw.bf16_flops, e.startup_s, e.step_overhead_s, src + _overheads(e))
+
+
+def _overheads(e: EstimateSpec) -> str:
+    return f", + {e.startup_s:g} s start-up per point, + {e.step_overhead_s * 1e3:g} ms per step"
+
+
+def schedule_seconds(times: Sequence[float], workers: int) -> float:
+    """Makespan of running `times` in order on `workers` slots (each point to the first free one)."""
+    slots = [0.0] * max(1, workers)
+    for t in times:
+        i = min(range(len(slots)), key=slots.__getitem__)
+        slots[i] += t
+    return max(slots)
+
+
+def _hms(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_rows: Mapping[str, dict] | None = None) -> str:
+    rows = store_rows or {}
+    head = f"{'point':<20} {'L':>3} {'d':>5} {'N':>12} {'D':>13} {'D/N':>7} {'steps':>7} {'batch':>5} {'lr':>8} {'C target':>9} {'C used':>9} {'time':>8}  status"
+    lines = [head, "-" * len(head)]
+    times = []
+    for p in points:
+        t = tp.seconds(p)
+        status = "invalid: " + p.error if p.error else rows.get(p.id, {}).get("status", "new")
+        if status != "done":
+            times.append(t)
+        target = f"{p.target:.3g}" if p.id.startswith("C") else "-"
+        lines.append(
+            f"{p.id:<20} {p.depth:>3} {p.cfg.model.hidden_size:>5} {p.n_params:>12,} {p.tokens:>13,} {p.tokens / p.n_params:>7.1f} "
+            f"{p.steps:>7,} {p.cfg.train.batch_size:>5} {p.cfg.optimizer.learning_rate:>8.2e} {target:>9} {p.flops:>9.3g} {_hms(t):>8}  {status}"
+        )
+    total_c = sum(p.flops for p in points)
+    lines.append(f"{len(points)} points, {total_c:.3g} training FLOPs in all; throughput: {tp.source}")
+    lines.append(
+        f"predicted time for the {len(times)} points left: {_hms(sum(times))} in series, "
+        f"{_hms(schedule_seconds(times, workers))} with --workers {workers}"
+    )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ the runner
+
+
+class SweepError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def runner_lock(out: Path) -> Iterator[None]:
+    """One runner per output dir; the OS drops the lock when the runner dies, however."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".runner.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SweepError(f"another sweep runner is using {out} (lock {out / '.runner.lock'})") from None
+        yield
+
+
+def _pid_alive_in(pid: int, run_dir: str) -> bool:
+    """Is `pid` still a training process of this run dir (a child of a killed runner)?"""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return run_dir in cmdline
+
+
+def _wait_for_orphans(store: ResultStore, log, timeout_s: float = 180.0) -> None:
+    """A killed runner's points get SIGTERM (executors._die_with_parent) and checkpoint on
+    the way out; wait for them before training in the same run dirs again."""
+    for r in store.rows():
+        if r["status"] != "running" or not (r["job_id"] or "").isdigit():
+            continue
+        pid = int(r["job_id"])
+        if not _pid_alive_in(pid, r["run_dir"]):
+            continue
+        log(f"waiting for {r['id']}'s process {pid} from an earlier runner to checkpoint and exit")
+        deadline = time.monotonic() + timeout_s
+        while _pid_alive_in(pid, r["run_dir"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _pid_alive_in(pid, r["run_dir"]):
+            os.kill(pid, signal.SIGKILL)
+
+
+def prepare_data(points: Sequence[Point], log) -> None:
+    """Tokenize each distinct text corpus once, before the points start (else every point
+    would train its own BPE at the same moment)."""
+    from scaling.data import build_token_store
+
+    seen = set()
+    for p in points:
+        d = p.cfg.data
+        key = (d.source, d.path, d.tokenizer, d.cache_dir, d.eval_fraction, d.max_corpus_mb, p.cfg.model.vocab_size)
+        if d.source == DataSource.text and key not in seen:
+            seen.add(key)
+            build_token_store(p.cfg, log=log)
+
+
+def run_sweep(
+    spec: SweepSpec,
+    spec_dir: Path,
+    out: Path,
+    *,
+    workers: int = 1,
+    executor: str = "local",
+    only: Sequence[str] = (),
+    retry_failed: bool = True,
+    cluster: str | None = None,
+    log=None,
+) -> list[dict]:
+    """Run every unfinished point; return the store's rows. Failed points do not stop the others."""
+    from tqdm.auto import tqdm
+
+    from scaling.executors import EXECUTORS, PointTask
+
+    log = log or (lambda msg: print(msg, flush=True))
+    points, dropped = generate_points(spec, spec_dir)
+    if only:
+        points = [p for p in points if any(fnmatch.fnmatchcase(p.id, g) for g in only)]
+    for note in dropped:
+        log(f"dropped {note}")
+    out = out.resolve()
+    with runner_lock(out):
+        (out / "sweep.yaml").write_text(yaml.safe_dump(_plain(spec), sort_keys=False))
+        store = ResultStore(out / "results.sqlite")
+        changed = []
+        for p in points:
+            run_dir = out / "points" / p.id
+            store.add(spec.name, p, str(run_dir))
+            row = store.row(p.id)
+            if row["config_hash"] != p.config_hash:
+                if row["status"] == "done" or row["last_step"] or (run_dir / "checkpoints").exists():
+                    changed.append(p.id)
+                else:  # never trained: take the new config
+                    store.delete(p.id)
+                    store.add(spec.name, p, str(run_dir))
+            if p.error is not None:
+                store.update(p.id, status="failed", error=p.error)
+        if changed:
+            raise SweepError(
+                f"the spec changed the config of points that already ran: {', '.join(changed)}; "
+                f"use a new --out directory (or delete those points' rows and run dirs in {out})"
+            )
+        _wait_for_orphans(store, log)
+        todo = []
+        for p in points:
+            status = store.row(p.id)["status"]
+            if p.error is not None:
+                log(f"{p.id}: failed: {p.error}")
+                continue
+            if status == "done" or (status == "failed" and not retry_failed):
+                continue
+            todo.append(p)
+        done_before = sum(store.row(p.id)["status"] == "done" for p in points)
+        if todo:
+            log(f"sweep {spec.name}: {len(points)} points, {done_before} already finished, running {len(todo)} in {out}")
+            prepare_data(todo, log)
+        ex = EXECUTORS[executor](workers=workers, folder=out / "submitit", cluster=cluster, options=spec.submitit)
+        queue = list(todo)
+        running: dict[str, Any] = {}
+        bar = tqdm(total=len(points), initial=done_before, desc=spec.name, unit="point", dynamic_ncols=True, file=sys.stderr)
+        stop: list[str] = []
+        old = {s: signal.signal(s, lambda signum, _: stop.append(signal.Signals(signum).name)) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while (queue or running) and not stop:
+                while queue and len(running) < ex.slots:
+                    p = queue.pop(0)
+                    run_dir = out / "points" / p.id
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    cfg_path = run_dir / "point.yaml"
+                    cfg_path.write_text(dump_yaml(p.cfg))
+                    task = PointTask(p.id, str(cfg_path), str(run_dir), p.steps, cwd=os.getcwd())
+                    handle = ex.submit(task)
+                    store.start(p.id, handle.job_id)
+                    running[p.id] = handle
+                    bar.set_postfix_str(", ".join(running))
+                for pid, handle in list(running.items()):
+                    outcome = handle.poll()
+                    if outcome is None:
+                        continue
+                    del running[pid]
+                    store.finish(pid, outcome)
+                    loss = f" loss {outcome.final_loss:.4f}" if outcome.final_loss is not None else ""
+                    ev = f" eval {outcome.eval_loss:.4f}" if outcome.eval_loss is not None else ""
+                    bar.write(f"{pid}: {outcome.status}{loss}{ev} ({outcome.wall_time:.0f} s)")
+                    if outcome.status == "failed":
+                        bar.write(f"{pid}: {(outcome.error or '').splitlines()[-1] if outcome.error else ''}")
+                    bar.update(1 if outcome.status == "done" else 0)
+                    bar.set_postfix_str(", ".join(running))
+                time.sleep(0.2)
+            if stop:
+                bar.write(f"{stop[0]}: stopping the running points (they checkpoint); re-run to resume")
+                ex.shutdown()
+                for pid, handle in running.items():
+                    outcome = None
+                    for _ in range(600):  # train.py checkpoints, then exits
+                        outcome = handle.poll()
+                        if outcome is not None:
+                            break
+                        time.sleep(0.2)
+                    if outcome is not None:
+                        store.finish(pid, outcome)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            bar.close()
+        rows = store.rows()
+        store.close()
+    return rows
+
+
+def _plain(x: Any) -> Any:
+    from scaling.config import to_dict
+
+    return to_dict(x)
+
+
+def summary_table(rows: Sequence[dict]) -> str:
+    head = f"{'point':<20} {'status':<11} {'N':>12} {'D':>13} {'C':>9} {'loss':>7} {'eval':>7} {'wall':>7}"
+    lines = [head]
+    for r in rows:
+        f = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
+        lines.append(
+            f"{r['id']:<20} {r['status']:<11} {r['n_params']:>12,} {r['tokens']:>13,} {r['flops']:>9.3g} "
+            f"{f(r['final_loss']):>7} {f(r['eval_loss']):>7} {r['wall_time'] or 0:>6.0f}s"
+        )
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "interrupted", "running", "pending")}
+    lines.append(", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ CLI
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    from scaling.executors import EXECUTORS
+
+    p = argparse.ArgumentParser(prog="python -m scaling sweep", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--config", required=True, help="sweep spec YAML (configs/sweeps/NAME.yaml)")
+    p.add_argument("--out", default=None, help="output dir (default: sweeps/<spec name>)")
+    p.add_argument("--dry-run", action="store_true", help="list the points with N, D, C and predicted time; run nothing")
+    p.add_argument("--workers", type=int, default=1, help="points at once (GPU machines: one GPU each, shared beyond the count)")
+    p.add_argument("--executor", choices=sorted(EXECUTORS), default="local")
+    p.add_argument("--cluster", default=None, help="submitit cluster: slurm, local, debug (default: slurm if sbatch exists)")
+    p.add_argument("--only", action="append", default=[], help="run only points whose id matches this glob (repeatable)")
+    p.add_argument("--no-retry-failed", dest="retry_failed", action="store_false", help="leave failed points alone on a re-run")
+    p.add_argument("--tokens-per-sec", type=float, default=None, help="dry run: measured throughput per point (else the spec's MFU assumption)")
+    p.add_argument("--mfu", type=float, default=None, help="dry run: assumed MFU (overrides estimate.mfu)")
+    p.add_argument("--hardware", default=None, help="dry run: hardware for the MFU assumption (overrides estimate.hardware)")
+    args, rest = p.parse_known_args(argv)
+    bad = [o for o in rest if not o.startswith("--") or "=" not in o]
+    if bad:
+        p.error(f"unrecognised arguments {bad}; spec overrides look like --section.key=value")
+    return args, rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    spec, spec_dir = load_spec(args.config, overrides)
+    est = {k: v for k, v in {"tokens_per_sec": args.tokens_per_sec, "mfu": args.mfu, "hardware": args.hardware}.items() if v is not None}
+    if est:
+        spec = dataclasses.replace(spec, estimate=dataclasses.replace(spec.estimate, **est))
+        validate_spec(spec)
+    out = Path(args.out or Path("sweeps") / spec.name)
+    if args.dry_run:
+        points, dropped = generate_points(spec, spec_dir)
+        if args.only:
+            points = [p for p in points if any(fnmatch.fnmatchcase(p.id, g) for g in args.only)]
+        rows = {}
+        if (out / "results.sqlite").exists():
+            store = ResultStore(out / "results.sqlite")
+            rows = {r["id"]: r for r in store.rows()}
+            store.close()
+        print(dry_run_table(points, throughput(spec.estimate), args.workers, rows))
+        for note in dropped:
+            print(f"dropped {note}")
+        return 0
+    try:
+        rows = run_sweep(
+            spec, spec_dir, out, workers=args.workers, executor=args.executor, only=args.only,
+            retry_failed=args.retry_failed, cluster=args.cluster,
+        )  # fmt: skip
+    except SweepError as e:
+        print(f"sweep error: {e}", file=sys.stderr)
+        return 2
+    print(summary_table(rows))
+    print(f"results: {out / 'results.sqlite'}")
+    return 0 if all(r["status"] == "done" for r in rows) else 1
