@@ -10,7 +10,7 @@ Sources:
 
 Every fit is numpy + scipy only. The Approach-3 objective is vectorised over many starting
 points at once (`_lbfgs_batched`), so the papers' full grid of 4,500 starts runs in seconds;
-the best few end points are then polished with scipy's L-BFGS-B.
+the best end point is then polished with scipy's L-BFGS-B.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ MIN_POINTS_PER_BUDGET = 3  # a parabola has three coefficients.
 # The loss is the Huber loss of (log L̂ - log L), summed over points (not averaged: [B24]'s
 # `custom_huber_loss` returns np.sum), optionally weighted (bootstrap resamples as counts).
 # ---------------------------------------------------------------------------------------------
-
-
-def _huber(r: np.ndarray, delta: float) -> np.ndarray:
-    a = np.abs(r)
-    return np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
 
 
 def _lse_objective(
@@ -129,12 +124,10 @@ def _lbfgs_batched(
     y_hist = np.zeros((k, memory, p))
     rho = np.zeros((k, memory))  # 1 / s·y; 0 marks an empty slot
     active = np.ones(k, dtype=bool)
-    stats = {"iterations": 0, "row_evals": k}
     for _ in range(max_iter):
         rows = np.flatnonzero(active)
         if rows.size == 0:
             break
-        stats["iterations"] += 1
         gr, sh, yh, rh = g[rows], s_hist[rows], y_hist[rows], rho[rows]  # gather once
         # Two-loop recursion (Nocedal & Wright 2006, Alg. 7.4), one row per start.
         q = gr.copy()
@@ -147,7 +140,7 @@ def _lbfgs_batched(
         gnorm = np.linalg.norm(gr, axis=1)
         yy = np.einsum("kp,kp->k", yh[:, 0], yh[:, 0])
         # Initial Hessian scale s·y / y·y, or a unit-length first step along -g.
-        gamma = np.where(have, 1.0 / np.where(have, rh[:, 0] * yy, 1.0), 1.0 / np.maximum(gnorm, 1e-300))
+        gamma = np.where(have, 1.0 / np.where(have, rh[:, 0] * yy, 1.0), 1.0 / np.maximum(gnorm, 1e-300))  # [K']
         d = gamma[:, None] * q
         for j in reversed(range(memory)):
             b_j = rh[:, j] * np.einsum("kp,kp->k", yh[:, j], d)
@@ -167,7 +160,6 @@ def _lbfgs_batched(
         f_old = f[rows]
         for _ in range(60):
             ft, gt = fg(x[rows[todo]] + step[todo, None] * d[todo], rows[todo])
-            stats["row_evals"] += todo.size
             ok = np.isfinite(ft) & (ft <= f_old[todo] + 1e-4 * step[todo] * slope[todo])
             f_new[todo[ok]] = ft[ok]
             g_new[todo[ok]] = gt[ok]
@@ -194,16 +186,20 @@ def _lbfgs_batched(
         rho[cr, 0] = 1.0 / sy[curv]
         done = f_old[moved] - f_new[moved] <= rtol * np.abs(f_new[moved])
         active[mr[done]] = False
-    _lbfgs_batched.last_stats = stats  # type: ignore[attr-defined]
     return x, f
 
 
 def _polish(
     fg1: Callable[[np.ndarray], tuple[float, np.ndarray]], x0: np.ndarray
 ) -> tuple[np.ndarray, float]:
-    """scipy L-BFGS-B from x0 with tight tolerances; keeps x0 if scipy ends worse."""
+    """scipy L-BFGS-B from x0 with tight tolerances; keeps x0 if scipy ends worse.
+
+    Called once per fit, from an already converged point: scipy's L-BFGS-B calls BLAS on
+    5 x 5 matrices, and multithreaded OpenBLAS on a busy machine makes each iteration cost
+    milliseconds, so the many-start work stays in `_lbfgs_batched`.
+    """
     f0 = fg1(x0)[0]
-    res = minimize(fg1, x0, jac=True, method="L-BFGS-B", options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-14})
+    res = minimize(fg1, x0, jac=True, method="L-BFGS-B", options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-14})
     if np.isfinite(res.fun) and res.fun <= f0:
         return np.asarray(res.x), float(res.fun)
     return np.asarray(x0, dtype=float), float(f0)
@@ -232,11 +228,14 @@ def _fit_lse(
     starts_kp: np.ndarray,
     delta: float,
     *,
-    polish: int = 8,
+    refine: int = 8,
 ) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
-    """Batched L-BFGS from every start, then scipy L-BFGS-B on the best `polish` distinct ends.
+    """Minimises the LSE-form Huber objective from every start; keeps the lowest objective.
 
-    Returns (best_x, best_f, all_end_x, all_end_f).
+    Three stages: batched L-BFGS from all starts to a loose tolerance (rtol 1e-6: enough to
+    rank the basins, whose objectives differ by factors, not parts per million); the best
+    `refine` distinct end points continued to rtol 1e-13; scipy L-BFGS-B from the best of
+    those. Returns (best_x, best_f, coarse_end_x, coarse_end_f).
     """
 
     def fg(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -246,14 +245,12 @@ def _fit_lse(
         f, g = _lse_objective(x[None], logx_mn, logy_n, delta)
         return float(f[0]), g[0]
 
-    ends, fends = _lbfgs_batched(fg, starts_kp)
-    best_x, best_f = None, np.inf
-    for i in _distinct_best(ends, fends, polish):
-        x, f = _polish(fg1, ends[i])
-        if f < best_f:
-            best_x, best_f = x, f
-    if best_x is None:
+    ends, fends = _lbfgs_batched(fg, starts_kp, rtol=1e-6)
+    top = _distinct_best(ends, fends, refine)
+    if top.size == 0:
         raise RuntimeError("every start of the fit diverged (non-finite objective)")
+    fine, ffine = _lbfgs_batched(fg, ends[top], rtol=1e-13, max_iter=2000)
+    best_x, best_f = _polish(fg1, fine[np.argmin(ffine)])
     return best_x, best_f, ends, fends
 
 
@@ -397,7 +394,7 @@ class IsoFlopFit:
                     "n_opt": bud.n_opt,
                     "d_opt": bud.d_opt,
                     "loss_opt": bud.loss_opt,
-                    "valid": bud.valid,
+                    "valid": bool(bud.valid),
                     "reason": bud.reason,
                 }
                 for bud in self.budgets
@@ -422,6 +419,19 @@ def group_budgets(c: Any, *, tol_dex: float = 0.02) -> np.ndarray:
     return labels
 
 
+def snap_budgets(c: Any, nominal: Sequence[float], *, tol_dex: float = 0.05) -> np.ndarray:
+    """Budget label per run: the nominal budget within tol_dex decades of its C, else NaN.
+
+    For data whose budgets are known (Chinchilla's nine IsoFLOP budgets, 6e18 ... 3e21 [H22,
+    Fig. 3]) but whose C values are noisy; NaN runs belong to no profile.
+    """
+    logc = np.log10(_as_positive("C", c))
+    nom = np.log10(_as_positive("nominal budgets", nominal))
+    dist = np.abs(logc[:, None] - nom[None])
+    j = np.argmin(dist, axis=1)
+    return np.where(dist[np.arange(logc.size), j] <= tol_dex, 10.0 ** nom[j], np.nan)
+
+
 def fit_isoflop(
     n: Any,
     d: Any | None,
@@ -440,8 +450,9 @@ def fit_isoflop(
     valid budgets (convex parabola, minimum inside the sampled range of N).
 
     Give `d` (tokens) or `c` (FLOPs) or both; a missing one uses C = 6 N D. Budgets are the
-    explicit `budgets` labels if given, else `group_budgets(c, tol_dex=tol_dex)`; groups with
-    fewer than `min_points` runs or fewer than three distinct N are skipped.
+    explicit `budgets` labels if given (numbers; NaN = in no budget, e.g. from `snap_budgets`),
+    else `group_budgets(c, tol_dex=tol_dex)`; groups with fewer than `min_points` runs or
+    fewer than three distinct N are skipped.
     """
     n = _as_positive("N", n)
     loss = _as_positive("loss", loss)
@@ -451,9 +462,14 @@ def fit_isoflop(
     c = _as_positive("C", c) if c is not None else FLOPS_PER_TOKEN_PER_PARAM * n * d
     if not (n.size == d.size == loss.size == c.size):
         raise ValueError(f"inputs differ in length: N={n.size} D={d.size} loss={loss.size} C={c.size}")
-    labels = np.asarray(budgets) if budgets is not None else group_budgets(c, tol_dex=tol_dex)
+    if budgets is not None:
+        labels = np.asarray(budgets, dtype=float)
+        if labels.shape != n.shape:
+            raise ValueError(f"budgets has {labels.size} labels for {n.size} runs")
+    else:
+        labels = group_budgets(c, tol_dex=tol_dex).astype(float)
     out: list[IsoFlopBudget] = []
-    for lab in np.unique(labels):
+    for lab in np.unique(labels[np.isfinite(labels)]):
         idx = np.flatnonzero(labels == lab)
         if idx.size < max(min_points, MIN_POINTS_PER_BUDGET) or np.unique(n[idx]).size < MIN_POINTS_PER_BUDGET:
             continue
@@ -466,7 +482,7 @@ def fit_isoflop(
             u_opt, valid, reason = float(u[np.argmin(loss[idx])]), False, "parabola not convex"
         else:
             u_opt = -p1 / (2 * p2)
-            valid = lo <= u_opt <= hi
+            valid = bool(lo <= u_opt <= hi)
             reason = "" if valid else "minimum outside sampled N range"
         n_opt = float(np.exp(u_opt))
         out.append(
@@ -563,6 +579,14 @@ class ChinchillaFit:
             out["ci_level"] = self.ci_level
             out["n_bootstrap"] = self.n_bootstrap
         return out
+
+
+def published_fit(params: dict[str, float], n_points: int = 0) -> ChinchillaFit:
+    """A ChinchillaFit holding published parameters (e.g. HOFFMANN_2022), for comparisons."""
+    return ChinchillaFit(
+        E=params["E"], A=params["A"], B=params["B"], alpha=params["alpha"], beta=params["beta"],
+        objective=math.nan, n_points=n_points, huber_delta=1e-3,
+    )
 
 
 def chinchilla_objective(
@@ -665,18 +689,14 @@ def _bootstrap(
     def fg(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return _lse_objective(x, logx, logy, delta, w_rows[rows])
 
-    ends, fends = _lbfgs_batched(fg, x0)
+    ends, fends = _lbfgs_batched(fg, x0, rtol=1e-6)
     fends = np.where(np.isfinite(fends), fends, np.inf).reshape(n_resamples, s)
-    pick = np.argmin(fends, axis=1)
-    out = np.empty((n_resamples, 5))
-    for r in range(n_resamples):
-        w = counts[r]
+    best_rows = np.arange(n_resamples) * s + np.argmin(fends, axis=1)
 
-        def fg1(x: np.ndarray, w: np.ndarray = w) -> tuple[float, np.ndarray]:
-            f, g = _lse_objective(x[None], logx, logy, delta, w)
-            return float(f[0]), g[0]
+    def fg_best(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return _lse_objective(x, logx, logy, delta, counts[rows])
 
-        out[r] = _polish(fg1, ends[r * s + pick[r]])[0]
+    out, _ = _lbfgs_batched(fg_best, ends[best_rows], rtol=1e-13, max_iter=2000)
     return out
 
 
@@ -845,11 +865,13 @@ def make_plots(
     isoflop: IsoFlopFit | None = None,
     *,
     compute_fit: PowerLawFit | None = None,
+    reference: tuple[str, ChinchillaFit] | None = None,
     prefix: str = "",
     title: str = "",
 ) -> list[Path]:
     """Writes PNGs: IsoFLOP profiles, loss vs compute with the frontier, N_opt and D_opt vs C,
-    and the Approach-3 residuals. Returns the written paths."""
+    and the Approach-3 residuals. `reference` = (label, fit) adds a published law to the
+    allocation plot. Returns the written paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -891,7 +913,7 @@ def make_plots(
     ax.set_xlabel("parameters N")
     ax.set_ylabel("final loss")
     ax.set_title(f"Approach 2: IsoFLOP profiles, parabola in log N{tag}")
-    ax.grid(True, which="both", alpha=0.25)
+    ax.grid(True, which="major", alpha=0.3)
     save(fig, "isoflop")
 
     # 2. Loss vs compute, with the frontier.
@@ -912,7 +934,7 @@ def make_plots(
     ax.set_ylabel("final loss")
     ax.set_title(f"Loss vs compute{tag}")
     ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.25)
+    ax.grid(True, which="major", alpha=0.3)
     save(fig, "loss_vs_compute")
 
     # 3. N_opt and D_opt vs C.
@@ -921,6 +943,9 @@ def make_plots(
     n3, d3 = compute_optimal(fit, cgrid)
     for ax, which, y3 in ((axes[0], "N", n3), (axes[1], "D", d3)):
         ax.plot(cgrid, y3, color="C0", lw=2, label=f"Approach 3 (exponent {fit.beta / (fit.alpha + fit.beta) if which == 'N' else fit.alpha / (fit.alpha + fit.beta):.3f})")
+        if reference is not None:
+            nr, dr = compute_optimal(reference[1], cgrid)
+            ax.plot(cgrid, nr if which == "N" else dr, color="0.4", ls=":", lw=1.5, label=reference[0])
         if isoflop is not None:
             good = [bud for bud in isoflop.budgets if bud.valid]
             pts = [bud.n_opt if which == "N" else bud.d_opt for bud in good]
@@ -933,7 +958,7 @@ def make_plots(
         ax.set_xlabel("training compute C (FLOPs)")
         ax.set_ylabel("compute-optimal parameters N_opt" if which == "N" else "compute-optimal tokens D_opt")
         ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.25)
+        ax.grid(True, which="major", alpha=0.3)
     fig.suptitle(f"Compute-optimal allocation{tag}")
     save(fig, "optimal_allocation")
 
@@ -949,7 +974,7 @@ def make_plots(
     axes[0].set_xlabel("training compute C (FLOPs)")
     axes[0].set_ylabel("log L - log L̂")
     axes[0].set_title(f"Approach-3 residuals (dotted: ±Huber δ = {fit.huber_delta:g})")
-    axes[0].grid(True, which="both", alpha=0.25)
+    axes[0].grid(True, which="major", alpha=0.3)
     axes[1].hist(res, bins=40, color="C0", alpha=0.8)
     axes[1].set_xlabel("log L - log L̂")
     axes[1].set_ylabel("runs")

@@ -1,0 +1,226 @@
+"""`python -m scaling fit`: refit scaling laws to finished runs and replot, without training.
+
+    python -m scaling fit --results DIR_or_CSV [--out DIR] [--huber-delta 1e-3]
+                          [--bootstrap 100] [--drop-highest-loss K]
+
+Writes DIR/fit.json (Approach 3 with optional bootstrap intervals, Approach 2, Kaplan-style
+power laws on the loss frontiers, compute-optimal N, D and tokens per parameter for a few
+budgets) and the PNGs of `scaling_laws.make_plots`, and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scaling import scaling_laws as sl
+
+# Chinchilla's nine IsoFLOP budgets [Hoffmann et al. 2022, Fig. 3], for --isoflop-budgets chinchilla.
+CHINCHILLA_BUDGETS = (6e18, 1e19, 3e19, 6e19, 1e20, 3e20, 6e20, 1e21, 3e21)
+REFERENCES = {
+    "none": None,
+    "hoffmann2022": ("Hoffmann et al. 2022 (published)", sl.HOFFMANN_2022),
+    "besiroglu2024": ("Besiroglu et al. 2024 (published)", sl.BESIROGLU_2024),
+}
+GROUP_TOL_DEX = 0.02  # chaining tolerance when budgets are inferred from C
+SNAP_TOL_DEX = 0.05  # distance to a named budget when budgets are given
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m scaling fit",
+        description="Fit scaling laws (Chinchilla Approaches 2 and 3, Kaplan power laws) to finished runs.",
+    )
+    p.add_argument("--results", required=True, help="sweep directory holding results.sqlite, or a CSV of runs")
+    p.add_argument("--out", help="output directory (default: RESULTS/fit for a sweep, ./fit_<name> for a CSV)")
+    p.add_argument("--huber-delta", type=float, default=1e-3, help="Huber delta on log loss (default 1e-3)")
+    p.add_argument("--bootstrap", type=int, default=0, help="bootstrap resamples for confidence intervals (default 0)")
+    p.add_argument("--ci", type=float, default=0.95, help="confidence level of the bootstrap intervals")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--drop-highest-loss", type=int, default=0, metavar="K",
+                   help="drop the K highest-loss runs before fitting (Besiroglu et al. 2024 drop 5)")
+    p.add_argument("--isoflop-tol", type=float, default=None,
+                   help=f"IsoFLOP grouping tolerance in decades of C (default {GROUP_TOL_DEX} when inferring "
+                        f"budgets, {SNAP_TOL_DEX} when snapping to --isoflop-budgets)")
+    p.add_argument("--isoflop-budgets", default=None,
+                   help="comma-separated nominal budgets to snap runs to (e.g. 1e19,1e20), or 'chinchilla'")
+    p.add_argument("--predict", default=None,
+                   help="comma-separated budgets C for compute-optimal predictions (default: every decade "
+                        "from the data's range to 1000x its largest budget)")
+    p.add_argument("--reference", choices=sorted(REFERENCES), default="none",
+                   help="published law to draw on the allocation plot")
+    p.add_argument("--plot-prefix", default="", help="prefix for the PNG file names")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    return p
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(tok) for tok in text.split(",") if tok.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise ValueError(f"{what}: expected positive numbers, got {text!r}")
+    return vals
+
+
+def _default_out(results: Path) -> Path:
+    return results / "fit" if results.is_dir() else Path.cwd() / f"fit_{results.stem}"
+
+
+def _prediction_budgets(c: np.ndarray) -> list[float]:
+    lo = math.ceil(math.log10(c.min()))
+    hi = math.floor(math.log10(c.max())) + 3
+    return [10.0**k for k in range(lo, hi + 1)]
+
+
+def _kaplan_fits(runs: sl.RunTable, delta: float) -> tuple[dict[str, Any], dict[str, sl.PowerLawFit]]:
+    """L(X) = E + (X_c/X)^alpha on the loss frontier in X (lowest loss at <= X), X in N, D, C."""
+    out: dict[str, Any] = {}
+    fits: dict[str, sl.PowerLawFit] = {}
+    for name, x in (("N", runs.n), ("D", runs.d), ("C", runs.c)):
+        front = sl.pareto_frontier(x, runs.loss)
+        try:
+            fit = sl.fit_power_law(x[front], runs.loss[front], huber_delta=delta)
+        except (ValueError, RuntimeError) as err:
+            out[name] = {"error": str(err), "n_frontier_points": int(front.size)}
+            continue
+        fits[name] = fit
+        out[name] = fit.to_dict()
+    return out, fits
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results = Path(args.results)
+    runs_all = sl.load_results(results)
+    if len(runs_all) == 0:
+        raise ValueError(f"{results}: no usable runs (need positive N, loss and D or C)")
+    if args.drop_highest_loss < 0:
+        raise ValueError(f"--drop-highest-loss must be >= 0, got {args.drop_highest_loss}")
+    if args.drop_highest_loss and len(runs_all) - args.drop_highest_loss < sl.MIN_POINTS_PARAMETRIC:
+        raise ValueError(
+            f"{results}: {len(runs_all)} runs, dropping {args.drop_highest_loss} leaves fewer than "
+            f"{sl.MIN_POINTS_PARAMETRIC} for the parametric fit"
+        )
+    runs = runs_all.drop_highest_loss(args.drop_highest_loss)
+    if len(runs) < sl.MIN_POINTS_PARAMETRIC:
+        raise ValueError(f"{results}: {len(runs)} usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}")
+    out_dir = Path(args.out) if args.out else _default_out(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    fit3 = sl.fit_chinchilla(runs.n, runs.d, runs.loss, huber_delta=args.huber_delta,
+                             bootstrap=args.bootstrap, seed=args.seed, ci_level=args.ci)
+    t_fit = time.perf_counter() - t0
+
+    iso: sl.IsoFlopFit | None = None
+    try:
+        if args.isoflop_budgets:
+            nominal = CHINCHILLA_BUDGETS if args.isoflop_budgets == "chinchilla" else _floats(args.isoflop_budgets, "--isoflop-budgets")
+            labels = sl.snap_budgets(runs.c, nominal, tol_dex=args.isoflop_tol or SNAP_TOL_DEX)
+            iso = sl.fit_isoflop(runs.n, runs.d, runs.loss, runs.c, budgets=labels)
+        else:
+            iso = sl.fit_isoflop(runs.n, runs.d, runs.loss, runs.c, tol_dex=args.isoflop_tol or GROUP_TOL_DEX)
+        approach2: dict[str, Any] = iso.to_dict()
+    except ValueError as err:
+        approach2 = {"error": str(err)}
+
+    kaplan, kaplan_fits = _kaplan_fits(runs, args.huber_delta)
+
+    budgets = _floats(args.predict, "--predict") if args.predict else _prediction_budgets(runs.c)
+    predictions = []
+    for c in budgets:
+        n3, d3 = sl.compute_optimal(fit3, c)
+        row: dict[str, Any] = {
+            "C": c,
+            "approach3": {"N_opt": n3, "D_opt": d3, "tokens_per_param": d3 / n3, "loss": float(fit3.predict(n3, d3))},
+        }
+        if iso is not None:
+            n2, d2 = float(iso.n_opt(c)), float(iso.d_opt(c))
+            row["approach2"] = {"N_opt": n2, "D_opt": d2, "tokens_per_param": d2 / n2}
+        predictions.append(row)
+
+    report: dict[str, Any] = {
+        "source": str(results),
+        "n_runs": len(runs_all),
+        "n_runs_used": len(runs),
+        "dropped_highest_loss": args.drop_highest_loss,
+        "huber_delta": args.huber_delta,
+        "fit_seconds": round(t_fit, 3),
+        "approach3": fit3.to_dict(),
+        "approach2": approach2,
+        "kaplan_frontier": kaplan,
+        "compute_optimal": predictions,
+        "reference": {"hoffmann_2022": sl.HOFFMANN_2022, "besiroglu_2024": sl.BESIROGLU_2024},
+    }
+    (out_dir / "fit.json").write_text(json.dumps(report, indent=2) + "\n")
+    plots: list[Path] = []
+    if not args.no_plots:
+        ref = REFERENCES[args.reference]
+        plots = sl.make_plots(
+            out_dir, runs, fit3, iso,
+            compute_fit=kaplan_fits.get("C"),
+            reference=(ref[0], sl.published_fit(ref[1])) if ref else None,
+            prefix=args.plot_prefix,
+        )
+    report["_out_dir"] = str(out_dir)
+    report["_plots"] = [str(p) for p in plots]
+    return report
+
+
+def _summary(report: dict[str, Any]) -> str:
+    f3 = report["approach3"]
+    ci = f3.get("ci")
+    lines = [
+        f"{report['source']}: {report['n_runs_used']} runs used of {report['n_runs']} "
+        f"(dropped {report['dropped_highest_loss']} highest-loss), Huber delta {report['huber_delta']:g}, "
+        f"fit {report['fit_seconds']:.1f}s",
+        "",
+        f"Approach 3  L = E + A/N^alpha + B/D^beta" + (f"   [{100 * f3['ci_level']:.0f}% bootstrap CI, n={f3['n_bootstrap']}]" if ci else ""),
+        f"  {'param':<6} {'fit':>12} {'Hoffmann22':>11} {'Besiroglu24':>12}" + (f" {'CI':>24}" if ci else ""),
+    ]
+    for name in sl.PARAM_NAMES:
+        row = f"  {name:<6} {f3[name]:>12.4g} {sl.HOFFMANN_2022[name]:>11.4g} {sl.BESIROGLU_2024[name]:>12.4g}"
+        if ci:
+            lo, hi = ci[name]
+            row += f" {f'[{lo:.4g}, {hi:.4g}]':>24}"
+        lines.append(row)
+    lines.append(f"  N_opt ∝ C^{f3['a_exponent']:.3f}, D_opt ∝ C^{f3['b_exponent']:.3f}")
+    a2 = report["approach2"]
+    if "error" in a2:
+        lines.append(f"Approach 2  skipped: {a2['error']}")
+    else:
+        nb = sum(b["valid"] for b in a2["budgets"])
+        lines.append(f"Approach 2  N_opt ∝ C^{a2['a']:.3f}, D_opt ∝ C^{a2['b']:.3f}  ({nb} budgets)")
+    lines += ["", f"  {'C':>9} {'N_opt':>10} {'D_opt':>10} {'D/N':>7} {'loss':>7}" + ("   A2: N_opt     D/N" if "error" not in a2 else "")]
+    for row in report["compute_optimal"]:
+        r3 = row["approach3"]
+        line = f"  {row['C']:>9.2e} {r3['N_opt']:>10.3e} {r3['D_opt']:>10.3e} {r3['tokens_per_param']:>7.1f} {r3['loss']:>7.3f}"
+        if "approach2" in row:
+            r2 = row["approach2"]
+            line += f"   {r2['N_opt']:>9.3e} {r2['tokens_per_param']:>6.1f}"
+        lines.append(line)
+    lines += ["", f"wrote {report['_out_dir']}/fit.json" + (f" and {len(report['_plots'])} PNGs" if report["_plots"] else "")]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        print(f"fit: error: {err}", file=sys.stderr)
+        return 1
+    print(_summary(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
