@@ -1,7 +1,24 @@
 """Hardware table: peak rates and sizes, each with its source.
 
-Bandwidths in bytes/s; FLOP/s are dense (no sparsity). `ici_bandwidth` is per device,
-one direction (NVLink for GPUs, ICI for TPUs); `dcn_bandwidth` is the network per device.
+Bandwidths in bytes/s; FLOP/s are dense bf16 (no sparsity).
+
+- `ici_bandwidth`: per device, all intra-node/intra-slice links together, one direction
+  (NVLink egress for GPUs; links x one-way link bandwidth for TPUs).
+- `axis_bandwidth`: what one ring collective along ONE mesh axis gets per device. On an
+  NVSwitch node every GPU reaches every other at full NVLink egress, so it equals
+  `ici_bandwidth`. On a TPU torus a 1D ring along one axis uses that axis's two links
+  (one each way), so it is 2 x the one-way link bandwidth: the book's W_ici for a
+  bidirectional ring ("How to Scale Your Model", sharded-matmuls chapter: an AllGather of
+  V bytes over one axis takes T ~ V / W_ici).
+- `dcn_bandwidth`: the network (NIC / DCN) per device, used by axes that leave a node.
+- `devices_per_node`: how many devices share the fast interconnect (an NVLink node; a TPU
+  slice).
+
+Corrections made against the sources (issue 6): TPU DCN was 2.5e10 B/s per chip; Google's
+pages give 50 Gb/s per chip for v5p (6.25e9 B/s) and 6.4 Tb/s per 256-chip pod for v5e
+(25 Gb/s = 3.125e9 B/s per chip). v5p HBM is 95 GiB at 2,765 GB/s per Google (the book
+rounds to 96 GB and 2.8e12). GPU HBM sizes are GiB-scale stacks (80 GiB on H100), but the
+usable amount after the CUDA context is a little less: see `usable_fraction`.
 """
 
 from __future__ import annotations
@@ -20,13 +37,25 @@ class Hardware:
     ici_bandwidth: float
     dcn_bandwidth: float
     source: str
+    axis_bandwidth: float = 0.0  # 0: same as ici_bandwidth (switched interconnect)
+    devices_per_node: int = 8
+    host_offload: bool = True  # pinned host memory space for remat offload
+    usable_fraction: float = 0.92  # of hbm_bytes, for "does it fit" (runtime, fragmentation)
+
+    @property
+    def ring_bandwidth(self) -> float:
+        return self.axis_bandwidth or self.ici_bandwidth
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hbm_bytes * self.usable_fraction
 
 
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
-        "NVIDIA H100 SXM", 989e12, 3.35e12, 80e9, 450e9, 50e9,
-        "NVIDIA H100 datasheet (SXM5: 989.4 dense bf16 TFLOP/s, 3.35 TB/s HBM3, 900 GB/s NVLink "
-        "bidirectional); 400 Gb/s NIC per GPU",
+        "NVIDIA H100 SXM", 989e12, 3.35e12, 80 * 2**30, 450e9, 50e9,
+        "NVIDIA H100 datasheet (SXM5: 989 dense bf16 TFLOP/s, 3.35 TB/s HBM3, 80 GB, 900 GB/s NVLink "
+        "bidirectional = 450 GB/s egress); ConnectX-7 400 Gb/s NIC per GPU (DGX H100)",
     ),
     "h200": Hardware(
         "NVIDIA H200 SXM", 989e12, 4.8e12, 141e9, 450e9, 50e9,
@@ -34,24 +63,32 @@ HARDWARE: dict[str, Hardware] = {
         "bidirectional); 400 Gb/s NIC per GPU",
     ),
     "a100": Hardware(
-        "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80e9, 300e9, 25e9,
-        "NVIDIA A100 datasheet (312 dense bf16 TFLOP/s, 2,039 GB/s, 600 GB/s NVLink bidirectional); 200 Gb/s NIC",
+        "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80 * 2**30, 300e9, 25e9,
+        "NVIDIA A100 datasheet (312 dense bf16 TFLOP/s, 2,039 GB/s HBM2e, 80 GB, 600 GB/s NVLink "
+        "bidirectional); 200 Gb/s HDR NIC per GPU (DGX A100)",
     ),
     "tpu_v5e": Hardware(
-        "TPU v5e", 197e12, 8.1e11, 16e9, 4.5e10 * 4, 2.5e10,
-        "How to Scale Your Model, TPUs chapter table (197 bf16 TFLOP/s, 8.1e11 B/s HBM, 16 GB, "
-        "4.5e10 B/s per ICI link one way x 4 links)",
+        "TPU v5e", 197e12, 8.1e11, 16e9, 4.5e10 * 4, 3.125e9,
+        "How to Scale Your Model, TPUs chapter table (1.97e14 bf16 FLOP/s, 8.1e11 B/s HBM, 16 GB, "
+        "4.5e10 B/s per ICI link one way, 2D torus: 4 links); DCN: cloud.google.com/tpu/docs/v5e "
+        "(6.4 Tb/s per 256-chip pod)",
+        axis_bandwidth=2 * 4.5e10,
+        devices_per_node=256,
     ),
     "tpu_v5p": Hardware(
-        "TPU v5p", 459e12, 2.8e12, 96e9, 9e10 * 6, 2.5e10,
-        "How to Scale Your Model, TPUs chapter table (459 bf16 TFLOP/s, 2.8e12 B/s HBM, 96 GB, "
-        "9e10 B/s per ICI link one way x 6 links)",
+        "TPU v5p", 459e12, 2.765e12, 95 * 2**30, 9e10 * 6, 6.25e9,
+        "cloud.google.com/tpu/docs/v5p (459 bf16 TFLOP/s, 95 GiB HBM2e at 2,765 GB/s, 50 Gb/s DCN "
+        "per chip); How to Scale Your Model TPUs chapter (9e10 B/s per ICI link one way, 3D torus: "
+        "6 links)",
+        axis_bandwidth=2 * 9e10,
+        devices_per_node=8960,
     ),
 }
 
 
 def get_hardware(name: str) -> Hardware:
     key = name.lower().replace("-", "_")
+    key = {"v5e": "tpu_v5e", "v5p": "tpu_v5p"}.get(key, key)
     if key not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; allowed: {', '.join(HARDWARE)}")
     return HARDWARE[key]

@@ -2,6 +2,13 @@
 
 A policy decides which intermediates of the layer body are saved for the backward pass;
 everything else is recomputed. Applied with `jax.checkpoint` to the (scanned) layer body.
+What each policy keeps, tensor by tensor and in bytes, is `scaling.accounting.layer_residuals`
+(tests/test_remat.py checks it against JAX's saved residuals and XLA's memory analysis).
+
+`offload` moves the tagged tensors to the `pinned_host` memory space. A backend without
+that memory space gets a `RematError` naming the alternatives, never a silent fallback. The
+CPU backend has one (JAX exposes `pinned_host` on CPU devices), so offload runs there and
+gives identical gradients, but host and device memory are the same RAM: it saves nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +75,20 @@ POLICIES: dict[RematPolicyName, RematPolicy] = {
 }
 
 
+class RematError(ValueError):
+    pass
+
+
+def host_offload_supported(device: jax.Device | None = None) -> bool:
+    """Does the device have a `pinned_host` memory space to offload residuals to?"""
+    device = device or jax.devices()[0]
+    try:
+        kinds = {mem.kind for mem in device.addressable_memories()}
+    except Exception:  # backends without the memories API
+        return False
+    return "pinned_host" in kinds
+
+
 def validate_names(names: tuple[str, ...]) -> None:
     unknown = [n for n in names if n not in layers.CHECKPOINT_NAMES]
     if unknown:
@@ -77,6 +98,12 @@ def validate_names(names: tuple[str, ...]) -> None:
 def apply(fn: Callable, cfg: RematConfig, *, prevent_cse: bool = True) -> Callable:
     """Wrap a layer body with jax.checkpoint under the configured policy."""
     validate_names(cfg.names)
+    if cfg.policy == RematPolicyName.offload and not host_offload_supported():
+        raise RematError(
+            f"remat.policy=offload needs a pinned_host memory space, which the {jax.default_backend()!r} "
+            "backend does not have; use remat.policy=names with the same remat.names (keep them on the "
+            "device) or remat.policy=full"
+        )
     policy = POLICIES[cfg.policy].make(tuple(cfg.names))
     if cfg.policy == RematPolicyName.none:
         return fn

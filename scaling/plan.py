@@ -1,0 +1,186 @@
+"""`python -m scaling plan`: the book's accounting for one config, without allocating anything.
+
+    python -m scaling plan --config configs/models/llama3_8b.yaml --hardware h100 --devices 8 \
+        --train.batch_size=64 --train.seq_len=4096 [--search]
+
+Prints params, FLOPs, bytes per device, collectives per mesh axis and the roofline for the
+config's mesh and remat policy; `--search` ranks mesh shape x remat policy x grad_accum by
+predicted tokens/s among the candidates that fit in device memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from scaling import accounting as acc
+from scaling.config import Config, RematPolicyName
+from scaling.hardware import Hardware, get_hardware
+from scaling.sharding.mesh import MeshError, resolve_mesh_shape
+from scaling.sharding.rules import RULE_SETS
+
+GiB = 2**30
+SEARCH_POLICIES = (RematPolicyName.none, RematPolicyName.dots, RematPolicyName.selective, RematPolicyName.full)
+
+
+def _g(x: float) -> str:
+    return f"{x / GiB:,.2f} GiB"
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    mesh: acc.MeshShape
+    policy: RematPolicyName
+    grad_accum: int
+    memory: acc.MemoryBytes
+    roofline: acc.Roofline
+
+    @property
+    def fits(self) -> bool:
+        return self._hw_usable >= self.memory.total
+
+    _hw_usable: float = 0.0
+
+
+def evaluate(cfg: Config, mesh: acc.MeshShape, hw: Hardware, policy: RematPolicyName, accum: int) -> Candidate:
+    mem = acc.training_memory(cfg, mesh, hw=hw, policy=policy, grad_accum=accum)
+    roof = acc.training_roofline(cfg, mesh, hw, policy=policy, grad_accum=accum)
+    return Candidate(mesh, policy, accum, mem, roof, hw.usable_bytes)
+
+
+def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
+    m, t = cfg.model, cfg.train
+    c = evaluate(cfg, mesh, hw, cfg.remat.policy, t.grad_accum)
+    f = acc.flops_per_token(m, t.seq_len)
+    fi = acc.flops_per_token(m, t.seq_len, training=False)
+    mem, act, roof = c.memory, c.memory.activations, c.roofline
+    crit = acc.critical_tokens_per_device(hw)
+    tokens_dev = t.batch_size * t.seq_len / mesh.devices / t.grad_accum
+    lines = [
+        f"hardware   {hw.name}: {hw.bf16_flops / 1e12:,.0f} TFLOP/s bf16, {hw.hbm_bandwidth / 1e12:.2f} TB/s HBM, "
+        f"{hw.hbm_bytes / GiB:,.0f} GiB ({hw.usable_fraction:.0%} usable), {hw.ring_bandwidth / 1e9:,.0f} GB/s per "
+        f"axis in-node, {hw.dcn_bandwidth / 1e9:,.1f} GB/s across nodes",
+        f"mesh       {mesh.sizes} = {mesh.devices} devices, rules={mesh.rules}; remat={cfg.remat.policy.value}; "
+        f"batch {t.batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}",
+        "",
+        f"params     {acc.param_count(m):,} ({acc.params_per_device(m, mesh):,} per device)",
+        f"FLOPs/tok  training: dense {f.dense:.3e} + attention (causal) {f.attention:.3e} = {f.total:.3e}; "
+        f"6N = {f.six_n:.3e}",
+        f"           inference: dense {fi.dense:.3e} + attention {fi.attention:.3e}; 2N = {fi.six_n:.3e}",
+        f"           remat recompute: +{acc.recompute_flops_per_token(m, t.seq_len, cfg.remat.policy, cfg.remat.names):.3e}",
+        "",
+        "memory per device",
+        f"  params               {_g(mem.params)}",
+        f"  grads                {_g(mem.grads)}",
+        f"  AdamW moments        {_g(mem.optimizer)}",
+        f"  activations / layer  {_g(act.per_layer)}  (x {m.num_layers} = {_g(act.layers)})",
+        f"  final norm + softmax {_g(act.outer)}",
+        f"  logits f32 + grad    {_g(act.logits)}",
+        f"  layer in backward    {_g(act.working_layer)}",
+        *( [f"  offloaded to host    {_g(act.host)}"] if act.host else []),
+        f"  total                {_g(mem.total)}  of {_g(hw.usable_bytes)} usable: "
+        f"{'fits' if c.fits else 'DOES NOT FIT'}",
+        f"  KV cache (decode, batch {t.batch_size}, seq {t.seq_len}, bf16): "
+        f"{_g(acc.kv_cache_bytes(m, t.batch_size, t.seq_len) / mesh.devices)} per device",
+        "",
+        "communication per step",
+    ]
+    comms = acc.training_comms(cfg, mesh, hw)
+    for x in comms:
+        lines.append(f"  {x.axis:7s} {x.kind:15s} {x.what:34s} {_g(x.bytes):>14s}  {_t(x.seconds):>12s}")
+    if not comms:
+        lines.append("  none (one device)")
+    lines += [
+        "",
+        "roofline per step",
+        f"  compute {_t(roof.compute_seconds)} | memory {_t(roof.memory_seconds)} | comms {_t(roof.comm_seconds)}",
+        f"  step: {_t(roof.step_seconds)} overlapped ({roof.bound}-bound), {_t(roof.step_seconds_no_overlap)} "
+        f"without overlap",
+        f"  arithmetic intensity {roof.intensity:,.0f} FLOPs/byte (critical {hw.bf16_flops / hw.hbm_bandwidth:,.0f})",
+        f"  tokens/device/micro-batch {tokens_dev:,.0f}; compute-bound above: "
+        + ", ".join(f"{k} {v:,.0f}" for k, v in crit.items()),
+        f"  predicted MFU ceiling {roof.mfu:.1%}; {roof.tokens_per_second:,.0f} tokens/s",
+    ]
+    return "\n".join(lines)
+
+
+def _factorizations(n: int):
+    for d in range(1, n + 1):
+        if n % d:
+            continue
+        for tp in range(1, n // d + 1):
+            if (n // d) % tp == 0:
+                yield d, n // d // tp, tp
+
+
+def search(cfg: Config, hw: Hardware, devices: int, top: int = 10) -> list[Candidate]:
+    """Mesh shapes (data x fsdp x tensor, tensor within a node) x remat x grad_accum."""
+    out = []
+    t = cfg.train
+    for (d, f, tp), policy in itertools.product(_factorizations(devices), SEARCH_POLICIES):
+        if tp > hw.devices_per_node:
+            continue
+        mesh = acc.MeshShape(d, f, tp, cfg.mesh.rules)
+        if acc.divisibility_errors(cfg.model, mesh):
+            continue
+        for accum in (a for a in range(1, t.batch_size + 1) if t.batch_size % a == 0):
+            micro = t.batch_size // accum
+            if micro % mesh.split("batch"):
+                continue
+            c = evaluate(cfg, mesh, hw, policy, accum)
+            out.append(c)
+            if c.fits:
+                break  # more accumulation only slows a candidate that already fits
+    fitting = sorted((c for c in out if c.fits), key=lambda c: (-c.roofline.tokens_per_second, c.roofline.step_seconds_no_overlap))
+    return fitting[:top]
+
+
+def search_table(cands: list[Candidate]) -> str:
+    head = "| data | fsdp | tensor | remat | grad_accum | memory/device | step | bound | tokens/s | MFU |"
+    rows = [head, "|" + "---|" * 10]
+    for c in cands:
+        r = c.roofline
+        rows.append(
+            f"| {c.mesh.data} | {c.mesh.fsdp} | {c.mesh.tensor} | {c.policy.value} | {c.grad_accum} | "
+            f"{c.memory.total / GiB:,.1f} GiB | {_t(r.step_seconds)} | {r.bound} | {r.tokens_per_second:,.0f} | "
+            f"{r.mfu:.1%} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    from scaling.__main__ import _config_args
+
+    def extra(p):
+        p.add_argument("--hardware", default="h100", help="h100, h200, a100, tpu_v5e, tpu_v5p")
+        p.add_argument("--devices", type=int, default=None, help="device count (default: the mesh's fixed sizes, or 8)")
+        p.add_argument("--search", action="store_true", help="rank mesh x remat x grad_accum by predicted throughput")
+        p.add_argument("--top", type=int, default=10)
+
+    args, cfg = _config_args(argv, "plan", extra)
+    hw = get_hardware(args.hardware)
+    mc = cfg.mesh
+    fixed = [s for s in (mc.data, mc.fsdp, mc.tensor) if s != -1]
+    devices = args.devices or (8 if -1 in (mc.data, mc.fsdp, mc.tensor) else max(1, fixed[0] * fixed[1] * fixed[2]))
+    if mc.rules not in RULE_SETS:
+        raise SystemExit(f"unknown rule set {mc.rules!r}")
+    try:
+        shape = resolve_mesh_shape(mc, devices)
+    except MeshError as e:
+        print(f"mesh error: {e}")
+        return 2
+    mesh = acc.MeshShape(*shape, rules=mc.rules)
+    errors = acc.divisibility_errors(cfg.model, mesh)
+    if errors:
+        print("warning: this mesh cannot shard: " + "; ".join(errors[:3]))
+    print(report(cfg, mesh, hw))
+    if args.search:
+        cands = search(cfg, hw, devices, args.top)
+        print()
+        print(f"search over {devices} devices (top {len(cands)} that fit, by predicted tokens/s, ties by the no-overlap step time):")
+        print(search_table(cands) if cands else "nothing fits; lower train.batch_size or add devices")
+    return 0
