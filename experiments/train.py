@@ -3,7 +3,10 @@
     python experiments/train.py --config configs/tiny_corpus.yaml --train.steps=100
 """
 
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scaling.__main__ import main
 
