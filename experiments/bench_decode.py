@@ -1,0 +1,344 @@
+"""Decode throughput against the memory-bandwidth roofline, and against transformers, on one GPU.
+
+    python experiments/bench_decode.py            # 1b and llama2_7b shapes, batch 1/8/64, prompt 128/2048
+    python experiments/bench_decode.py --quick    # 1b, batch 1 and 8, prompt 128
+
+Random bf16 weights of the preset shapes (configs/models/*.yaml). For each (model, batch, prompt):
+prefill, then `--new-tokens` greedy decode steps; a short warm-up call compiles first.
+
+Roofline: a decode step must read every weight once (the embedding table only for the tied
+head) plus, per row, the K/V cache it attends to. bytes/step over the bandwidth of a large
+device-to-device copy measured in the same run (bytes read + bytes written, torch
+`Tensor.copy_`, the faster of torch and JAX here) gives the fastest possible step. We report
+achieved bytes/s (bytes/step over measured step time) and its fraction of that bandwidth.
+
+transformers, side by side on the same weights (written by scaling.interop.hf.save, loaded
+in bf16): `generate` eager (dynamic cache) and with `cache_implementation="static"`, which
+transformers >= 4.48 compiles automatically (torch.compile, mode reduce-overhead).
+
+Prints a markdown table; writes it (and a JSON of every number) to $OUT when set.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scaling import decode  # noqa: E402
+from scaling.config import DType, ModelConfig, load_config  # noqa: E402
+from scaling.model import build_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def preset(name: str) -> ModelConfig:
+    cfg = load_config(ROOT / "configs" / "models" / f"{name}.yaml").model
+    return dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16)
+
+
+# ------------------------------------------------------------------------ bandwidth
+
+
+def measure_bandwidth(nbytes: int = 4 << 30) -> dict:
+    """Copy bandwidth (read + write) of one large buffer, median of 20: torch and JAX."""
+    out = {}
+    try:
+        import torch
+
+        x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        times = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            y.copy_(x)
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out["torch_copy"] = 2 * nbytes / statistics.median(times)
+        del x, y
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        print(f"torch bandwidth: {e}")
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda v: v * 2)  # one read, one write; x * 1 would be simplified away
+    copy(x).block_until_ready()
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        copy(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    out["jax_copy"] = 2 * nbytes / statistics.median(times)
+    del x
+    gc.collect()
+    return out
+
+
+# ------------------------------------------------------------------------------ ours
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * itemsize
+
+
+def bench_ours(dec: decode.Decoder, cfg: ModelConfig, batch: int, prompt: int, new: int, rng) -> dict:
+    prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
+    dec.generate(prompts, dec.chunk + 1)  # compile prefill and one chunk
+    g = dec.generate(prompts, new)
+    assert all(len(t) == new for t in g.tokens), [len(t) for t in g.tokens]
+    step_s = g.decode_s / g.decode_steps
+    # Rows attend to prompt + 1 .. prompt + steps positions; mean prompt + (steps + 1) / 2.
+    mean_len = prompt + (g.decode_steps + 1) / 2
+    wbytes = decode.weight_bytes_per_step(dec.weights)
+    kvbytes = batch * mean_len * kv_bytes_per_token(cfg)
+    return {
+        "step_ms": step_s * 1e3,
+        "tok_s": batch / step_s,
+        "prefill_ms": g.prefill_s * 1e3,
+        "e2e_tok_s": batch * new / (g.prefill_s + g.decode_s),
+        "bytes_per_step": wbytes + kvbytes,
+        "weight_bytes": wbytes,
+        "kv_bytes": kvbytes,
+        "achieved_Bps": (wbytes + kvbytes) / step_s,
+        "first_tokens": g.tokens[0][:8],
+    }
+
+
+# ------------------------------------------------------------------------ transformers
+
+
+def bench_hf(hf_dir: str, cfg: ModelConfig, cases: list[tuple[int, int]], new: int, rng, static: bool, eager_new: int) -> dict:
+    import torch
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(device).eval()
+    results = {}
+    for batch, prompt in cases:
+        ids = torch.tensor(rng.integers(0, cfg.vocab_size, (batch, prompt)), device=device)
+        n = new if static else eager_new
+        kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+        if static:
+            kw["cache_implementation"] = "static"
+
+        def run(k):
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, **kw)
+            sync()
+            return time.perf_counter() - t, out
+
+        try:
+            t_c = time.perf_counter()
+            run(n)  # warm-up; for the static cache this compiles and records the CUDA graphs
+            warm = time.perf_counter() - t_c
+            tn, out = run(n)
+            # End to end (prefill included), as generate is used; ours is compared the same way.
+            results[(batch, prompt)] = {"tok_s": batch * n / tn, "ms_per_token": tn / n * 1e3, "warmup_s": warm,
+                                        "first_tokens": out[0, prompt : prompt + 8].tolist()}
+        except Exception as e:  # noqa: BLE001
+            results[(batch, prompt)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(f"  hf {'static' if static else 'eager'} b{batch} p{prompt}: {results[(batch, prompt)]}", flush=True)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_on_gpu() -> list[str]:
+    """The kernel against its reference (bf16 and f32, ragged lengths, GQA and MHA), and a
+    small f32 model decoded with the kernel against the XLA path. Returns failure messages."""
+    from scaling.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    fails = []
+    for dt, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 2e-3)):
+        for b, n, kh, h, s, lens in ((3, 32, 8, 64, 2304, (1, 1000, 2304)), (2, 32, 32, 128, 384, (129, 300)),
+                                     (64, 32, 8, 64, 384, None)):
+            ks = jax.random.split(jax.random.key(b * h), 3)
+            q = jax.random.normal(ks[0], (b, n, h), dt)
+            k = jax.random.normal(ks[1], (b, s, kh, h), dt)
+            v = jax.random.normal(ks[2], (b, s, kh, h), dt)
+            lengths = jnp.asarray(lens if lens else np.random.default_rng(0).integers(1, s + 1, b), jnp.int32)
+            out = decode_attention(q, k, v, lengths).astype(jnp.float32)
+            ref = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lengths)
+            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            msg = f"kernel {jnp.dtype(dt).name} b{b} n{n} k{kh} h{h} s{s}: rel err {err:.2e}"
+            print(msg, flush=True)
+            if not err < tol:
+                fails.append(msg)
+    cfg = ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, mlp_dim=512,
+                      init_std=0.1, compute_dtype=DType.float32)
+    model = build_model(cfg)
+    prompts = [list(range(1, 40)), list(range(7, 300)), [5]]
+    outs = {impl: decode.Decoder(model, attention=impl, chunk=8).generate(prompts, 20) for impl in ("xla", "pallas")}
+    same = outs["xla"].tokens == outs["pallas"].tokens
+    lp = max(abs(a - b) for ra, rb in zip(outs["xla"].logprobs, outs["pallas"].logprobs) for a, b in zip(ra, rb))
+    msg = f"decode f32 pallas vs xla: tokens equal {same}, max |dlogprob| {lp:.2e}"
+    print(msg, flush=True)
+    if not same or lp > 1e-2:
+        fails.append(msg)
+    return fails
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="1b only, batch 1 and 8, prompt 128")
+    ap.add_argument("--models", default="1b,llama2_7b")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompts", default="128,2048")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--attention", default="pallas", help="decode attention impls, comma-separated (pallas, xla)")
+    ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
+    ap.add_argument("--hf", default="1", help="batches to run transformers at (prompt 128 only), comma-separated; '' for none")
+    ap.add_argument("--hf-eager-new", type=int, default=64, help="new tokens for the (slow) eager transformers runs")
+    ap.add_argument("--mem-budget-gb", type=float, default=60.0, help="skip cases whose weights + KV cache exceed this")
+    ap.add_argument("--bw-gib", type=float, default=4.0, help="buffer size of the bandwidth measurement")
+    ap.add_argument("--check", action="store_true", help="first check the kernel and the decoder on the GPU")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.batches, args.prompts = "1b", "1,8", "128"
+    batches = [int(x) for x in args.batches.split(",")]
+    prompts = [int(x) for x in args.prompts.split(",")]
+    hf_batches = [int(x) for x in args.hf.split(",") if x]
+    impls = args.attention.split(",")
+
+    dev = jax.devices()[0]
+    versions = {"jax": jax.__version__, "device": dev.device_kind}
+    try:
+        import torch
+        import transformers
+
+        versions.update(torch=torch.__version__, transformers=transformers.__version__)
+    except ImportError:
+        hf_batches = []
+    print(versions, flush=True)
+    fails = check_on_gpu() if args.check else []
+    bw = measure_bandwidth(int(args.bw_gib * (1 << 30)))
+    peak = max(bw.values())
+    print({k: f"{v / 1e12:.2f} TB/s" for k, v in bw.items()}, flush=True)
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in args.models.split(","):
+        cfg = preset(name)
+        t = time.perf_counter()
+        model = build_model(cfg, seed=0)
+        jax.block_until_ready(jax.tree.leaves(model))
+        print(f"{name}: built in {time.perf_counter() - t:.1f}s", flush=True)
+        hf_res: dict = {}
+        if hf_batches:
+            from scaling.interop import hf
+
+            with tempfile.TemporaryDirectory() as d:
+                t = time.perf_counter()
+                hf.save(cfg, model, d)
+                print(f"{name}: saved HF checkpoint in {time.perf_counter() - t:.1f}s", flush=True)
+                cases = [(b, 128) for b in hf_batches]
+                hf_res["eager"] = bench_hf(d, cfg, cases, args.new_tokens, rng, False, args.hf_eager_new)
+                hf_res["static"] = bench_hf(d, cfg, cases, args.new_tokens, rng, True, args.hf_eager_new)
+        for impl in impls:
+            dec = decode.Decoder(model, attention=impl, chunk=args.chunk)
+            wbytes = decode.weight_bytes_per_step(dec.weights)
+            for prompt in prompts:
+                for batch in batches:
+                    max_len = -(-(prompt + args.new_tokens) // 128) * 128
+                    need = 2 * wbytes + batch * max_len * kv_bytes_per_token(cfg)
+                    row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt}
+                    if need > args.mem_budget_gb * 1e9:
+                        row["skip"] = f"needs {need / 1e9:.0f} GB > budget"
+                        rows.append(row)
+                        print(row, flush=True)
+                        continue
+                    t = time.perf_counter()
+                    try:
+                        r = bench_ours(dec, cfg, batch, prompt, args.new_tokens, rng)
+                    except Exception as e:  # noqa: BLE001
+                        row["skip"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        rows.append(row)
+                        print(row, flush=True)
+                        continue
+                    r["roofline_tok_s"] = batch * peak / r["bytes_per_step"]
+                    r["frac"] = r["achieved_Bps"] / peak
+                    for kind in ("eager", "static"):
+                        h = hf_res.get(kind, {}).get((batch, prompt))
+                        if h and "tok_s" in h:
+                            r[f"hf_{kind}_tok_s"] = h["tok_s"]
+                    row.update(r, wall_s=time.perf_counter() - t)
+                    rows.append(row)
+                    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            del dec
+            gc.collect()
+        del model
+        gc.collect()
+
+    table = render(rows, versions, bw, args)
+    print(table)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_decode.md").write_text(table)
+        Path(out, "bench_decode.json").write_text(json.dumps({"versions": versions, "bandwidth": bw, "rows": rows}, indent=1, default=str))
+    if fails:
+        print("CHECK FAILURES:\n" + "\n".join(fails))
+        return 1
+    return 0
+
+
+def render(rows, versions, bw, args) -> str:
+    when = datetime.date.today().isoformat()
+    peak = max(bw.values())
+    lines = [
+        f"Decode benchmark, {when}, {versions.get('device')}, jax {versions.get('jax')}, "
+        f"torch {versions.get('torch', '-')}, transformers {versions.get('transformers', '-')}; "
+        f"`{' '.join(['python', 'experiments/bench_decode.py'] + (['--quick'] if args.quick else []))}`; "
+        f"{args.new_tokens} new tokens, greedy, bf16 weights and KV cache.",
+        "",
+        "Measured copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bw.items())
+        + f"; roofline uses {peak / 1e12:.2f} TB/s.",
+        "",
+        "| model | attn | batch | prompt | ms/step | decode tok/s | roofline tok/s | GB/step | achieved TB/s | % of copy BW | prefill ms | e2e tok/s | HF eager e2e tok/s | HF static e2e tok/s | e2e vs HF static |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "skip" in r:
+            lines.append(f"| {r['model']} | {r['impl']} | {r['batch']} | {r['prompt']} | skipped: {r['skip']} ||||||||||| |")
+            continue
+        he, hs = r.get("hf_eager_tok_s"), r.get("hf_static_tok_s")
+        lines.append(
+            f"| {r['model']} | {r['impl']} | {r['batch']} | {r['prompt']} | {r['step_ms']:.3f} | {r['tok_s']:,.0f} | "
+            f"{r['roofline_tok_s']:,.0f} | {r['bytes_per_step'] / 1e9:.2f} | {r['achieved_Bps'] / 1e12:.2f} | "
+            f"{100 * r['frac']:.1f}% | {r['prefill_ms']:.1f} | {r['e2e_tok_s']:,.0f} | {f'{he:,.1f}' if he else '-'} | "
+            f"{f'{hs:,.1f}' if hs else '-'} | {f'{r['e2e_tok_s'] / hs:.1f}x' if hs else '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

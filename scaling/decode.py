@@ -1,0 +1,509 @@
+"""KV-cached decoding: prefill, a fixed-shape decode step, sampling, generate.
+
+The shape of gpt-fast's generate.py, in JAX:
+
+    prefill        the prompts (right-padded to a length bucket) through every layer in one
+                   call; K/V written into the cache at positions [0, T); first token sampled
+                   from each row's last real position
+    decode_chunk   `chunk` decode steps under one lax.scan: embed the last token, per layer
+                   write its K/V at the row's own position (in place, donated buffers) and
+                   attend over the cache up to that position, sample the next token
+
+Both compile once per (batch bucket, cache length) and are reused across calls. The cache is
+preallocated: per layer, K and V of shape [B, S, K, H] (the L x B x S x K x H cache, kept as
+one buffer per layer so each layer's write is an in-place update of its own buffer, and the
+attention kernel reads it without a slice copy). Its dtype defaults to the model's compute
+dtype: bf16 on GPU, f32 on CPU (tests).
+
+Weights are re-laid-out once per `Decoder` for the memory-bound step: per layer, q/k/v fused
+into one [D, (N + 2K) H] matrix and gate/up into one [D, 2F] matrix (gpt-fast's `wqkv`), cast
+to the compute dtype, one buffer per layer. A decode step then reads each weight byte once in
+a few large matmuls instead of many small ones.
+
+Ragged batches: row b has its own position `pos[b]` (tokens already in its cache); its
+queries use RoPE at that position and attend to [0, pos[b]] only, so a short prompt next to a
+long one neither attends to padding nor wastes the Pallas kernel's reads on it.
+
+Sampling (per row, f32): greedy when temperature == 0, else softmax(logits / temperature)
+restricted to the top-k tokens and then to the smallest set whose probability reaches
+top-p. Row r's key at its n-th new token is fold_in(fold_in(key(seed), r), n): the same seed
+gives the same tokens. Log-probs are those of the model's own distribution (log_softmax of
+the raw logits), whatever the sampling settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from scaling import layers
+from scaling.attention import attention_core
+from scaling.config import ModelConfig
+from scaling.kernels.decode_attention import decode_attention, decode_attention_reference
+from scaling.model import Transformer
+
+KV_BLOCK = 64  # cache length is rounded up to whole tiles of the decode kernel
+LEN_BUCKET = 128  # default cache length: prompt + new tokens rounded up to this
+MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two at least this long
+DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
+
+
+class DecodeAttentionImpl(str, enum.Enum):
+    xla = "xla"  # reads the whole cache and masks; reference
+    pallas = "pallas"  # flash-decoding kernel; reads only the filled part
+    auto = "auto"  # pallas on GPU, xla elsewhere
+
+
+def _xla_decode(q_bnh, k_bskh, v_bskh, lengths_b):
+    return decode_attention_reference(q_bnh, k_bskh, v_bskh, lengths_b)
+
+
+def _pallas_decode(q_bnh, k_bskh, v_bskh, lengths_b):
+    return decode_attention(q_bnh, k_bskh, v_bskh, lengths_b)
+
+
+DECODE_ATTENTION = {DecodeAttentionImpl.xla: _xla_decode, DecodeAttentionImpl.pallas: _pallas_decode}
+
+
+def resolve_decode_impl(impl: DecodeAttentionImpl | str, head_dim: int) -> DecodeAttentionImpl:
+    impl = DecodeAttentionImpl(impl)
+    if impl != DecodeAttentionImpl.auto:
+        return impl
+    kernel_ok = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return DecodeAttentionImpl.pallas if jax.default_backend() == "gpu" and kernel_ok else DecodeAttentionImpl.xla
+
+
+# ------------------------------------------------------------------------------ weights
+
+
+def prepare_weights(model: Transformer, dtype) -> dict:
+    """The decode layout of `model`'s parameters, in `dtype`, one buffer per layer."""
+    cfg = model.cfg
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    @jax.jit
+    def relayout(p):
+        blocks = p["blocks"]
+        d, n, k, h, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+        per_layer = []
+        for i in range(L):
+            a, m = blocks["attn"], blocks["mlp"]
+            wqkv = jnp.concatenate(
+                [a["q_dnh"][i].reshape(d, n * h), a["k_dkh"][i].reshape(d, k * h), a["v_dkh"][i].reshape(d, k * h)], axis=1
+            )
+            per_layer.append(
+                {
+                    "attn_norm": blocks["attn_norm"]["scale"][i],
+                    "wqkv_dx": wqkv.astype(dtype),  # x = (N + 2K) H
+                    "wo_xd": a["o_nhd"][i].reshape(n * h, d).astype(dtype),
+                    "mlp_norm": blocks["mlp_norm"]["scale"][i],
+                    "wgu_dx": jnp.concatenate([m["gate_df"][i], m["up_df"][i]], axis=1).astype(dtype),  # x = 2F
+                    "wdown_fd": m["down_fd"][i].astype(dtype),
+                }
+            )
+        out = {
+            "layers": tuple(per_layer),
+            "embed_vd": p["embed"]["table_vd"].astype(dtype),
+            "final_norm": p["final_norm"]["scale"],
+        }
+        if not cfg.tie_embeddings:
+            out["head_dv"] = p["head_dv"].astype(dtype)
+        return out
+
+    return relayout(params)
+
+
+def weight_bytes_per_step(weights: dict) -> int:
+    """Bytes of weights one decode step reads: everything except the embedding table
+    (one row per token), unless the table is also the tied output head."""
+    total = sum(x.nbytes for x in jax.tree.leaves(weights))
+    if "head_dv" in weights:
+        total -= weights["embed_vd"].nbytes
+    return total
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _rms_norm(x, scale, eps):
+    """layers.RMSNorm's math on a bare scale vector: f32 statistics, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _split_qkv(qkv_btx, cfg: ModelConfig):
+    b, t, _ = qkv_btx.shape
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    q = qkv_btx[..., : n * h].reshape(b, t, n, h)
+    kk = qkv_btx[..., n * h : (n + k) * h].reshape(b, t, k, h)
+    v = qkv_btx[..., (n + k) * h :].reshape(b, t, k, h)
+    return q, kk, v
+
+
+def _mlp(w, x_btd, cfg: ModelConfig):
+    h = _rms_norm(x_btd, w["mlp_norm"], cfg.norm_eps)
+    gu = jnp.einsum("btd,dx->btx", h, w["wgu_dx"])
+    gate, up = gu[..., : cfg.mlp_dim], gu[..., cfg.mlp_dim :]
+    return x_btd + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["wdown_fd"])
+
+
+def _head(weights, x_bd, cfg: ModelConfig):
+    """Final norm and output head on one position per row: logits [B, V] f32."""
+    x_bd = _rms_norm(x_bd, weights["final_norm"], cfg.norm_eps)
+    w = weights["embed_vd"].T if cfg.tie_embeddings else weights["head_dv"]
+    return jnp.einsum("bd,dv->bv", x_bd, w, preferred_element_type=jnp.float32)
+
+
+def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, core):
+    """Prompts [B, T] (right-padded) -> logits at each row's last real token [B, V]; cache filled."""
+    b, t = tokens_bt.shape
+    dt = weights["embed_vd"].dtype
+    positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    inv_freq = layers.rope_frequencies(cfg)
+    x = jnp.take(weights["embed_vd"], tokens_bt, axis=0)  # [B, T, D]
+    ks, vs = [], []
+    for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
+        h = _rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        q, k, v = _split_qkv(jnp.einsum("btd,dx->btx", h, w["wqkv_dx"]), cfg)
+        q = layers.apply_rope(q, positions_bt, inv_freq)
+        k = layers.apply_rope(k, positions_bt, inv_freq)
+        # Causal attention within the prompt: a real token never sees the padding after it.
+        attn = core(q, k, v, causal=True, segment_ids=None)
+        x = x + jnp.einsum("btx,xd->btd", attn.reshape(b, t, -1), w["wo_xd"])
+        x = _mlp(w, x, cfg)
+        ks.append(jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
+        vs.append(jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
+    x_last = x[jnp.arange(b), lengths_b - 1]  # [B, D]
+    return _head(weights, x_last, cfg), {"k": tuple(ks), "v": tuple(vs)}
+
+
+def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attend):
+    """One token per row at position pos[b] -> logits [B, V]; its K/V written in place."""
+    b = tokens_b.shape[0]
+    s = cache["k"][0].shape[1]
+    inv_freq = layers.rope_frequencies(cfg)
+    rows = jnp.arange(b)
+    write_b = jnp.minimum(pos_b, s - 1)  # finished rows may sit at the end; never write past it
+    lengths_b = write_b + 1
+    x = jnp.take(weights["embed_vd"], tokens_b, axis=0)[:, None, :]  # [B, 1, D]
+    ks, vs = [], []
+    for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
+        h = _rms_norm(x, w["attn_norm"], cfg.norm_eps)
+        q, k, v = _split_qkv(jnp.einsum("btd,dx->btx", h, w["wqkv_dx"]), cfg)
+        q = layers.apply_rope(q, pos_b[:, None], inv_freq)
+        k = layers.apply_rope(k, pos_b[:, None], inv_freq)
+        ck = ck.at[rows, write_b].set(k[:, 0].astype(ck.dtype))  # [B, S, K, H], in place
+        cv = cv.at[rows, write_b].set(v[:, 0].astype(cv.dtype))
+        attn = attend(q[:, 0], ck, cv, lengths_b)  # [B, N, H]
+        x = x + jnp.einsum("btx,xd->btd", attn.reshape(b, 1, -1), w["wo_xd"])
+        x = _mlp(w, x, cfg)
+        ks.append(ck)
+        vs.append(cv)
+    return _head(weights, x[:, 0], cfg), {"k": tuple(ks), "v": tuple(vs)}
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The static part of the sampling settings (what changes the compiled program)."""
+
+    greedy: bool = True
+    top_k: int | None = None
+    use_top_p: bool = False
+
+
+def sample(logits_bv, keys_b, temperature, top_p, sampling: Sampling):
+    """Next token [B] int32 and its log-prob under the model [B] f32."""
+    logits_bv = logits_bv.astype(jnp.float32)
+    logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    if sampling.greedy:
+        tok_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    else:
+        z = logits_bv / temperature
+        if sampling.top_k is not None:
+            kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
+            z = jnp.where(z < kth, -jnp.inf, z)
+        if sampling.use_top_p:
+            z_sorted = -jnp.sort(-z, axis=-1)  # descending
+            p_sorted = jax.nn.softmax(z_sorted, axis=-1)
+            # Keep a token while the mass before it is < top_p (the first is always kept).
+            keep = (jnp.cumsum(p_sorted, axis=-1) - p_sorted) < top_p
+            last = jnp.sum(keep, axis=-1, keepdims=True) - 1
+            thresh = jnp.take_along_axis(z_sorted, last, axis=-1)
+            z = jnp.where(z < thresh, -jnp.inf, z)
+        tok_b = jax.vmap(jax.random.categorical)(keys_b, z).astype(jnp.int32)
+    return tok_b, jnp.take_along_axis(logp_bv, tok_b[:, None], axis=-1)[:, 0]
+
+
+def _row_keys(seed_key, count_b):
+    rows = jnp.arange(count_b.shape[0])
+    return jax.vmap(lambda r, c: jax.random.fold_in(jax.random.fold_in(seed_key, r), c))(rows, count_b)
+
+
+def _advance(state, tok_b, lp_b, params):
+    """Book-keeping after a token is sampled for every active row."""
+    active = ~state["done"]
+    tok_b = jnp.where(active, tok_b, -1)
+    count = state["count"] + active
+    pos = jnp.where(active, state["pos"] + 1, state["pos"])
+    is_stop = jnp.any(tok_b[:, None] == params["stop_ids"][None, :], axis=-1)
+    done = state["done"] | (active & (is_stop | (count >= params["max_new"]) | (pos >= params["max_len"])))
+    new_state = dict(state, token=jnp.where(active, tok_b, state["token"]), pos=pos, count=count, done=done)
+    return new_state, tok_b, jnp.where(active, lp_b, 0.0)
+
+
+# ------------------------------------------------------------------- compiled functions
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "core_impl", "sampling"), donate_argnames=("cache",))
+def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_impl, sampling):
+    logits, cache = _prefill_forward(weights, cache, tokens_bt, lengths_b, cfg=cfg, core=attention_core(core_impl))
+    state = {
+        "cache": cache,
+        "token": jnp.zeros_like(lengths_b),
+        "pos": lengths_b - 1,  # position of the token just fed; _advance moves it to len
+        "count": jnp.zeros_like(lengths_b),
+        "done": done_b,
+    }
+    keys = _row_keys(jax.random.wrap_key_data(params["key"]), state["count"])
+    tok, lp = sample(logits, keys, params["temperature"], params["top_p"], sampling)
+    return _advance(state, tok, lp, params)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "attn_impl", "sampling", "n_steps"), donate_argnames=("state",)
+)
+def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps):
+    attend = DECODE_ATTENTION[attn_impl]
+    seed_key = jax.random.wrap_key_data(params["key"])
+
+    def step(state, _):
+        logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg, attend=attend)
+        tok, lp = sample(logits, _row_keys(seed_key, state["count"]), params["temperature"], params["top_p"], sampling)
+        state, tok, lp = _advance(dict(state, cache=cache), tok, lp, params)
+        return state, (tok, lp)
+
+    state, (toks, lps) = jax.lax.scan(step, state, None, length=n_steps)
+    return state, toks.T, lps.T  # [B, n_steps]
+
+
+# ------------------------------------------------------------------------------ the API
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per prompt (a stop token, when hit, is the last one)
+    logprobs: list[list[float]]  # the model's log-prob of each new token
+    prefill_s: float = 0.0  # wall time of the prefill (synchronised)
+    decode_s: float = 0.0  # wall time of the decode steps
+    decode_steps: int = 0  # decode steps run (chunks x chunk size, finished rows included)
+
+
+class Decoder:
+    """A model prepared for decoding: weights in the decode layout, compiled steps cached.
+
+    max_batch: the most prompts one call may take (rows are padded to a power of two).
+    max_len: cache length (prompt + new tokens); None sizes it per call.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        max_batch: int | None = None,
+        max_len: int | None = None,
+        cache_dtype=None,
+        attention: DecodeAttentionImpl | str = DecodeAttentionImpl.auto,
+        chunk: int = DEFAULT_CHUNK,
+    ):
+        self.cfg = model.cfg
+        self.dtype = model.compute_dtype
+        self.cache_dtype = jnp.dtype(cache_dtype) if cache_dtype is not None else jnp.dtype(self.dtype)
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.attn_impl = resolve_decode_impl(attention, self.cfg.resolved_head_dim)
+        self.core_impl = model.attention_cfg.impl
+        if chunk < 1:
+            raise ValueError(f"{chunk=} must be >= 1")
+        self.chunk = chunk
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"{max_len=} must be >= 1")
+        self.weights = prepare_weights(model, self.dtype)
+
+    # ---------------------------------------------------------------- validation
+
+    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, max_len) -> int:
+        """Every error a call can make, raised before anything compiles. Returns max_len."""
+        v = self.cfg.vocab_size
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of token-id lists")
+        if self.max_batch is not None and len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts exceed the batch this decoder was built for (max_batch={self.max_batch})")
+        longest = 0
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            arr = np.asarray(p)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+            bad = arr[(arr < 0) | (arr >= v)]
+            if bad.size:
+                raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, {v})")
+            longest = max(longest, len(p))
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
+        if top_k is not None and not 1 <= top_k <= v:
+            raise ValueError(f"top_k={top_k} must be in [1, vocab_size={v}]")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p} must be in (0, 1]")
+        if max_len is None:
+            max_len = _round_up(longest + max_new_tokens, LEN_BUCKET)
+        if longest > max_len:
+            raise ValueError(f"a prompt of {longest} tokens is longer than the cache (max_len={max_len})")
+        return max_len
+
+    # ------------------------------------------------------------------ decoding
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+        max_len: int | None = None,
+        timing: dict | None = None,
+    ) -> Iterator[list[tuple[int, list[int], list[float]]]]:
+        """Yields, as they are produced, lists of (row, new tokens, their log-probs)."""
+        max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p, max_len if max_len is not None else self.max_len)
+        cfg = self.cfg
+        n_rows = len(prompts)
+        b = _next_pow2(n_rows)
+        s = _round_up(max_len, KV_BLOCK)
+        longest = max(len(p) for p in prompts)
+        t = min(max(MIN_PROMPT_BUCKET, _next_pow2(longest)), s)
+
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.ones((b,), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+        done = np.arange(b) >= n_rows  # padding rows start finished
+        stop = sorted(set(int(x) for x in stop_tokens))
+        stop_ids = np.full((_round_up(max(len(stop), 1), 8),), -1, np.int32)
+        stop_ids[: len(stop)] = stop
+        greedy = temperature == 0 or top_k == 1
+        sampling = Sampling(greedy=greedy, top_k=None if greedy else top_k,
+                            use_top_p=(not greedy) and top_p is not None and top_p < 1)
+        params = {
+            "temperature": jnp.float32(temperature if temperature > 0 else 1.0),
+            "top_p": jnp.float32(top_p if top_p is not None else 1.0),
+            "stop_ids": jnp.asarray(stop_ids),
+            "max_new": jnp.int32(max_new_tokens),
+            "max_len": jnp.int32(max_len),
+            "key": jax.random.key_data(jax.random.key(seed)),
+        }
+        shape = (b, s, cfg.num_kv_heads, cfg.resolved_head_dim)
+        cache = {
+            "k": tuple(jnp.zeros(shape, self.cache_dtype) for _ in range(cfg.num_layers)),
+            "v": tuple(jnp.zeros(shape, self.cache_dtype) for _ in range(cfg.num_layers)),
+        }
+
+        t0 = time.perf_counter()
+        state, tok, lp = _prefill(self.weights, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(done),
+                                  params, cfg=cfg, core_impl=self.core_impl, sampling=sampling)
+        tok, lp, all_done = jax.device_get((tok, lp, jnp.all(state["done"])))
+        t1 = time.perf_counter()
+        if timing is not None:
+            timing.update(prefill_s=t1 - t0, decode_s=0.0, decode_steps=0)
+        yield [(i, [int(tok[i])], [float(lp[i])]) for i in range(n_rows)]
+
+        # Dispatch chunk k+1 before reading chunk k back, so the host sync overlaps device work;
+        # the cost is at most one chunk run after every row has finished.
+        finished = bool(all_done)
+        steps_left = max_new_tokens - 1
+        pending = None
+        while True:
+            launched = None
+            if not finished and steps_left > 0:
+                state, toks, lps = _decode_chunk(self.weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
+                                                 sampling=sampling, n_steps=self.chunk)
+                steps_left -= self.chunk
+                launched = (toks, lps, jnp.all(state["done"]))
+                if timing is not None:
+                    timing["decode_steps"] += self.chunk
+            if pending is not None:
+                toks_h, lps_h, pending_done = jax.device_get(pending)
+                finished = finished or bool(pending_done)
+                out = []
+                for i in range(n_rows):
+                    keep = toks_h[i] >= 0
+                    if keep.any():
+                        out.append((i, toks_h[i][keep].tolist(), lps_h[i][keep].tolist()))
+                if out:
+                    yield out
+            if launched is None:
+                break
+            pending = launched
+        if timing is not None:
+            jax.block_until_ready(state)
+            timing["decode_s"] = time.perf_counter() - t1
+
+    def generate(self, prompts, max_new_tokens: int, **kw) -> Generation:
+        timing: dict = {}
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        for items in self.stream(prompts, max_new_tokens, timing=timing, **kw):
+            for i, toks, lps in items:
+                tokens[i].extend(toks)
+                logprobs[i].extend(lps)
+        return Generation(tokens, logprobs, **timing)
+
+
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    return_logprobs: bool = False,
+    max_len: int | None = None,
+):
+    """New tokens per prompt (a list of token-id lists), and their log-probs on request.
+
+    Greedy when temperature == 0. A row stops after a stop token (included in its output),
+    after max_new_tokens, or when its cache (max_len, default prompt + new tokens) is full.
+    """
+    dec = Decoder(model, max_len=max_len)
+    out = dec.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                       stop_tokens=stop_tokens)
+    return (out.tokens, out.logprobs) if return_logprobs else out.tokens

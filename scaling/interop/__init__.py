@@ -1,0 +1,1 @@
+"""Checkpoint formats of other libraries (Hugging Face transformers)."""

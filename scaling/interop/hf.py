@@ -1,0 +1,358 @@
+"""Hugging Face Llama checkpoints in and out: config.json + safetensors <-> ModelConfig + Transformer.
+
+Weight map (HF `nn.Linear` weights are [out, in]; ours are [in, out] with heads split):
+
+    model.embed_tokens.weight              [V, D]     embed.table_vd
+    model.layers.i.input_layernorm.weight  [D]        blocks.attn_norm.scale[i]
+    model.layers.i.self_attn.q_proj.weight [N H, D]   blocks.attn.q_dnh[i]   = W.T -> [D, N, H]
+    model.layers.i.self_attn.k_proj.weight [K H, D]   blocks.attn.k_dkh[i]   = W.T -> [D, K, H]
+    model.layers.i.self_attn.v_proj.weight [K H, D]   blocks.attn.v_dkh[i]   = W.T -> [D, K, H]
+    model.layers.i.self_attn.o_proj.weight [D, N H]   blocks.attn.o_nhd[i]   = W.T -> [N, H, D]
+    model.layers.i.post_attention_layernorm.weight    blocks.mlp_norm.scale[i]
+    model.layers.i.mlp.gate_proj.weight    [F, D]     blocks.mlp.gate_df[i]  = W.T
+    model.layers.i.mlp.up_proj.weight      [F, D]     blocks.mlp.up_df[i]    = W.T
+    model.layers.i.mlp.down_proj.weight    [D, F]     blocks.mlp.down_fd[i]  = W.T
+    model.norm.weight                      [D]        final_norm.scale
+    lm_head.weight                         [V, D]     head_dv = W.T (absent when tied)
+
+RoPE: HF's LlamaRotaryEmbedding rotates with `rotate_half`, pairing dims (i, i + H/2): the
+half-split layout of layers.apply_rope, so q/k rows need no permutation (Meta's original
+checkpoints pair (2i, 2i+1); HF's conversion script permutes them into this layout). The
+golden-logit tests in tests/test_hf_interop.py check it.
+
+Safetensors is read and written here directly (an 8-byte header length, a JSON header, raw
+little-endian bytes) so bf16 works without torch; tensors are memory-mapped on load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from scaling.config import AttentionConfig, DType, ModelConfig
+from scaling.model import Transformer
+
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_TO_DTYPE = {np.dtype(np.float32): DType.float32, np.dtype(ml_dtypes.bfloat16): DType.bfloat16, np.dtype(np.float16): DType.float16}
+
+
+class HFFormatError(ValueError):
+    """The directory is not a Llama-family checkpoint we can read (the message says why)."""
+
+
+# ------------------------------------------------------------------------- safetensors
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """name -> array, memory-mapped (read-only views into the file)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    base = 8 + n
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise HFFormatError(f"{path}: tensor {name} has dtype {info['dtype']}, which we do not read")
+        start, end = info["data_offsets"]
+        dt = _ST_DTYPES[info["dtype"]]
+        out[name] = mm[base + start : base + end].view(dt).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in _ST_NAMES:
+            raise ValueError(f"tensor {name}: dtype {a.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+    tmp.replace(path)
+
+
+def _read_all_tensors(path: Path) -> dict[str, np.ndarray]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(read_safetensors(path / shard))
+        missing = set(weight_map) - set(tensors)
+        if missing:
+            raise HFFormatError(f"{index} names tensors its shards lack: {sorted(missing)[:5]}")
+        return tensors
+    single = path / "model.safetensors"
+    if single.exists():
+        return read_safetensors(single)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise HFFormatError(f"{path} has no model.safetensors, index or *.safetensors file (pytorch_model.bin is not read)")
+    tensors = {}
+    for f in files:
+        tensors.update(read_safetensors(f))
+    return tensors
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig:
+    """A Llama-family config.json -> ModelConfig (rejects what our model does not compute)."""
+    arch = hf.get("architectures") or []
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ("llama", "mistral") and not any("Llama" in a for a in arch):
+        raise HFFormatError(f"model_type={model_type!r} is not a Llama-family model")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise HFFormatError(f"{flag}=true is not supported (our Llama has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFFormatError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
+    if hf.get("sliding_window"):
+        raise HFFormatError("sliding-window attention is not supported")
+    n = hf["num_attention_heads"]
+    d = hf["hidden_size"]
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim == d // n and d % n == 0:
+        head_dim = None  # the default; keep the config minimal
+    # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    rope = {**legacy, **rope}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling: dict[str, Any] = {}
+    if rope_type == "llama3":
+        scaling = dict(
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            rope_original_max_len=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    elif rope_type not in ("default", None):
+        raise HFFormatError(f"rope_type={rope_type!r} is not supported (default and llama3 are)")
+    if param_dtype is None:
+        param_dtype = {"bfloat16": DType.bfloat16, "float16": DType.float16}.get(
+            hf.get("dtype", hf.get("torch_dtype")), DType.float32
+        )
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=d,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n,
+        num_kv_heads=hf.get("num_key_value_heads") or n,
+        head_dim=head_dim,
+        mlp_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        param_dtype=param_dtype,
+        **scaling,
+    )
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
+    rope_theta = cfg.rope_theta
+    rope_scaling = None
+    if cfg.rope_scaling_factor:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+# ------------------------------------------------------------------------------ load
+
+
+def _stack(tensors, names):
+    return np.stack([np.asarray(tensors[n]) for n in names])
+
+
+def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+    """HF tensors -> our parameter pytree (numpy, the checkpoint's dtype)."""
+    d, n, k, h, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+
+    def get(name):
+        if name not in tensors:
+            raise HFFormatError(f"tensor {name} missing from the checkpoint")
+        return tensors[name]
+
+    def layer(name):
+        return [f"model.layers.{i}.{name}" for i in range(L)]
+
+    def lin(name, shape):  # [out, in] -> [in, *shape]
+        return np.stack([np.asarray(get(x)).T.reshape(shape) for x in layer(name)])
+
+    for x in layer("self_attn.q_proj.weight")[:1]:
+        if get(x).shape != (n * h, d):
+            raise HFFormatError(f"{x} has shape {get(x).shape}, config says {(n * h, d)}")
+    params = {
+        "embed": {"table_vd": np.asarray(get("model.embed_tokens.weight"))},
+        "blocks": {
+            "attn_norm": {"scale": _stack(tensors, layer("input_layernorm.weight"))},
+            "attn": {
+                "q_dnh": lin("self_attn.q_proj.weight", (d, n, h)),
+                "k_dkh": lin("self_attn.k_proj.weight", (d, k, h)),
+                "v_dkh": lin("self_attn.v_proj.weight", (d, k, h)),
+                "o_nhd": lin("self_attn.o_proj.weight", (n, h, d)),
+            },
+            "mlp_norm": {"scale": _stack(tensors, layer("post_attention_layernorm.weight"))},
+            "mlp": {
+                "gate_df": lin("mlp.gate_proj.weight", (d, cfg.mlp_dim)),
+                "up_df": lin("mlp.up_proj.weight", (d, cfg.mlp_dim)),
+                "down_fd": lin("mlp.down_proj.weight", (cfg.mlp_dim, d)),
+            },
+        },
+        "final_norm": {"scale": np.asarray(get("model.norm.weight"))},
+    }
+    if not cfg.tie_embeddings:
+        params["head_dv"] = np.asarray(get("lm_head.weight")).T
+    return params
+
+
+def load(path: str | os.PathLike, *, param_dtype: DType | str | None = None,
+         attention: AttentionConfig = AttentionConfig()) -> tuple[ModelConfig, Transformer]:
+    """A local HF Llama-family directory (config.json + safetensors) -> (config, model).
+
+    param_dtype: the dtype to hold the weights in; None keeps the checkpoint's config dtype.
+    """
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise HFFormatError(f"{path} has no config.json")
+    hf = json.loads((path / "config.json").read_text())
+    cfg = config_from_hf(hf, param_dtype=DType(param_dtype) if param_dtype is not None else None)
+    tensors = _read_all_tensors(path)
+    params = params_from_hf(cfg, tensors)
+    return cfg, from_params(cfg, params, attention=attention)
+
+
+def from_params(cfg: ModelConfig, params: dict, *, attention: AttentionConfig = AttentionConfig()) -> Transformer:
+    """Build a Transformer whose parameters are `params` (a pure pytree), cast to param_dtype."""
+    from scaling.model import resolve_dtype
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, attention=attention, rngs=nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    want = nnx.to_pure_dict(state)
+    pdt = resolve_dtype(cfg.param_dtype)
+
+    def put(path, a, w):
+        if tuple(a.shape) != tuple(w.shape):
+            raise HFFormatError(f"{jax.tree_util.keystr(path)}: checkpoint shape {a.shape}, model shape {w.shape}")
+        return jnp.asarray(np.asarray(a).astype(pdt))
+
+    filled = jax.tree_util.tree_map_with_path(put, params, want)
+    nnx.replace_by_pure_dict(state, filled)
+    return nnx.merge(graphdef, state)
+
+
+# ------------------------------------------------------------------------------ save
+
+
+def params_to_hf(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    d, n, k, h, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+    b = params["blocks"]
+    out = {
+        "model.embed_tokens.weight": params["embed"]["table_vd"],
+        "model.norm.weight": params["final_norm"]["scale"],
+    }
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = b["attn_norm"]["scale"][i]
+        out[p + "post_attention_layernorm.weight"] = b["mlp_norm"]["scale"][i]
+        out[p + "self_attn.q_proj.weight"] = b["attn"]["q_dnh"][i].reshape(d, n * h).T
+        out[p + "self_attn.k_proj.weight"] = b["attn"]["k_dkh"][i].reshape(d, k * h).T
+        out[p + "self_attn.v_proj.weight"] = b["attn"]["v_dkh"][i].reshape(d, k * h).T
+        out[p + "self_attn.o_proj.weight"] = b["attn"]["o_nhd"][i].reshape(n * h, d).T
+        out[p + "mlp.gate_proj.weight"] = b["mlp"]["gate_df"][i].T
+        out[p + "mlp.up_proj.weight"] = b["mlp"]["up_df"][i].T
+        out[p + "mlp.down_proj.weight"] = b["mlp"]["down_fd"][i].T
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = params["head_dv"].T
+    return out
+
+
+def save(model_config: ModelConfig, model: Transformer, path: str | os.PathLike, *, dtype=None) -> Path:
+    """Write config.json + model.safetensors (transformers' LlamaForCausalLM loads them).
+
+    dtype: the dtype of the written weights; None keeps the model's parameter dtype.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    dt = np.dtype(dtype) if dtype is not None else np.asarray(jax.tree.leaves(params)[0]).dtype
+    names = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}
+    if dt not in names:
+        raise ValueError(f"cannot save weights as {dt}")
+    tensors = {k: np.ascontiguousarray(np.asarray(v).astype(dt)) for k, v in params_to_hf(model_config, params).items()}
+    (path / "config.json").write_text(json.dumps(config_to_hf(model_config, names[dt]), indent=2) + "\n")
+    write_safetensors(path / "model.safetensors", tensors)
+    return path
+
+
+def bytes_of(tensors: dict[str, np.ndarray]) -> int:
+    return int(sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values()))
