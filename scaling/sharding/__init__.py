@@ -2,6 +2,7 @@
 
 from scaling.sharding import axes
 from scaling.sharding.mesh import MeshError, active, constrain, logical_to_spec, make_mesh, resolve_mesh_shape, use_sharding
+from scaling.sharding.params import ShardingError
 from scaling.sharding.rules import RULE_SETS, RuleSet, get_rule_set
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "RULE_SETS",
     "RuleSet",
     "get_rule_set",
+    "ShardingError",
 ]
