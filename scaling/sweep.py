@@ -209,12 +209,24 @@ def _check_spec_keys(cls: type, data: Any, prefix: str = "") -> None:
             _check_spec_keys(sub, value, f"{prefix}{key}.")
 
 
+def _decode(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """draccus.decode, with errors naming the full dotted key (draccus loses it inside
+    an optional sub-spec: "could not decode into any of the given types")."""
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        sub = _dataclass_of(hints[key])
+        if sub is not None and isinstance(value, Mapping):
+            _decode(sub, value, f"{prefix}{key}.")
+    try:
+        return draccus.decode(cls, dict(data))
+    except Exception as e:  # draccus.utils.DecodingError names the key as `a.b`
+        msg = str(e).replace("`", f"`{prefix}", 1) if str(e).startswith("`") else str(e)
+        raise SpecError(f"invalid sweep spec value: {msg}") from None
+
+
 def spec_from_dict(data: Mapping[str, Any]) -> SweepSpec:
     _check_spec_keys(SweepSpec, data)
-    try:
-        spec = draccus.decode(SweepSpec, dict(data))
-    except Exception as e:  # draccus.utils.DecodingError names the key as `a.b`
-        raise SpecError(f"invalid sweep spec value: {e}") from None
+    spec = _decode(SweepSpec, data)
     validate_spec(spec)
     return spec
 

@@ -1,0 +1,292 @@
+"""Sweep specs, point generation, the results store, and the runner end to end.
+
+The end-to-end tests start real training processes (each pays JAX start-up and a compile,
+~10-30 s on a laptop), so there are few of them: one runner killed mid-sweep and resumed
+(which is also the end-to-end run, with one point made to fail), and one point through
+submitit's local executor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scaling import accounting
+from scaling.sweep import (
+    PowerRule,
+    ResultStore,
+    SpecError,
+    _fmt,
+    generate_points,
+    load_spec,
+    main,
+    schedule_seconds,
+    spec_from_dict,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "sweeps" / "tiny_cpu.yaml"
+GPU = ROOT / "configs" / "sweeps" / "isoflop_gpu.yaml"
+FAILING = "C3e9-L2-s0"
+
+
+def _spec(**delta):
+    data = {"base": {"config": str(ROOT / "configs" / "tiny_corpus.yaml")}, "depths": [1, 2], "isoflop": {"budgets": [1e9]}}
+    data.update(delta)
+    return data
+
+
+# ------------------------------------------------------------------------ spec
+
+
+def test_tiny_spec_loads():
+    spec, spec_dir = load_spec(TINY)
+    assert spec.name == "tiny_cpu" and spec.depths == (1, 2) and spec.isoflop.budgets == (1.5e9, 3e9)
+    assert spec_dir == TINY.parent
+
+
+def test_gpu_spec_is_three_budgets_by_five_sizes():
+    spec, spec_dir = load_spec(GPU)
+    points, _ = generate_points(spec, spec_dir)
+    assert len(spec.isoflop.budgets) >= 3 and len(spec.depths) >= 5
+    assert len(points) == len(spec.isoflop.budgets) * len(spec.depths)
+    assert all(p.error is None for p in points)
+    cfg = points[0].cfg
+    assert cfg.data.source.value == "text" and cfg.data.tokenizer.value == "bpe" and cfg.model.compute_dtype.value == "auto"
+
+
+@pytest.mark.parametrize(
+    "delta, match",
+    [
+        ({"depth": [1]}, "unknown sweep spec key 'depth'"),
+        ({"family": {"aspct": 3}}, "unknown sweep spec key 'family.aspct'.*aspect"),
+        ({"isoflop": {"budgets": ["lots"]}}, "isoflop.budgets.0"),
+        ({"grid": {"tokens": [1e6]}}, "exactly one of `grid`"),
+        ({"isoflop": None}, "exactly one of `grid`"),
+        ({"depths": []}, "depths"),
+        ({"hparams": {"learning_rate": {"base": -1.0}}}, "hparams.learning_rate"),
+        ({"hparams": {"batch_size": {"base": 8, "of": "width"}}}, "hparams.batch_size.of"),
+        ({"hparams": {"warmup_fraction": 1.5}}, "hparams.warmup_fraction"),
+    ],
+)
+def test_spec_errors_name_the_key(delta, match):
+    with pytest.raises(SpecError, match=match):
+        spec_from_dict(_spec(**delta))
+
+
+def test_family_errors_name_the_key(tmp_path):
+    spec = spec_from_dict(_spec(family={"aspect": 24, "head_dim": 16}))
+    with pytest.raises(SpecError, match="family.head_dim"):
+        generate_points(spec, tmp_path)
+    spec = spec_from_dict(_spec(family={"aspect": 32, "head_dim": 16, "kv_ratio": 3}))
+    with pytest.raises(SpecError, match="family.kv_ratio"):
+        generate_points(spec, tmp_path)
+
+
+def test_cli_errors(capsys):
+    from scaling.__main__ import main as cli
+
+    assert cli(["sweep", "--config", str(TINY), "--dry-run", "--famly.aspect=3"]) == 2
+    assert "famly" in capsys.readouterr().err
+    assert cli(["sweep", "--config", "nope.yaml", "--dry-run"]) == 2
+
+
+# ------------------------------------------------------------------------ points
+
+
+def test_isoflop_tokens_match_budget():
+    spec, spec_dir = load_spec(TINY)
+    points, dropped = generate_points(spec, spec_dir)
+    assert [p.id for p in points] == ["C1.5e9-L1-s0", "C1.5e9-L2-s0", "C3e9-L1-s0", "C3e9-L2-s0"] and not dropped
+    for p in points:
+        m, t = p.cfg.model, p.cfg.train
+        fpt = accounting.flops_per_token(m, t.seq_len).total
+        assert p.n_params == accounting.param_count(m)
+        assert p.flops_per_token == fpt
+        assert p.tokens == t.steps * t.batch_size * t.seq_len
+        assert t.steps == round(p.target / fpt / (t.batch_size * t.seq_len))
+        assert p.flops == p.tokens * fpt  # the C actually used ...
+        assert abs(p.flops - p.target) <= fpt * t.batch_size * t.seq_len / 2  # ... within half a step of the budget
+        assert m.hidden_size == 32 * m.num_layers and m.resolved_head_dim == 16 and m.num_heads == 2 * m.num_kv_heads
+        assert m.mlp_dim % 32 == 0 and m.mlp_dim >= 8 / 3 * m.hidden_size
+        assert p.cfg.optimizer.learning_rate == pytest.approx(3e-3 * (p.n_params / 1e5) ** -0.25)
+        assert p.cfg.optimizer.warmup_steps == round(0.2 * t.steps)
+
+
+def test_grid_rules_seeds_and_point_overrides(tmp_path):
+    spec = spec_from_dict(
+        _spec(
+            isoflop=None,
+            grid={"tokens": [4096, 8192]},
+            seeds=[0, 1],
+            hparams={"batch_size": {"base": 4, "ref": 4096, "exponent": 1.0, "of": "tokens", "multiple_of": 4, "max": 8}},
+            point_overrides={"D8.19e3-L2-*": {"optimizer": {"learning_rate": 1e-4}}, "D4.1e3-L1-s1": {"model": {"num_kv_heads": 3}}},
+        )
+    )
+    points, _ = generate_points(spec, tmp_path)
+    by_id = {p.id: p for p in points}
+    assert len(points) == 8 and set(by_id) >= {"D4.1e3-L1-s0", "D8.19e3-L2-s1"}
+    assert by_id["D4.1e3-L1-s0"].cfg.train.batch_size == 4 and by_id["D8.19e3-L1-s0"].cfg.train.batch_size == 8
+    assert by_id["D8.19e3-L2-s1"].cfg.optimizer.learning_rate == 1e-4 and by_id["D8.19e3-L2-s1"].cfg.train.seed == 1
+    assert by_id["D8.19e3-L1-s1"].cfg.optimizer.learning_rate != 1e-4
+    bad = by_id["D4.1e3-L1-s1"]  # an impossible override fails that point only
+    assert bad.error is not None and "num_kv_heads" in bad.error
+    assert all(p.error is None for p in points if p is not bad)
+
+
+def test_isoflop_min_steps_drops_points():
+    spec, spec_dir = load_spec(TINY, ["--isoflop.min_steps=10"])
+    points, dropped = generate_points(spec, spec_dir)
+    assert "C1.5e9-L2-s0" not in {p.id for p in points} and any(d.startswith("C1.5e9-L2-s0") for d in dropped)
+
+
+def test_helpers():
+    assert [_fmt(x) for x in (1e15, 3e14, 2.5e9, 4096)] == ["1e15", "3e14", "2.5e9", "4.1e3"]
+    rule = PowerRule(base=8, ref=2, exponent=1, multiple_of=8)
+    assert (rule.integer(6), rule.integer(1)) == (24, 8)  # 24; 4 rounds up to one multiple
+    assert schedule_seconds([3, 1, 1, 1], 2) == 3 and schedule_seconds([1, 1], 1) == 2
+
+
+def test_dry_run(capsys):
+    assert main(["--config", str(TINY), "--dry-run", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "C3e9-L2-s0" in out and "--tokens-per-sec 20,000 (given)" in out and "with --workers 2" in out
+    assert main(["--config", str(GPU), "--dry-run", "--mfu", "0.05"]) == 0
+    assert "MFU 5% of NVIDIA H100 SXM" in capsys.readouterr().out
+
+
+def test_store_is_wal_and_keeps_rows(tmp_path):
+    spec, spec_dir = load_spec(TINY)
+    points, _ = generate_points(spec, spec_dir)
+    store = ResultStore(tmp_path / "results.sqlite")
+    store.add("s", points[0], "x")
+    store.add("s", points[0], "x")  # idempotent
+    store.update(points[0].id, status="done", final_loss=1.5)
+    store.close()
+    db = sqlite3.connect(tmp_path / "results.sqlite")
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    rows = db.execute("SELECT n_params, tokens, flops, final_loss, eval_loss, status FROM points").fetchall()
+    assert rows == [(points[0].n_params, points[0].tokens, points[0].flops, 1.5, None, "done")]
+
+
+# ------------------------------------------------------------------------ end to end
+
+
+def _env():
+    """The children see one CPU device (conftest simulates 8 for this process)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    db = sqlite3.connect(out / "results.sqlite", timeout=30)
+    db.row_factory = sqlite3.Row
+    try:
+        return {r["id"]: dict(r) for r in db.execute("SELECT * FROM points")}
+    except sqlite3.OperationalError:  # not created yet
+        return {}
+    finally:
+        db.close()
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    d = run_dir / "checkpoints"
+    return d.exists() and any(p.name.isdigit() for p in d.iterdir())
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, corpus_cache):
+    """Run tiny_cpu (one point made to fail) with 2 workers; SIGKILL the runner once a
+    point has finished and the other has a checkpoint; then run it again to completion."""
+    out = tmp_path_factory.mktemp("sweep")
+    args = [
+        "--config", str(TINY), "--out", str(out), "--workers", "2",
+        f"--base.overrides.data.cache_dir={corpus_cache}",
+        f"--point_overrides.{FAILING}.data.source=tokens",
+        f"--point_overrides.{FAILING}.data.path={out}/no-such-tokens.npy",
+    ]  # fmt: skip
+    runner = subprocess.Popen([sys.executable, "-m", "scaling", "sweep", *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 400
+    checkpointed: set[str] = set()
+    while time.monotonic() < deadline and runner.poll() is None:
+        rows = _rows(out)
+        done = [r for r in rows.values() if r["status"] == "done"]
+        running = [r for r in rows.values() if r["status"] == "running"]
+        checkpointed = {r["id"] for r in running if _has_checkpoint(Path(r["run_dir"]))}
+        if done and (checkpointed or len(done) >= 2):
+            break
+        time.sleep(0.05)
+    assert runner.poll() is None, f"the runner ended early: {runner.stderr.read().decode()[-2000:]}"
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    before = _rows(out)
+    t0 = time.monotonic()
+    env = _env()
+    old = os.environ.copy()
+    os.environ.update(env)
+    try:
+        rc = main(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    return out, before, checkpointed, rc, time.monotonic() - t0
+
+
+def test_resume_skips_finished_points(killed_and_resumed):
+    out, before, checkpointed, rc, _ = killed_and_resumed
+    after = _rows(out)
+    finished = [pid for pid, r in before.items() if r["status"] == "done"]
+    assert finished
+    for pid in finished:  # not run again
+        assert after[pid]["attempts"] == 1 and after[pid]["final_loss"] == before[pid]["final_loss"]
+        assert (out / "points" / pid / "stdout.log").read_text().count("run directory:") == 1
+    for pid in checkpointed:  # interrupted mid-run: resumed from its checkpoint
+        assert after[pid]["attempts"] == 2 and after[pid]["status"] == "done"
+        assert "resuming from checkpoint" in (out / "points" / pid / "stdout.log").read_text()
+
+
+def test_sweep_end_to_end_results(killed_and_resumed):
+    out, _, _, rc, _ = killed_and_resumed
+    assert rc == 1  # one point failed on purpose
+    rows = _rows(out)
+    spec, spec_dir = load_spec(TINY)
+    points, _ = generate_points(spec, spec_dir)
+    assert set(rows) == {p.id for p in points}
+    for p in points:
+        if p.id == FAILING:
+            continue
+        r = rows[p.id]
+        assert r["status"] == "done", r["error"]
+        assert (r["n_params"], r["tokens"]) == (p.n_params, p.tokens) and r["flops"] == pytest.approx(p.flops)
+        assert math.isfinite(r["final_loss"]) and math.isfinite(r["eval_loss"]) and r["wall_time"] > 0
+        assert r["last_step"] == p.steps and r["error"] is None
+
+
+def test_failing_point_recorded_with_its_error(killed_and_resumed):
+    out, *_ = killed_and_resumed
+    r = _rows(out)[FAILING]
+    assert r["status"] == "failed" and "no-such-tokens.npy" in r["error"] and "exit status 1" in r["error"]
+
+
+def test_submitit_local_executor_runs_a_point(tmp_path, corpus_cache, monkeypatch):
+    for k, v in _env().items():
+        monkeypatch.setenv(k, v)
+    pid = "C1.5e9-L2-s0"
+    rc = main([
+        "--config", str(TINY), "--out", str(tmp_path), "--executor", "submitit", "--cluster", "local",
+        "--only", pid, f"--base.overrides.data.cache_dir={corpus_cache}",
+    ])  # fmt: skip
+    r = _rows(tmp_path)[pid]
+    assert rc == 0 and r["status"] == "done", r["error"]
+    assert math.isfinite(r["eval_loss"]) and (tmp_path / "submitit").is_dir()
+    assert not r["job_id"].isdigit() or int(r["job_id"]) > 0
