@@ -139,7 +139,6 @@ class TrainConfig:
     seed: int = 0
     nonfinite: NonFinitePolicy = NonFinitePolicy.stop
     show_shardings: bool = False  # print the sharding report before training
-    profile_steps: tuple[int, ...] = ()  # e.g. (10, 13): capture a trace of steps [10, 13)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +186,13 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    # [start, stop): capture a JAX profiler trace of these steps into <run_dir>/profile.
+    # `python -m scaling train --profile` sets (5, 8). Empty: no trace.
+    steps: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True  # tqdm progress bar on the console
@@ -203,6 +209,7 @@ class Config:
     remat: RematConfig = dataclasses.field(default_factory=RematConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     run_dir: str | None = None  # None: runs/<config name>-<timestamp>
 
 
@@ -388,9 +395,9 @@ def validate(cfg: Config) -> None:
         f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
     )
     _require(
-        len(t.profile_steps) in (0, 2) and (not t.profile_steps or 0 <= t.profile_steps[0] < t.profile_steps[1]),
-        "train.profile_steps",
-        f"must be empty or [start, stop) with 0 <= start < stop, got {list(t.profile_steps)}",
+        len(cfg.profile.steps) in (0, 2) and (not cfg.profile.steps or 0 <= cfg.profile.steps[0] < cfg.profile.steps[1]),
+        "profile.steps",
+        f"must be empty or [start, stop) with 0 <= start < stop, got {list(cfg.profile.steps)}",
     )
 
     _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be positive, got {o.learning_rate}")
