@@ -324,7 +324,7 @@ def _evaluate(eval_step, params, setup: Setup, data: Dataset) -> float | None:
     return float(jnp.mean(jnp.stack(losses)))
 
 
-def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = None, log=None) -> dict:
+def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = None, log=None, devices=None) -> dict:
     """Train per `cfg`; resumes from the latest checkpoint in `run_dir` if there is one.
 
     Returns a summary: final step, final (window-mean) train loss, last eval loss, etc.
@@ -339,7 +339,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     if is_main:
         (run_dir_path / "config.yaml").write_text(dump_yaml(cfg))
 
-    setup = make_setup(cfg)
+    setup = make_setup(cfg, devices)  # devices: default all; tests pass a subset
     data = make_dataset(cfg, process_index=jax.process_index(), process_count=jax.process_count(), log=log)
     if data.tokenizer_path is not None and is_main:
         (run_dir_path / "tokenizer.json").write_bytes(data.tokenizer_path.read_bytes())
@@ -415,7 +415,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
         with _Preemption() as pre, use_sharding(setup.mesh, setup.rules):
             step = start_step
             while step < total:
-                if cfg.train.profile_steps and step == cfg.train.profile_steps[0] and is_main:
+                if cfg.profile.steps and step == cfg.profile.steps[0] and is_main:
                     jax.profiler.start_trace(str(run_dir_path / "profile"))
                     profiling = True
                 batch = global_batch(setup, next(data.train))
@@ -423,11 +423,11 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                 step += 1
                 steps_in_window += 1
                 window.append(metrics)
-                if profiling and step == cfg.train.profile_steps[1]:
+                if profiling and step == cfg.profile.steps[1]:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
                     profiling = False
-                    write(f"profile: trace of steps {cfg.train.profile_steps} written to {run_dir_path / 'profile'}")
+                    write(f"profile: trace of steps {cfg.profile.steps} written to {run_dir_path / 'profile'}")
                 if bar is not None:
                     bar.update(1)
 
