@@ -1,4 +1,4 @@
-"""Command line: python -m scaling {train, shardings, plan, generate, sweep, fit} ..."""
+"""Command line: python -m scaling {train, shardings, plan, generate, sweep, fit, export} ..."""
 
 from __future__ import annotations
 
@@ -31,7 +31,15 @@ def _config_args(argv: list[str], prog: str, extra=None):
 def cmd_train(argv: list[str]) -> int:
     from scaling.train import NonFiniteError, train
 
-    args, cfg = _config_args(argv, "train", lambda p: p.add_argument("--run_dir", default=None))
+    def flags(p):
+        p.add_argument("--run_dir", default=None)
+        p.add_argument("--profile", action="store_true", help="trace steps [5, 8) unless --profile.steps is given")
+
+    args, cfg = _config_args(argv, "train", flags)
+    if args.profile and not cfg.profile.steps:
+        from scaling.config import replace
+
+        cfg = replace(cfg, profile={"steps": [5, 8]})
     try:
         summary = train(cfg, args.run_dir, config_path=args.config)
     except NonFiniteError as e:
@@ -67,6 +75,7 @@ COMMANDS.update(
     generate=_lazy("scaling.generate_cli"),
     sweep=_lazy("scaling.sweep"),
     fit=_lazy("scaling.fit_cli"),
+    export=_lazy("scaling.checkpoint", "export_main"),
 )
 
 

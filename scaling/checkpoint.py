@@ -1,40 +1,83 @@
 """Orbax checkpoints in the run directory: save, keep, resume, reshard, export.
 
 Layout: `<run_dir>/checkpoints/<step>/{state, meta}`. `state` holds params, optimizer
-state, step and RNG key as one pytree (Orbax StandardSave, restored straight into the
-target shardings, so a checkpoint written on one mesh restores onto any other). `meta`
-is JSON: the data loader's position and the resolved config.
+state, step, RNG key and the non-finite counters as one pytree (Orbax StandardSave,
+restored straight into the target shardings, so a checkpoint written on one mesh restores
+onto any other). `meta` is JSON: the data loader's position and the resolved config.
 
-Orbax writes each step into a temporary directory and renames it when complete, so a
-process killed mid-save leaves a partial directory that `all_steps` never lists; the
-next start ignores it (and we report it).
+How Orbax 0.12.4 marks a complete save (orbax/checkpoint/_src/path/atomicity.py): on a
+local or POSIX filesystem (AtomicRenameTemporaryPath, the default) step S is written into
+`S.orbax-checkpoint-tmp`, `commit_success.txt` is written into it once every item is on
+disk, and the directory is then renamed to `S`. A process killed mid-save therefore leaves
+a `*.orbax-checkpoint-tmp*` directory; on filesystems without atomic rename
+(CommitFileTemporaryPath, e.g. GCS) it leaves `S` without `commit_success.txt`. Either is
+a partial checkpoint: the next start reports it, removes it and resumes from the latest
+complete step.
+
+Saving is asynchronous: `save` returns once the arrays are copied to host memory and the
+write to disk runs on a background thread while training continues.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import logging
+import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from scaling.config import CheckpointConfig
+from scaling.config import CheckpointConfig, Config, ModelConfig, config_from_dict, dump_yaml
 
 logging.getLogger("absl").setLevel(logging.WARNING)
 
+# Orbax 0.12.4's markers (orbax.checkpoint._src.path.atomicity_types); a test pins them.
+TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+BROKEN_DIR = "checkpoints.unreadable"  # complete-looking checkpoints that failed to restore
 
-class CheckpointMismatchError(ValueError):
+
+class CheckpointError(RuntimeError):
     pass
 
 
-def partial_checkpoints(directory: Path) -> list[Path]:
-    """Step directories left incomplete by a crash (Orbax's temporary names)."""
-    if not directory.exists():
+class CheckpointMismatchError(ValueError):
+    """The config's model does not fit the checkpoint; the message names each parameter."""
+
+
+def partial_checkpoints(directory: str | Path) -> list[Path]:
+    """Step directories an interrupted save left behind (see the module docstring)."""
+    directory = Path(directory)
+    if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if "tmp" in p.name)
+    out = []
+    for p in directory.iterdir():
+        if TMP_DIR_SUFFIX in p.name:
+            out.append(p)
+        elif p.is_dir() and p.name.isdigit() and not (p / COMMIT_SUCCESS_FILE).exists():
+            out.append(p)
+    return sorted(out)
+
+
+def complete_steps(directory: str | Path) -> list[int]:
+    """Steps whose save was committed, ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(
+        int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / COMMIT_SUCCESS_FILE).exists()
+    )
+
+
+def read_meta(step_dir: str | Path) -> dict:
+    """The JSON `meta` item of one step (Orbax JsonSave writes it as `meta/metadata`)."""
+    return json.loads((Path(step_dir) / "meta" / "metadata").read_text())
 
 
 @dataclasses.dataclass
@@ -44,41 +87,87 @@ class Restored:
     meta: dict
 
 
-def _shape_mismatches(target: Any, saved: Any) -> list[str]:
+# ------------------------------------------------------------------ shape checking
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey (namedtuples), SequenceKey
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _flat_by_name(tree: Any) -> dict[str, Any]:
+    """{'params.blocks.attn.q_dnh': leaf}. Orbax metadata turns namedtuples (optax states)
+    into dicts, so paths are compared by key names, not by key types."""
+    return {".".join(_key_name(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def shape_mismatches(target: Any, saved: Any) -> list[str]:
+    """One line per leaf whose shape differs or that exists on one side only.
+
+    When parameters differ, only those are listed (the optimizer's moments repeat them).
+    """
+    flat_t, flat_s = _flat_by_name(target), _flat_by_name(saved)
     out = []
-    flat_t = dict(jax.tree_util.tree_flatten_with_path(target)[0])
-    flat_s = dict(jax.tree_util.tree_flatten_with_path(saved)[0])
-    for path, leaf in flat_t.items():
-        name = jax.tree_util.keystr(path)
-        if path not in flat_s:
+    for name, leaf in flat_t.items():
+        if name not in flat_s:
             out.append(f"{name}: in the config's model but not in the checkpoint")
             continue
-        want, got = tuple(leaf.shape), tuple(flat_s[path].shape)
+        want, got = tuple(leaf.shape), tuple(flat_s[name].shape)
         if want != got:
             out.append(f"{name}: config shape {want}, checkpoint shape {got}")
-    for path in flat_s.keys() - flat_t.keys():
-        out.append(f"{jax.tree_util.keystr(path)}: in the checkpoint but not in the config's model")
-    return out
+    for name in sorted(flat_s.keys() - flat_t.keys()):
+        out.append(f"{name}: in the checkpoint but not in the config's model")
+    params_only = [m for m in out if m.startswith("params.")]
+    return params_only or out
+
+
+def _one_line(e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first}"
+
+
+def _model_diff(saved_cfg: dict | None, cfg: dict | None) -> str:
+    if not saved_cfg or not cfg:
+        return ""
+    a, b = saved_cfg.get("model", {}), cfg.get("model", {})
+    diff = [f"model.{k}: config {b.get(k)!r}, checkpoint {a.get(k)!r}" for k in b if a.get(k) != b.get(k)]
+    return ("\n  model config differences:\n    " + "\n    ".join(diff)) if diff else ""
+
+
+# ---------------------------------------------------------------------- the manager
 
 
 class Checkpointer:
+    """Periodic asynchronous saves into `<run_dir>/checkpoints`, keep-last-K (+ every M-th)."""
+
     def __init__(self, run_dir: str | Path, cfg: CheckpointConfig):
-        self.directory = Path(run_dir).absolute() / "checkpoints"
+        self.run_dir = Path(run_dir).absolute()
+        self.directory = self.run_dir / "checkpoints"
         self.cfg = cfg
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             keep_period=cfg.keep_period or None,
             enable_async_checkpointing=cfg.async_save,
             create=True,
-            cleanup_tmp_directories=False,  # we report partial saves before removing them
+            cleanup_tmp_directories=False,  # we report partial saves (below) before removing them
         )
+        # A partial save is never restorable; removing it lets the same step be saved again.
         self.partial = partial_checkpoints(self.directory)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        if jax.process_index() == 0:
+            for p in self.partial:
+                shutil.rmtree(p, ignore_errors=True)
+        # Handlers named up front, so a fresh manager (a resumed run) can read item metadata.
+        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = complete_steps(self.directory)
+        return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
+        """Start saving `state` at `step`; returns once the arrays are on the host."""
         return self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -88,22 +177,77 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> Restored | None:
-        """Restore into `abstract_state`'s shapes, dtypes and shardings (any mesh)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
-        saved = self.manager.item_metadata(step)["state"]
-        mismatches = _shape_mismatches(abstract_state, saved)
+    def is_saving(self) -> bool:
+        return self.manager.is_saving_in_progress()
+
+    def check_compatible(self, abstract_state: Any, step: int, config: dict | None = None, saved: Any = None) -> None:
+        """Raise CheckpointMismatchError naming each leaf whose shape differs from the config's."""
+        saved = self.manager.item_metadata(step)["state"] if saved is None else saved
+        mismatches = shape_mismatches(abstract_state, saved)
         if mismatches:
+            try:
+                saved_cfg = read_meta(self.directory / str(step)).get("config")
+            except (OSError, ValueError):
+                saved_cfg = None
             raise CheckpointMismatchError(
-                f"checkpoint {self.directory / str(step)} does not match the config:\n  " + "\n  ".join(mismatches)
+                f"checkpoint {self.directory / str(step)} does not match the config:\n  "
+                + "\n  ".join(mismatches)
+                + _model_diff(saved_cfg, config)
             )
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
-        )
-        return Restored(step, restored["state"], restored["meta"])
+
+    def restore(
+        self,
+        abstract_state: Any,
+        step: int | None = None,
+        *,
+        config: dict | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> Restored | None:
+        """Restore into `abstract_state`'s shapes, dtypes and shardings (any mesh).
+
+        Without `step`, the latest complete checkpoint; one that fails to read is reported,
+        moved to `<run_dir>/checkpoints.unreadable/` and the one before it is tried. A
+        shape mismatch with the config raises CheckpointMismatchError naming the leaves.
+        """
+        log = log or print
+        steps = [step] if step is not None else complete_steps(self.directory)[::-1]
+        failed = []
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        for s in steps:
+            try:
+                saved = self.manager.item_metadata(s)["state"]
+                if saved is None:
+                    raise CheckpointError("no readable metadata for the `state` item")
+            except Exception as e:  # noqa: BLE001 - unreadable: report, fall back
+                if step is not None:
+                    raise
+                failed.append(s)
+                log(f"checkpoint: step {s} is unreadable ({_one_line(e)}); moved it to {self._move_aside(s)}")
+                continue
+            self.check_compatible(abstract_state, s, config, saved)
+            try:
+                restored = self.manager.restore(s, args=args)
+            except Exception as e:  # noqa: BLE001
+                if step is not None:
+                    raise
+                failed.append(s)
+                log(f"checkpoint: step {s} is unreadable ({_one_line(e)}); moved it to {self._move_aside(s)}")
+                continue
+            return Restored(s, restored["state"], restored["meta"])
+        if failed:
+            raise CheckpointError(
+                f"no readable checkpoint in {self.directory}: steps {failed} failed to restore and were "
+                f"moved to {self.run_dir / BROKEN_DIR}; start again to train from scratch"
+            )
+        return None
+
+    def _move_aside(self, step: int) -> Path:
+        dest = self.run_dir / BROKEN_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if jax.process_index() == 0:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), dest)
+        self.manager.reload()
+        return dest
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -118,3 +262,127 @@ def abstract_like(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)), tree
     )
+
+
+# -------------------------------------------------------------------- params export
+
+
+def abstract_params(model_cfg: ModelConfig) -> dict:
+    """The model's parameter tree (pure dict of ShapeDtypeStructs), without allocating it."""
+    from flax import nnx
+
+    from scaling.model import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.to_pure_dict(nnx.state(model))  # the same tree as the train state's "params"
+
+
+def _restore_params(state_dir: Path, model_cfg: ModelConfig, sharding: Any, *, under: str | None) -> dict:
+    """Params only (no optimizer state) from an Orbax pytree directory, with a shape check."""
+    target = abstract_params(model_cfg)
+    if not isinstance(sharding, dict):
+        sharding = jax.tree.map(lambda _: sharding, target)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, sharding)
+    item = {under: target} if under else target
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # quiet: a training step's `state` item has no step metadata file
+    try:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            saved = ckptr.metadata(state_dir).item_metadata.tree
+            saved = {under: saved[under]} if under else saved
+            mismatches = shape_mismatches(item, saved)
+            if mismatches:
+                raise CheckpointMismatchError(
+                    f"{state_dir} does not match the model config:\n  " + "\n  ".join(mismatches)
+                )
+            restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+            restored = ckptr.restore(
+                state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+            )
+    finally:
+        absl.setLevel(level)
+    return restored[under] if under else restored
+
+
+def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+    """Write the params of a training checkpoint (latest complete one by default) on their own.
+
+    `out_dir/params` is an Orbax pytree of the params (no optimizer state), `config.yaml`
+    the run's resolved config, `tokenizer.json` the run's tokenizer if it had one, and
+    `export.json` where it came from. Load it with `load_params(out_dir)`.
+    """
+    run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
+    ckpt_dir = run_dir / "checkpoints"
+    steps = complete_steps(ckpt_dir)
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint in {ckpt_dir}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"no complete checkpoint for step {step} in {ckpt_dir}; have {steps}")
+    cfg = config_from_dict(read_meta(ckpt_dir / str(step))["config"])
+    params = _restore_params(ckpt_dir / str(step) / "state", cfg.model, _host_sharding(), under="params")
+    if (out_dir / "params").exists():
+        raise CheckpointError(f"{out_dir / 'params'} already exists; choose another --out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(out_dir / "params", params)
+    (out_dir / "config.yaml").write_text(dump_yaml(cfg))
+    if (run_dir / "tokenizer.json").exists():
+        shutil.copyfile(run_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    (out_dir / "export.json").write_text(json.dumps({"run_dir": str(run_dir), "step": step}, indent=1) + "\n")
+    return out_dir
+
+
+def _host_sharding():
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def load_config_of(path: str | Path) -> Config:
+    """The resolved config stored with an export (`config.yaml`) or a run's latest checkpoint."""
+    path = Path(path)
+    if (path / "config.yaml").exists() and (path / "params").exists():
+        from scaling.config import load_config
+
+        return load_config(path / "config.yaml")
+    steps = complete_steps(path / "checkpoints")
+    if not steps:
+        raise CheckpointError(f"{path} is neither an export (config.yaml + params/) nor a run with a complete checkpoint")
+    return config_from_dict(read_meta(path / "checkpoints" / str(steps[-1]))["config"])
+
+
+def load_params(path: str | Path, model_cfg: ModelConfig | None = None, sharding: Any = None) -> dict:
+    """Params as a pure dict of arrays, without the optimizer state.
+
+    `path`: an export directory (`export_params`), or a run directory (its latest
+    complete training checkpoint). `model_cfg`: the model to load into (default: the one
+    stored with the params); a shape mismatch raises CheckpointMismatchError naming each
+    parameter and both shapes. `sharding`: one sharding for every leaf or a tree of them
+    (default: the first local device).
+    """
+    path = Path(path).absolute()
+    model_cfg = model_cfg or load_config_of(path).model
+    sharding = sharding or _host_sharding()
+    if (path / "params").exists():
+        return _restore_params(path / "params", model_cfg, sharding, under=None)
+    steps = complete_steps(path / "checkpoints")
+    if not steps:
+        raise CheckpointError(f"{path} is neither an export (params/) nor a run with a complete checkpoint")
+    return _restore_params(path / "checkpoints" / str(steps[-1]) / "state", model_cfg, sharding, under="params")
+
+
+def export_main(argv: list[str]) -> int:
+    """python -m scaling export --run_dir DIR --out DIR [--step N]"""
+    parser = argparse.ArgumentParser(prog="python -m scaling export", description=export_params.__doc__)
+    parser.add_argument("--run_dir", required=True, help="training run directory (holds checkpoints/)")
+    parser.add_argument("--out", required=True, help="directory to write params/, config.yaml, tokenizer.json")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_params(args.run_dir, args.out, args.step)
+    except (CheckpointError, CheckpointMismatchError) as e:
+        print(f"error: {e}", flush=True)
+        return 1
+    step = json.loads((out / "export.json").read_text())["step"]
+    print(f"exported params of step {step} from {Path(args.run_dir).absolute()} to {out}")
+    return 0
