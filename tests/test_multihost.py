@@ -1,0 +1,124 @@
+"""Two processes x 4 CPU devices train like one process x 8 devices.
+
+Each child is `python -m scaling train` with jax.distributed over 127.0.0.1 (gloo CPU
+collectives); together they form a data=2, fsdp=4 mesh, and each feeds only its own rows
+of every batch. Their losses must equal an in-process 8-device run of the same config
+(rtol 1e-5: only the reduction order across devices and processes differs), and only
+process 0 may write metrics.jsonl. The children compile at XLA backend optimisation level
+0 (half the compile time on CPU; same f32 numerics contract).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scaling.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+CONFIG = "configs/models/tiny.yaml"
+OVERRIDES = [
+    "--data.source=synthetic",
+    "--model.compute_dtype=float32",
+    "--mesh.data=2",
+    "--mesh.fsdp=4",
+    "--train.batch_size=8",
+    "--train.seq_len=32",
+    f"--train.steps={STEPS}",
+    "--train.log_every=1",
+    "--train.eval_every=0",
+    "--checkpoint.enabled=false",
+    "--logging.tensorboard=false",
+    "--logging.progress=false",
+]
+TIMEOUT_S = 240  # for both children, after the reference; a healthy pair takes ~30 s of CPU
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def test_two_processes_match_one(tmp_path, devices):
+    port = free_port()
+    run_dir = tmp_path / "multi"
+    env = {
+        **os.environ,
+        # 4 simulated devices per process (replaces conftest's 8).
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_DEFAULT_MATMUL_PRECISION": "highest",  # as conftest sets for this process
+    }
+    procs = []
+    try:
+        for pid in range(2):
+            cmd = [
+                sys.executable, "-m", "scaling", "train", "--config", CONFIG, *OVERRIDES, "--run_dir", str(run_dir),
+                f"--mesh.coordinator_address=127.0.0.1:{port}", "--mesh.num_processes=2", f"--mesh.process_id={pid}",
+            ]  # fmt: skip
+            log = open(tmp_path / f"proc{pid}.log", "w")
+            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        single = single_process_losses()  # meanwhile, the reference in this process
+        deadline = time.monotonic() + TIMEOUT_S
+        for p, _ in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    logs = {pid: (tmp_path / f"proc{pid}.log").read_text() for pid in range(2)}
+    for pid, (p, _) in enumerate(procs):
+        assert p.returncode == 0, f"process {pid} exited with {p.returncode}:\n{logs[pid][-3000:]}"
+    multi = read_losses(run_dir)
+    assert len(multi) == STEPS, f"expected {STEPS} records from process 0 alone, got {len(multi)}"
+
+    np.testing.assert_allclose(multi, single, rtol=1e-5, atol=0)
+
+
+def single_process_losses() -> np.ndarray:
+    """The same config on this process's 8 devices: train()'s init, batches and step."""
+    import jax
+
+    from scaling.data import make_dataset
+    from scaling.sharding import use_sharding
+    from scaling.train import global_batch, init_state, make_setup, make_train_step
+
+    setup = make_setup(load_config(ROOT / CONFIG, OVERRIDES))
+    assert dict(setup.mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1} and jax.device_count() == 8
+    state, data, losses = init_state(setup), make_dataset(setup.cfg), []
+    with use_sharding(setup.mesh, setup.rules):
+        batch = global_batch(setup, next(data.train))
+        step = make_train_step(setup).lower(state, batch).compile(compiler_options={"xla_backend_optimization_level": 0})
+        for i in range(STEPS):
+            if i:
+                batch = global_batch(setup, next(data.train))
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+def test_process_id_is_checked():
+    from scaling.config import MeshConfig
+    from scaling.distributed import maybe_initialize
+
+    with pytest.raises(ValueError, match=r"process_id .* must be in \[0, 2\)"):
+        maybe_initialize(MeshConfig(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2))
+    assert maybe_initialize(MeshConfig()) is False
