@@ -1,0 +1,145 @@
+"""KV-cached decoding against recomputing the whole sequence, ragged batches, sampling, errors,
+and the flash-decoding kernel (Pallas interpret mode on the CPU) against its reference.
+
+One tiny f32 model and one Decoder (one (batch, cache length) bucket) serve most tests, so
+the prefill and the decode chunk compile once.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scaling import decode
+from scaling.config import DType, ModelConfig
+from scaling.kernels.decode_attention import DecodeBlockSizes, decode_attention, decode_attention_reference
+from scaling.model import build_model
+
+CFG = ModelConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48,
+                  init_std=0.3, compute_dtype=DType.float32)
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40]]
+NEW = 10
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(CFG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def decoder(model):
+    return decode.Decoder(model, max_batch=4, max_len=MAX_LEN, attention="xla", chunk=4)
+
+
+@pytest.fixture(scope="module")
+def greedy(decoder):
+    return decoder.generate(PROMPTS, NEW)
+
+
+def test_cached_decode_equals_full_recompute(model, greedy):
+    """The model over prompt + new tokens, no cache (right-padded into one batch: causal
+    attention keeps the padding out of every real position)."""
+    seqs = [p + t for p, t in zip(PROMPTS, greedy.tokens)]
+    width = max(map(len, seqs))
+    batch = jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32)
+    logp = np.asarray(jax.nn.log_softmax(model(batch).astype(jnp.float32), axis=-1))  # [B, T, V]
+    for i, (prompt, toks, lps) in enumerate(zip(PROMPTS, greedy.tokens, greedy.logprobs)):
+        assert len(toks) == NEW
+        rows = np.arange(len(prompt) - 1, len(prompt) + NEW - 1)
+        np.testing.assert_array_equal(np.argmax(logp[i, rows], -1), toks)  # greedy = argmax of the uncached model
+        np.testing.assert_allclose(lps, logp[i, rows, toks], atol=2e-5, rtol=0)
+
+
+def test_ragged_batch_equals_each_prompt_alone(decoder, greedy):
+    for prompt, toks, lps in zip(PROMPTS, greedy.tokens, greedy.logprobs):
+        alone = decoder.generate([prompt], NEW)  # batch bucket 1: a second compile of the same code
+        assert alone.tokens[0] == toks
+        np.testing.assert_allclose(alone.logprobs[0], lps, atol=2e-5, rtol=0)
+
+
+def test_stop_tokens_per_row_and_cache_limit(decoder, greedy):
+    # Stop row 0 at its third token; other rows go on unless they produce it too.
+    stop = greedy.tokens[0][2]
+    out = decoder.generate(PROMPTS, NEW, stop_tokens=[stop])
+    for ref, got in zip(greedy.tokens, out.tokens):
+        cut = ref.index(stop) + 1 if stop in ref else NEW
+        assert got == ref[:cut]
+    assert out.tokens[0][-1] == stop
+    # A cache of 16 positions: a prompt of 11 tokens can add at most 16 - 11 + 1 = 6.
+    short = decoder.generate(PROMPTS[1:2], NEW, max_len=16)
+    assert short.tokens[0] == greedy.tokens[1][:6]
+
+
+def test_sampling_is_seeded_and_reproducible(decoder, greedy):
+    kw = dict(temperature=1.0, top_k=20, top_p=0.9)
+    a = decoder.generate(PROMPTS, NEW, seed=3, **kw)
+    b = decoder.generate(PROMPTS, NEW, seed=3, **kw)
+    c = decoder.generate(PROMPTS, NEW, seed=4, **kw)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+    assert decoder.generate(PROMPTS, NEW, temperature=1.0, top_k=1).tokens == greedy.tokens  # top-1 is greedy
+
+
+def test_sample_top_k_top_p_support():
+    """Sampled tokens stay inside the top-k set and the top-p nucleus."""
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.1, 0.06, 0.04]] * 256))
+    keys = jax.random.split(jax.random.key(0), 256)
+    sampling = decode.Sampling(greedy=False, top_k=2)
+    toks, _ = decode.sample(logits, keys, jnp.float32(1.0), jnp.float32(1.0), sampling)
+    assert set(np.asarray(toks).tolist()) == {0, 1}
+    sampling = decode.Sampling(greedy=False, use_top_p=True)
+    toks, _ = decode.sample(logits, keys, jnp.float32(1.0), jnp.float32(0.85), sampling)
+    assert set(np.asarray(toks).tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85 <= 0.9
+
+
+def test_generate_api_and_errors(model, decoder, monkeypatch):
+    toks, lps = decode.generate(model, PROMPTS[:1], 3, return_logprobs=True, max_len=MAX_LEN)
+    assert len(toks[0]) == 3 and len(lps[0]) == 3
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before validating")
+
+    monkeypatch.setattr(decode, "_prefill", no_compile)
+    monkeypatch.setattr(decode, "_decode_chunk", no_compile)
+    cases = [
+        ([[]], "empty"),
+        ([[1, 2], [1, 97]], "outside the vocabulary"),
+        ([[-1]], "outside the vocabulary"),
+        ([list(range(1, 70))], "longer than the cache"),
+        ([[1]] * 5, "max_batch=4"),
+        ([], "non-empty"),
+    ]
+    for prompts, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            decoder.generate(prompts, 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate([[1]], 0)
+    with pytest.raises(ValueError, match="top_p"):
+        decoder.generate([[1]], 2, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="longer than the cache"):
+        decode.generate(model, [list(range(1, 20))], 2, max_len=8)
+
+
+# ------------------------------------------------------------------------------ kernel
+
+
+def test_decode_kernel_interpret_matches_reference():
+    """GQA (2 query heads per KV head), f32; bf16 and the real shapes are checked on the GPU
+    by experiments/bench_decode.py --check."""
+    b, n, kh, h, s, dtype, tol = 3, 4, 2, 16, 64, jnp.float32, 1e-5
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (b, n, h), dtype)
+    k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
+    v = jax.random.normal(ks[2], (b, s, kh, h), dtype)
+    lengths = jnp.asarray([1, 23, 64], jnp.int32)  # one position, a partial tile, the whole cache
+    blocks = DecodeBlockSizes(block_s=16, min_programs=12)  # 2 splits of 2 tiles: exercises the combine
+    out = decode_attention(q, k, v, lengths, blocks=blocks, interpret=True).astype(jnp.float32)
+    ref = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), lengths)
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert err < tol
+    # NaN in tiles past a row's length must not matter: the kernel never reads them.
+    k2 = k.at[0, 16:].set(jnp.nan)
+    v2 = v.at[0, 16:].set(jnp.nan)
+    out2 = decode_attention(q, k2, v2, lengths, blocks=blocks, interpret=True).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out2[0]), np.asarray(out[0]))
