@@ -685,7 +685,12 @@ def run_sweep(
         running: dict[str, Any] = {}
         bar = tqdm(total=len(points), initial=done_before, desc=spec.name, unit="point", dynamic_ncols=True, file=sys.stderr)
         stop: list[str] = []
-        old = {s: signal.signal(s, lambda signum, _: stop.append(signal.Signals(signum).name)) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C: the points checkpoint, then we exit
+            try:
+                old[sig] = signal.signal(sig, lambda signum, _: stop.append(signal.Signals(signum).name))
+            except ValueError:  # not the main thread
+                pass
         try:
             while (queue or running) and not stop:
                 while queue and len(running) < ex.slots:

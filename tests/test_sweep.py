@@ -215,8 +215,9 @@ def killed_and_resumed(tmp_path_factory, corpus_cache):
         f"--point_overrides.{FAILING}.data.source=tokens",
         f"--point_overrides.{FAILING}.data.path={out}/no-such-tokens.npy",
     ]  # fmt: skip
-    runner = subprocess.Popen([sys.executable, "-m", "scaling", "sweep", *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 400
+    log = open(out / "runner.log", "wb")  # a file, not a pipe nobody drains
+    runner = subprocess.Popen([sys.executable, "-m", "scaling", "sweep", *args], env=_env(), cwd=ROOT, stdout=log, stderr=log)
+    deadline = time.monotonic() + 900  # generous: the machine may be shared
     checkpointed: set[str] = set()
     while time.monotonic() < deadline and runner.poll() is None:
         rows = _rows(out)
@@ -226,7 +227,7 @@ def killed_and_resumed(tmp_path_factory, corpus_cache):
         if done and (checkpointed or len(done) >= 2):
             break
         time.sleep(0.05)
-    assert runner.poll() is None, f"the runner ended early: {runner.stderr.read().decode()[-2000:]}"
+    assert runner.poll() is None, f"the runner ended early: {(out / 'runner.log').read_text()[-2000:]}"
     runner.send_signal(signal.SIGKILL)
     runner.wait()
     before = _rows(out)
