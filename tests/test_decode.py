@@ -143,3 +143,54 @@ def test_decode_kernel_interpret_matches_reference():
     v2 = v.at[0, 16:].set(jnp.nan)
     out2 = decode_attention(q, k2, v2, lengths, blocks=blocks, interpret=True).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(out2[0]), np.asarray(out[0]))
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def _byte_tokenizer_json(path):
+    """A byte-level BPE with no merges: 256 ids, one per byte (the HF fixture's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path))
+
+
+def test_cli_hf_directory_streams_text(tmp_path, capsys):
+    import shutil
+    from pathlib import Path
+
+    from scaling.generate_cli import main
+
+    d = tmp_path / "hf"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "hf_tiny" / "plain", d)
+    _byte_tokenizer_json(d / "tokenizer.json")
+    assert main(["--checkpoint", str(d), "--prompt", "hello", "--max-new-tokens", "5", "--no-stop"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("hello") and len(out.out.strip()) > len("hello")
+    assert "5 tokens" in out.err
+    assert main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+
+
+def test_cli_run_directory(tmp_path, capsys):
+    """A run directory as train() leaves it: config.yaml, tokenizer.json, an Orbax checkpoint."""
+    from scaling.checkpoint import Checkpointer
+    from scaling.config import dump_yaml, load_config
+    from scaling.generate_cli import main
+    from scaling.train import init_state, make_setup
+
+    overrides = ["--model.vocab_size=257", "--model.hidden_size=32", "--model.num_layers=1", "--model.num_heads=2",
+                 "--model.num_kv_heads=1", "--model.mlp_dim=32", "--data.tokenizer=byte", "--mesh.fsdp=1",
+                 "--mesh.data=-1", "--checkpoint.async_save=false"]
+    cfg = load_config(None, overrides)
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
+    (tmp_path / "tokenizer.json").write_text('{"kind": "byte"}')
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint)
+    ckpt.save(1, init_state(make_setup(cfg)), {"loader": {}}, force=True)
+    ckpt.close()
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--prompt", "xyz", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "=== 'ab'" in out and "=== 'xyz'" in out

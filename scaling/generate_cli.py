@@ -1,0 +1,158 @@
+"""python -m scaling generate --checkpoint DIR --prompt "..." [--max-new-tokens N --temperature T ...]
+
+DIR is either one of our run directories (config.yaml, tokenizer.json, checkpoints/<step>/
+written by Orbax) or a Hugging Face Llama-family directory (config.json, *.safetensors,
+tokenizer.json). With one prompt the text streams as it is produced (a chunk of tokens at a
+time); with several (repeat --prompt) they decode as one ragged batch and print at the end.
+Generation stops at the tokenizer's end-of-sequence token unless --no-stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from scaling.config import ConfigError
+
+
+class _HFTokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def _hf_stop_ids(d: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = d / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids += eos if isinstance(eos, list) else [eos]
+    return sorted(set(ids))
+
+
+def load_hf_dir(d: Path):
+    from scaling.interop import hf
+
+    if not (d / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{d} has no tokenizer.json (the fast-tokenizer file); cannot encode the prompt")
+    cfg, model = hf.load(d)
+    return model, _HFTokenizer(d / "tokenizer.json"), _hf_stop_ids(d)
+
+
+def load_run_dir(d: Path, step: int | None = None):
+    """Our run directory -> (model, tokenizer, stop ids), params restored from the checkpoint."""
+    from scaling import checkpoint
+    from scaling.config import load_config
+    from scaling.data import load_tokenizer
+    from scaling.interop.hf import from_params
+
+    cfg = load_config(d / "config.yaml")
+    if not (d / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{d} has no tokenizer.json")
+    tok = load_tokenizer(d / "tokenizer.json")
+    load_params = getattr(checkpoint, "load_params", None)
+    params = None
+    if load_params is not None and step is None:
+        try:
+            params = load_params(d, cfg.model)
+        except TypeError:
+            params = None  # a different signature than expected: fall back to the full restore
+    if params is None:
+        from scaling.train import abstract_state, make_setup
+
+        ckpt = checkpoint.Checkpointer(d, cfg.checkpoint)
+        try:
+            restored = ckpt.restore(abstract_state(make_setup(cfg)), step=step)
+        finally:
+            ckpt.close()
+        if restored is None:
+            raise FileNotFoundError(f"no checkpoint under {d / 'checkpoints'}")
+        params = restored.state["params"]
+    model = from_params(cfg.model, params, attention=cfg.attention)
+    eos = getattr(tok, "eos_id", None)
+    return model, tok, ([eos] if eos is not None else [])
+
+
+def load_any(path: str | Path, step: int | None = None):
+    d = Path(path)
+    if (d / "config.json").exists() and (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").exists()):
+        return load_hf_dir(d)
+    if (d / "config.yaml").exists():
+        return load_run_dir(d, step)
+    raise FileNotFoundError(f"{d} is neither a run directory (config.yaml) nor an HF directory (config.json + safetensors)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scaling generate", description=__doc__.split("\n\n")[1])
+    p.add_argument("--checkpoint", required=True, help="run directory or Hugging Face model directory")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--chunk", type=int, default=8, help="decode steps between streamed outputs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from scaling import decode
+
+    try:
+        model, tok, stop = load_any(args.checkpoint, args.step)
+    except (FileNotFoundError, ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = [tok.encode(p) for p in args.prompt]
+    dec = decode.Decoder(model, chunk=args.chunk)
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              stop_tokens=() if args.no_stop else stop, max_len=args.max_len)
+    try:
+        if len(prompts) == 1:
+            t0 = time.perf_counter()
+            new: list[int] = []
+            shown = ""
+            sys.stdout.write(args.prompt[0])
+            for items in dec.stream(prompts, args.max_new_tokens, **kw):
+                for _, toks, _ in items:
+                    new += toks
+                text = tok.decode([t for t in new if t not in stop])
+                # Hold back a trailing partial UTF-8 character until its remaining bytes arrive.
+                ready = text[: len(text) - 1] if text.endswith("\ufffd") else text
+                if ready.startswith(shown):
+                    sys.stdout.write(ready[len(shown):])
+                    shown = ready
+                sys.stdout.flush()
+            text = tok.decode([t for t in new if t not in stop])
+            sys.stdout.write(text[len(shown):] + "\n")
+            dt = time.perf_counter() - t0
+            print(f"[{len(new)} tokens in {dt:.2f}s, {len(new) / dt:.1f} tok/s incl. compile]", file=sys.stderr)
+        else:
+            out = dec.generate(prompts, args.max_new_tokens, **kw)
+            for text, toks in zip(args.prompt, out.tokens):
+                print(f"=== {text!r}")
+                print(text + tok.decode([t for t in toks if t not in stop]))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
