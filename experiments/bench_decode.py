@@ -221,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-eager-new", type=int, default=64, help="new tokens for the (slow) eager transformers runs")
     ap.add_argument("--mem-budget-gb", type=float, default=60.0, help="skip cases whose weights + KV cache exceed this")
     ap.add_argument("--bw-gib", type=float, default=4.0, help="buffer size of the bandwidth measurement")
+    ap.add_argument("--tag", default="bench_decode", help="file name stem of the outputs under $OUT")
     ap.add_argument("--check", action="store_true", help="first check the kernel and the decoder on the GPU")
     args = ap.parse_args(argv)
     if args.quick:
@@ -303,8 +304,8 @@ def main(argv=None) -> int:
     print(table)
     out = os.environ.get("OUT")
     if out:
-        Path(out, "bench_decode.md").write_text(table)
-        Path(out, "bench_decode.json").write_text(json.dumps({"versions": versions, "bandwidth": bw, "rows": rows}, indent=1, default=str))
+        Path(out, f"{args.tag}.md").write_text(table)
+        Path(out, f"{args.tag}.json").write_text(json.dumps({"versions": versions, "bandwidth": bw, "rows": rows}, indent=1, default=str))
     if fails:
         print("CHECK FAILURES:\n" + "\n".join(fails))
         return 1
