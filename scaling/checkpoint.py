@@ -161,13 +161,21 @@ class Checkpointer:
         # Handlers named up front, so a fresh manager (a resumed run) can read item metadata.
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._last_saved: int | None = None
 
     def latest_step(self) -> int | None:
         steps = complete_steps(self.directory)
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
-        """Start saving `state` at `step`; returns once the arrays are on the host."""
+        """Start saving `state` at `step`; returns once the arrays are on the host.
+
+        A step saved already (a periodic save at the step a preemption arrived) is not
+        saved again: Orbax would raise StepAlreadyExistsError.
+        """
+        if step == self._last_saved or step in self.manager.all_steps():
+            return False
+        self._last_saved = step
         return self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),

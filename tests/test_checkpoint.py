@@ -25,7 +25,7 @@ import pytest
 
 from scaling import checkpoint as C
 from scaling.config import load_config, replace, to_dict
-from scaling.train import NonFiniteError, abstract_state, init_state, make_setup, train
+from scaling.train import NonFiniteError, abstract_state, make_setup, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/models/tiny.yaml")
@@ -50,10 +50,17 @@ def test_partial_markers_are_orbax_s():
 
 @pytest.fixture(scope="module")
 def saved_fsdp8(tmp_path_factory, devices):
-    """A checkpoint of a freshly initialised tiny model, written from an fsdp=8 mesh."""
+    """A checkpoint of the tiny model's full train state, written from an fsdp=8 mesh.
+
+    Random values (not init_state, whose compile is slow here): every element distinct,
+    so a resharding that moved shards around could not go unnoticed."""
     cfg = load_config(TINY, ["--model.num_kv_heads=4", "--mesh.fsdp=8", "--data.source=synthetic"])
     setup = make_setup(cfg, devices=devices)
-    state = init_state(setup)
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(
+        lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), a.sharding), abstract_state(setup)
+    )
+    assert any("fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(state["params"]))
     run_dir = tmp_path_factory.mktemp("fsdp8")
     ck = C.Checkpointer(run_dir, cfg.checkpoint)
     ck.save(1, state, {"loader": {"next_index": 1}, "config": to_dict(cfg)})
@@ -117,7 +124,9 @@ def test_keep_last_k_and_every_m_th(tmp_path):
     cfg = load_config(None, ["--checkpoint.keep=2", "--checkpoint.keep_period=4", "--checkpoint.every=1"]).checkpoint
     ck = C.Checkpointer(tmp_path, cfg)
     for step in range(1, 11):
-        ck.save(step, _small_state(step), {"loader": {"next_index": step}})
+        assert ck.save(step, _small_state(step), {"loader": {"next_index": step}})
+    # A preemption at a step that was just saved periodically: no second save, no error.
+    assert not ck.save(10, _small_state(10), {"loader": {"next_index": 10}}, force=True)
     ck.close()
     assert C.complete_steps(tmp_path / "checkpoints") == [4, 8, 9, 10]
 
@@ -194,6 +203,7 @@ def _blowup_cfg(policy: str):
         TINY,
         [
             "--data.source=synthetic",
+            "--mesh.fsdp=1",  # one device: the policy is the same on any mesh, and compiles faster
             "--train.steps=4",
             "--train.batch_size=8",
             "--train.seq_len=16",
@@ -232,10 +242,10 @@ def compile_cache(tmp_path):
 
 def test_nonfinite_stop_keeps_last_good_checkpoint_and_skip_drops_updates(tmp_path, compile_cache):
     with pytest.raises(NonFiniteError, match=r"non-finite loss at step 2; .* last good checkpoint \(step 1\) is kept"):
-        train(_blowup_cfg("stop"), str(tmp_path / "stop"), log=lambda m: None)
+        train(_blowup_cfg("stop"), str(tmp_path / "stop"), log=lambda m: None, devices=jax.devices()[:1])
     assert C.complete_steps(tmp_path / "stop/checkpoints") == [1]
 
-    summary = train(_blowup_cfg("skip"), str(tmp_path / "skip"), log=lambda m: None)
+    summary = train(_blowup_cfg("skip"), str(tmp_path / "skip"), log=lambda m: None, devices=jax.devices()[:1])
     assert summary["exit"] == "done" and summary["step"] == 4
     assert [r["nonfinite_steps"] for r in _records(tmp_path / "skip")] == [0, 1, 2, 3]
     # Skipped updates leave params and optimizer state exactly as after step 1.
