@@ -198,3 +198,25 @@ def test_shardings_cli_prints_the_report(capsys):
     assert "mesh {'data': 1, 'fsdp': 4, 'tensor': 2} rules=default" in out
     assert "blocks.attn.q_dnh" in out and "P(None, 'fsdp', 'tensor', None)" in out
     assert "MiB per device" in out
+
+
+def test_explicit_axes_fail_at_setup_with_the_reason(devices):
+    cfg = tiny_config((2, 2, 2), "mesh.axis_type=explicit")
+    with pytest.raises(MeshError, match=r"axis_type=explicit is not supported.*out_sharding.*Use mesh.axis_type=auto"):
+        make_setup(cfg, devices=devices)
+
+
+def test_constrain_in_both_axis_types(devices):
+    """`constrain` pins a layout by logical names in Auto and Explicit mode alike."""
+    import jax.numpy as jnp
+
+    from scaling.config import AxisType
+    from scaling.sharding import axes as A
+    from scaling.sharding import constrain
+
+    for axis_type in (AxisType.auto, AxisType.explicit):
+        mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2, axis_type=axis_type), devices, allow_explicit=True)
+        assert set(mesh.axis_types) == {getattr(jax.sharding.AxisType, axis_type.value.capitalize())}
+        with use_sharding(mesh, "default"):
+            y = jax.jit(lambda x: constrain(x * 2, (A.BATCH, A.SEQ, A.ACT_MLP)))(jnp.ones((8, 4, 16)))
+        assert y.sharding.spec == P(("data", "fsdp"), None, "tensor"), axis_type

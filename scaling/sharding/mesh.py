@@ -40,7 +40,24 @@ def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int
     return tuple(sizes)  # type: ignore[return-value]
 
 
-def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+EXPLICIT_UNSUPPORTED = (
+    "mesh.axis_type=explicit is not supported for training: in Explicit mode every op whose "
+    "output sharding is ambiguous needs it spelled out (the embedding gather from the "
+    "vocab-sharded table, the FSDP weight all-gathers before each matmul, an out_sharding on "
+    "each row-parallel contraction, the vocab-sharded cross-entropy), and the model code does "
+    "not give them yet. Use mesh.axis_type=auto (the default): the compiler propagates "
+    "shardings and `constrain` pins the key activations. See docs/sharding.md."
+)
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, *, allow_explicit: bool = False) -> Mesh:
+    """The (data, fsdp, tensor) mesh over `devices` (default: all, topology-ordered).
+
+    Explicit axes are refused unless `allow_explicit` (see EXPLICIT_UNSUPPORTED); sharded
+    init and `constrain` do work with them, the train step does not.
+    """
+    if cfg.axis_type == AxisType.explicit and not allow_explicit:
+        raise MeshError(EXPLICIT_UNSUPPORTED)
     devices = list(devices) if devices is not None else jax.devices()
     shape = resolve_mesh_shape(cfg, len(devices))
     axis_type = jax.sharding.AxisType.Explicit if cfg.axis_type == AxisType.explicit else jax.sharding.AxisType.Auto
