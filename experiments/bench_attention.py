@@ -1,0 +1,260 @@
+"""Benchmark our Pallas flash attention against cuDNN and XLA (run on a GPU machine).
+
+    PYTHONPATH=. python experiments/bench_attention.py            # the full table
+    PYTHONPATH=. python experiments/bench_attention.py --quick    # a few shapes
+    PYTHONPATH=. python experiments/bench_attention.py --shape 4,4096,32,8,128 --causal yes
+    PYTHONPATH=. python experiments/bench_attention.py --head-dims 64 --out-name bench_d64
+    PYTHONPATH=. python experiments/bench_attention.py --check    # GPU correctness suite first
+
+FLOPs (FlashAttention-2 paper convention): forward 4·B·H·T²·D, halved when causal; backward
+2.5× the forward, so forward+backward counts 3.5× the forward. TFLOP/s = FLOPs / median time.
+Before timing a shape we compare our output and gradients with cuDNN's (relative error
+‖ours − cudnn‖ / ‖cudnn‖). If $OUT is set, the table is also written there as JSON and markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scaling.kernels import BlockSizes, attention_reference, flash_attention
+
+fa = importlib.import_module("scaling.kernels.flash_attention")  # the module (the package exports the function)
+
+TOKENS = 16384  # B·T fixed across sequence lengths
+HEADS = 32  # hidden 4096 at D=128, 2048 at D=64
+XLA_MAX_T = 4096  # XLA materialises [B, H, T, T] logits; beyond this it is slow or out of memory
+
+
+def header() -> str:
+    dev = jax.devices()[0]
+    return (f"date {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}  "
+            f"device {dev.device_kind} ({dev.platform})  jax {jax.__version__}  "
+            f"jaxlib {jax.lib.__version__ if hasattr(jax.lib, '__version__') else '?'}")
+
+
+def flops_fwd(b, t, h, d, causal) -> float:
+    f = 4.0 * b * h * t * t * d
+    return f / 2 if causal else f
+
+
+def time_fn(fn, *args, warmup: int = 2, reps: int = 10) -> float:
+    """Median seconds of `reps` calls after `warmup` calls, each synchronised."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rel_err(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make_inputs(b, t, h, kv, d, dtype=jnp.bfloat16, seed=None):
+    seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, t, h, d), dtype)
+    k = jax.random.normal(ks[1], (b, t, kv, d), dtype)
+    v = jax.random.normal(ks[2], (b, t, kv, d), dtype)
+    do = jax.random.normal(ks[3], (b, t, h, d), dtype)
+    return q, k, v, do
+
+
+def impl_fn(name: str, causal: bool, block_sizes: BlockSizes | None = None):
+    """attention(q, k, v) for one implementation."""
+    if name == "ours":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes)
+    if name in ("cudnn", "xla"):
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=name)
+    raise ValueError(f"unknown implementation {name!r}")
+
+
+def fwd_and_fwdbwd(fn):
+    fwd = jax.jit(fn)
+
+    @jax.jit
+    def fwdbwd(q, k, v, do):
+        _, vjp = jax.vjp(fn, q, k, v)
+        return vjp(do)
+
+    return fwd, fwdbwd
+
+
+def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
+    """Rows of {impl, tflops_fwd, tflops_fwdbwd, err_*} for one shape; cuDNN first as the check."""
+    q, k, v, do = make_inputs(b, t, h, kv, d)
+    f = flops_fwd(b, t, h, d, causal)
+    rows, outs = [], {}
+    for name in impls:
+        row = dict(impl=name, B=b, T=t, H=h, KV=kv, D=d, causal=causal)
+        if name == "xla" and t > XLA_MAX_T:
+            row.update(skipped=f"T > {XLA_MAX_T}")
+            rows.append(row)
+            continue
+        try:
+            fwd, fwdbwd = fwd_and_fwdbwd(impl_fn(name, causal, block_sizes if name == "ours" else None))
+            outs[name] = (fwd(q, k, v), fwdbwd(q, k, v, do))
+            if name != "cudnn" and "cudnn" in outs:
+                o_ref, g_ref = outs["cudnn"]
+                o, g = outs[name]
+                row["err_out"] = rel_err(o, o_ref)
+                row["err_grad"] = max(rel_err(a, r) for a, r in zip(g, g_ref))
+            t_fwd = time_fn(fwd, q, k, v, reps=reps)
+            t_all = time_fn(fwdbwd, q, k, v, do, reps=reps)
+            row.update(ms_fwd=t_fwd * 1e3, ms_fwdbwd=t_all * 1e3,
+                       tflops_fwd=f / t_fwd / 1e12, tflops_fwdbwd=3.5 * f / t_all / 1e12)
+        except Exception as e:  # keep the table going: a failure is a row, not a crash
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        rows.append(row)
+    base = next((r for r in rows if r["impl"] == "cudnn" and "tflops_fwd" in r), None)
+    for r in rows:
+        if base and "tflops_fwd" in r:
+            r["vs_cudnn_fwd"] = r["tflops_fwd"] / base["tflops_fwd"]
+            r["vs_cudnn_fwdbwd"] = r["tflops_fwdbwd"] / base["tflops_fwdbwd"]
+    return rows
+
+
+def format_table(rows) -> str:
+    cols = ["impl", "D", "T", "B", "H", "KV", "causal", "tflops_fwd", "tflops_fwdbwd",
+            "vs_cudnn_fwd", "vs_cudnn_fwdbwd", "err_out", "err_grad"]
+    lines = ["| " + " | ".join(cols) + " | note |", "|" + "---|" * (len(cols) + 1)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            x = r.get(c, "")
+            if isinstance(x, float):
+                x = f"{x:.2e}" if c.startswith("err") else f"{x:.2f}" if c.startswith("vs") else f"{x:.0f}"
+            cells.append(str(x))
+        note = r.get("error", r.get("skipped", ""))
+        lines.append("| " + " | ".join(cells) + f" | {note} |")
+    return "\n".join(lines)
+
+
+def check_suite(seed=None, cases="all") -> list[dict]:
+    """Forward and gradients vs the f32 XLA reference on shapes the CPU tests cannot afford.
+
+    cases: "all" or comma-separated indices into the list below.
+    """
+    all_cases = [  # B, T, S, H, KV, D, causal, segments, dtype
+        (2, 1024, 1024, 8, 8, 128, True, False, jnp.bfloat16),
+        (1, 1000, 1000, 16, 2, 128, True, False, jnp.bfloat16),
+        (2, 777, 777, 8, 1, 64, True, True, jnp.bfloat16),
+        (1, 500, 900, 12, 4, 64, False, False, jnp.float16),
+        (1, 512, 333, 6, 2, 256, False, True, jnp.bfloat16),
+        (1, 1024, 1024, 4, 4, 256, True, False, jnp.bfloat16),
+        (1, 300, 300, 8, 8, 128, True, False, jnp.float32),
+        (1, 200, 200, 12, 4, 96, True, True, jnp.float16),
+    ]
+    cases = all_cases if cases == "all" else [all_cases[int(i)] for i in cases.split(",")]
+    out = []
+    for b, t, s, h, kv, d, causal, segmented, dtype in cases:
+        rec = dict(B=b, T=t, S=s, H=h, KV=kv, D=d, causal=causal, segments=segmented, dtype=jnp.dtype(dtype).name)
+        try:
+            rng = np.random.default_rng(seed)
+            q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+            k = jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)
+            v = jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)
+            do = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+            seg = None
+            if segmented:  # packed documents, plus q ids absent from kv -> fully masked rows
+                seg = (jnp.asarray(np.sort(rng.integers(0, 4, (b, t)), axis=1), jnp.int32),
+                       jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1), jnp.int32))
+                if causal:
+                    seg = seg[0]
+            ours = lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=seg)
+            ref = lambda q, k, v: attention_reference(q, k, v, causal=causal, segment_ids=seg)
+            o, g = jax.jit(lambda q, k, v, do: (ours(q, k, v), jax.vjp(ours, q, k, v)[1](do)))(q, k, v, do)
+            f32 = lambda x: x.astype(jnp.float32)
+            with jax.default_matmul_precision("highest"):  # XLA on GPU would use tf32 for f32
+                o_r, g_r = jax.jit(lambda q, k, v, do: (ref(q, k, v), jax.vjp(ref, q, k, v)[1](do)))(
+                    f32(q), f32(k), f32(v), f32(do))
+            rec["err_out"] = rel_err(o, o_r)
+            rec["err_dq"], rec["err_dk"], rec["err_dv"] = (rel_err(a, r) for a, r in zip(g, g_r))
+            rec["nan"] = bool(any(np.isnan(np.asarray(x, np.float32)).any() for x in (o, *g)))
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+        print("check", json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
+
+
+def write_out(name: str, payload: dict, markdown: str | None = None):
+    out_dir = os.environ.get("OUT")
+    if not out_dir:
+        return
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    if markdown is not None:
+        with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+            f.write(markdown + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="T in {1k, 4k}, causal, D=128 only")
+    p.add_argument("--shape", action="append", help="B,T,H,KV,D instead of the sweep (repeatable)")
+    p.add_argument("--head-dims", default="128,64", help="head dims of the sweep")
+    p.add_argument("--out-name", default="bench_attention", help="file name (no suffix) under $OUT")
+    p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    p.add_argument("--impls", default="cudnn,ours,xla")
+    p.add_argument("--check", nargs="?", const="all", help="run the GPU correctness suite first (or cases i,j)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--block-sizes", help="JSON of BlockSizes fields for ours (default: the tuned table)")
+    p.add_argument("--block-sizes-from", help="tune_attention.json: use its best BlockSizes per head dim")
+    args = p.parse_args(argv)
+
+    print(header(), flush=True)
+    print(" ".join(sys.argv), flush=True)
+    checks = check_suite(cases=args.check) if args.check else []
+    block_sizes = BlockSizes(**json.loads(args.block_sizes)) if args.block_sizes else None
+    per_dim = {}
+    if args.block_sizes_from:
+        with open(args.block_sizes_from) as f:
+            per_dim = {int(d): BlockSizes(**fields) for d, fields in json.load(f)["best"].items()}
+        print("block sizes from", args.block_sizes_from, per_dim, flush=True)
+    impls = args.impls.split(",")
+    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    if args.shape:
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shape]
+    elif args.quick:
+        shapes = [(TOKENS // t, t, HEADS, HEADS, 128) for t in (1024, 4096)]
+        causals = [True] if args.causal == "both" else causals
+    else:
+        shapes = [(TOKENS // t, t, HEADS, HEADS, int(d)) for d in args.head_dims.split(",")
+                  for t in (1024, 2048, 4096, 8192, 16384)]
+    rows = []
+    for b, t, h, kv, d in shapes:
+        for causal in causals:
+            for r in bench_shape(b, t, h, kv, d, causal, impls, per_dim.get(d, block_sizes), reps=args.reps):
+                rows.append(r)
+                print("row", json.dumps(r), flush=True)
+    table = format_table(rows)
+    print(header())
+    print(table)
+    write_out(args.out_name, dict(header=header(), argv=sys.argv, checks=checks, rows=rows,
+                                      block_sizes={d: dataclasses.asdict(bs) for d, bs in per_dim.items()} or (
+                                          dataclasses.asdict(block_sizes) if block_sizes else "table")),
+              header() + "\n\n" + table)
+
+
+if __name__ == "__main__":
+    main()
