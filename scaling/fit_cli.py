@@ -137,11 +137,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     budgets = _floats(args.predict, "--predict") if args.predict else _prediction_budgets(runs.c)
     predictions = []
     for c in budgets:
-        n3, d3 = sl.compute_optimal(fit3, c)
-        row: dict[str, Any] = {
-            "C": c,
-            "approach3": {"N_opt": n3, "D_opt": d3, "tokens_per_param": d3 / n3, "loss": float(fit3.predict(n3, d3))},
-        }
+        row: dict[str, Any] = {"C": c}
+        try:
+            n3, d3 = sl.compute_optimal(fit3, c)
+            row["approach3"] = {"N_opt": n3, "D_opt": d3, "tokens_per_param": d3 / n3, "loss": float(fit3.predict(n3, d3))}
+        except ValueError as err:
+            row["approach3"] = {"error": str(err)}
         if iso is not None:
             n2, d2 = float(iso.n_opt(c)), float(iso.d_opt(c))
             row["approach2"] = {"N_opt": n2, "D_opt": d2, "tokens_per_param": d2 / n2}

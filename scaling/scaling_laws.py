@@ -714,6 +714,12 @@ def compute_optimal(
     c_arr = np.asarray(c, dtype=float)
     if np.any(c_arr <= 0):
         raise ValueError("compute budgets C must be positive")
+    bad = {k: v for k, v in (("A", fit.A), ("B", fit.B), ("alpha", fit.alpha), ("beta", fit.beta)) if not v > 0}
+    if bad:
+        raise ValueError(
+            f"the fit has no compute-optimal allocation: {bad} must be positive (the data show no "
+            "trade-off between N and D, e.g. every IsoFLOP minimum sits at the smallest model)"
+        )
     s = fit.alpha + fit.beta
     g = (fit.alpha * fit.A / (fit.beta * fit.B)) ** (1.0 / s)
     ck = c_arr / flops_per_token_per_param
