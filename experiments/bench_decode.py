@@ -103,8 +103,9 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
 
 def bench_ours(dec: decode.Decoder, cfg: ModelConfig, batch: int, prompt: int, new: int, rng) -> dict:
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
-    dec.generate(prompts, dec.chunk + 1)  # compile prefill and one chunk
-    g = dec.generate(prompts, new)
+    max_len = -(-(prompt + new) // 128) * 128  # the same cache shape for warm-up and timed call
+    dec.generate(prompts, dec.chunk + 1, max_len=max_len)  # compile prefill and one chunk
+    g = dec.generate(prompts, new, max_len=max_len)
     assert all(len(t) == new for t in g.tokens), [len(t) for t in g.tokens]
     step_s = g.decode_s / g.decode_steps
     # Rows attend to prompt + 1 .. prompt + steps positions; mean prompt + (steps + 1) / 2.
@@ -217,9 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--attention", default="pallas", help="decode attention impls, comma-separated (pallas, xla)")
     ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
+    ap.add_argument("--hf-models", default="1b,llama2_7b", help="models to run transformers on")
     ap.add_argument("--hf", default="1", help="batches to run transformers at (prompt 128 only), comma-separated; '' for none")
     ap.add_argument("--hf-eager-new", type=int, default=64, help="new tokens for the (slow) eager transformers runs")
-    ap.add_argument("--mem-budget-gb", type=float, default=60.0, help="skip cases whose weights + KV cache exceed this")
+    ap.add_argument("--mem-budget-gb", type=float, default=70.0, help="skip cases whose weights + KV cache exceed this")
     ap.add_argument("--bw-gib", type=float, default=4.0, help="buffer size of the bandwidth measurement")
     ap.add_argument("--tag", default="bench_decode", help="file name stem of the outputs under $OUT")
     ap.add_argument("--check", action="store_true", help="first check the kernel and the decoder on the GPU")
@@ -241,7 +243,13 @@ def main(argv=None) -> int:
     except ImportError:
         hf_batches = []
     print(versions, flush=True)
-    fails = check_on_gpu() if args.check else []
+    fails = []
+    if args.check:
+        try:
+            fails = check_on_gpu()
+        except Exception as e:  # noqa: BLE001
+            fails = [f"check raised {type(e).__name__}: {str(e)[:500]}"]
+            print(fails[0], flush=True)
     bw = measure_bandwidth(int(args.bw_gib * (1 << 30)))
     peak = max(bw.values())
     print({k: f"{v / 1e12:.2f} TB/s" for k, v in bw.items()}, flush=True)
@@ -255,7 +263,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(jax.tree.leaves(model))
         print(f"{name}: built in {time.perf_counter() - t:.1f}s", flush=True)
         hf_res: dict = {}
-        if hf_batches:
+        if hf_batches and name in args.hf_models.split(","):
             from scaling.interop import hf
 
             with tempfile.TemporaryDirectory() as d:
@@ -270,6 +278,8 @@ def main(argv=None) -> int:
             wbytes = decode.weight_bytes_per_step(dec.weights)
             for prompt in prompts:
                 for batch in batches:
+                    if impl != impls[0] and (batch, prompt) != (batches[0], prompts[0]):
+                        continue  # other impls: the first case only, for comparison
                     max_len = -(-(prompt + args.new_tokens) // 128) * 128
                     need = 2 * wbytes + batch * max_len * kv_bytes_per_token(cfg)
                     row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt}
@@ -295,6 +305,9 @@ def main(argv=None) -> int:
                     row.update(r, wall_s=time.perf_counter() - t)
                     rows.append(row)
                     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                    out = os.environ.get("OUT")
+                    if out:  # the table so far, in case the run is cut off
+                        Path(out, f"{args.tag}.partial.md").write_text(render(rows, versions, bw, args))
             del dec
             gc.collect()
         del model

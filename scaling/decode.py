@@ -46,9 +46,9 @@ import numpy as np
 from flax import nnx
 
 from scaling import layers
-from scaling.attention import attention_core
-from scaling.config import ModelConfig
-from scaling.kernels.decode_attention import decode_attention, decode_attention_reference
+from scaling.attention import attention_core, resolve_impl
+from scaling.config import AttentionImpl, ModelConfig
+from scaling.kernels.decode_attention import decode_attention, decode_attention_reference, prime_lowering
 from scaling.model import Transformer
 
 KV_BLOCK = 64  # cache length is rounded up to whole tiles of the decode kernel
@@ -342,7 +342,11 @@ class Decoder:
         self.max_batch = max_batch
         self.max_len = max_len
         self.attn_impl = resolve_decode_impl(attention, self.cfg.resolved_head_dim)
-        self.core_impl = model.attention_cfg.impl
+        if self.attn_impl == DecodeAttentionImpl.pallas:
+            prime_lowering()
+        self.core_impl = resolve_impl(model.attention_cfg.impl)
+        if self.core_impl == AttentionImpl.cudnn and jnp.dtype(self.dtype) == jnp.float32:
+            self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")
         self.chunk = chunk

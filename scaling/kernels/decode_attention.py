@@ -203,6 +203,20 @@ def decode_attention(q_bnh, k_bskh, v_bskh, lengths_b, *, blocks: DecodeBlockSiz
     return out.reshape(b, n, h).astype(q_bnh.dtype)
 
 
+@functools.cache
+def prime_lowering() -> None:
+    """Lower one tiny call, once per process.
+
+    The first lowering of a pallas_call imports modules that register a JAX config option,
+    which changes the tracing context: a jitted caller compiled before that would miss the
+    compilation cache once afterwards. Callers that compile around the kernel (the decoder)
+    call this first.
+    """
+    q = jax.ShapeDtypeStruct((1, 1, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 64, 1, 16), jnp.float32)
+    decode_attention.lower(q, kv, kv, jax.ShapeDtypeStruct((1,), jnp.int32))
+
+
 # ----------------------------------------------------------------------------------------------
 # Reference.
 
