@@ -89,6 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:
+        # Our own input errors (mesh, sharding, checkpoint/config mismatch, remat, HF format)
+        # carry full messages; print them without a traceback.
+        from scaling.checkpoint import CheckpointMismatchError
+        from scaling.remat import RematError
+        from scaling.sharding import MeshError, ShardingError
+
+        if isinstance(e, (MeshError, ShardingError, CheckpointMismatchError, RematError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":
