@@ -54,6 +54,7 @@ def test_inherit_and_deltas(tmp_path):
         (["--remat.policy=names"], "remat.names"),
         (["--mesh.data=-1", "--mesh.fsdp=-1"], "at most one axis may be -1"),
         (["model.num_layers"], "--section.key=value"),
+        (["--profile.steps=[4, 2]"], "profile.steps"),
     ],
 )
 def test_errors_name_the_key(overrides, needle):
