@@ -95,13 +95,11 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     return Setup(cfg, mesh, graphdef, names, abstract_params, tx, state_shardings, NamedSharding(mesh, batch_spec))
 
 
-def init_state(setup: Setup, seed: int | None = None) -> dict:
-    """Initialise params and optimizer state directly in their shardings (under jit)."""
-    cfg = setup.cfg
-    seed = cfg.train.seed if seed is None else seed
+def _init_fn(setup: Setup, seed: int):
+    """The state's constructor: traced under jit (init_state) or eval_shape (abstract_state)."""
 
     def init():
-        params = nnx.to_pure_dict(nnx.state(_build(cfg, seed)))
+        params = nnx.to_pure_dict(nnx.state(_build(setup.cfg, seed)))
         return {
             "params": params,
             "opt_state": setup.tx.init(params),
@@ -114,21 +112,19 @@ def init_state(setup: Setup, seed: int | None = None) -> dict:
             },
         }
 
+    return init
+
+
+def init_state(setup: Setup, seed: int | None = None) -> dict:
+    """Initialise params and optimizer state directly in their shardings (under jit)."""
+    seed = setup.cfg.train.seed if seed is None else seed
     with use_sharding(setup.mesh, setup.rules):
-        return jax.jit(init, out_shardings=setup.state_shardings)()
+        return jax.jit(_init_fn(setup, seed), out_shardings=setup.state_shardings)()
 
 
 def abstract_state(setup: Setup) -> dict:
     """The state's shapes, dtypes and shardings without allocating it (restore target)."""
-    abs_params = setup.abstract_params
-    abs_opt = jax.eval_shape(setup.tx.init, abs_params)
-    tree = {
-        "params": abs_params,
-        "opt_state": abs_opt,
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-        "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
-        "nonfinite": {k: jax.ShapeDtypeStruct((), jnp.int32) for k in ("count", "first_step", "kind")},
-    }
+    tree = jax.eval_shape(_init_fn(setup, 0))
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, setup.state_shardings)
 
 
