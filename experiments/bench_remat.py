@@ -37,7 +37,7 @@ def make_config(model: str, policy: str, batch: int, seq: int, steps: int):
     cfg = load_config(path if path.exists() else model)
     seq = min(seq, cfg.model.max_seq_len)
     overrides = [
-        f"--model.compute_dtype=bfloat16", f"--train.batch_size={batch}", f"--train.seq_len={seq}",
+        "--model.compute_dtype=bfloat16", f"--train.batch_size={batch}", f"--train.seq_len={seq}",
         f"--train.steps={steps + 1}", f"--remat.policy={policy}", "--mesh.data=1", "--mesh.fsdp=1", "--mesh.tensor=1",
         "--data.source=synthetic", "--checkpoint.enabled=false",
     ]
@@ -117,7 +117,6 @@ def predicted_largest_batch(args, policy: str) -> int | None:
     from scaling import accounting as acc
     from scaling import hardware
 
-    import jax
 
     hw = hardware.detect()
     if hw is None:

@@ -58,7 +58,7 @@ def main() -> int:
         print(f"{impl}: first {curves[impl][0]:.4f} last {curves[impl][-1]:.4f}", flush=True)
 
     ref = "xla" if "xla" in curves else next(iter(curves))
-    lines = [f"| step | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+    lines = ["| step | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
     for s in sorted({0, 4, 9, 24, 49, args.steps - 1} & set(range(args.steps))):
         lines.append(f"| {s + 1} | " + " | ".join(f"{c[s]:.4f}" for c in curves.values()) + " |")
     lines.append("")

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from scaling.config import CheckpointConfig, Config, ModelConfig, config_from_dict, dump_yaml
@@ -263,13 +262,6 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def abstract_like(tree: Any) -> Any:
-    """ShapeDtypeStructs with shardings, as Orbax's restore target."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)), tree
-    )
 
 
 # -------------------------------------------------------------------- params export

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -167,7 +166,6 @@ def _head(weights, x_bd, cfg: ModelConfig):
 def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, core):
     """Prompts [B, T] (right-padded) -> logits at each row's last real token [B, V]; cache filled."""
     b, t = tokens_bt.shape
-    dt = weights["embed_vd"].dtype
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     inv_freq = layers.rope_frequencies(cfg)
     x = jnp.take(weights["embed_vd"], tokens_bt, axis=0)  # [B, T, D]

@@ -184,7 +184,7 @@ def _summary(report: dict[str, Any]) -> str:
         f"(dropped {report['dropped_highest_loss']} highest-loss), Huber delta {report['huber_delta']:g}, "
         f"fit {report['fit_seconds']:.1f}s",
         "",
-        f"Approach 3  L = E + A/N^alpha + B/D^beta" + (f"   [{100 * f3['ci_level']:.0f}% bootstrap CI, n={f3['n_bootstrap']}]" if ci else ""),
+        "Approach 3  L = E + A/N^alpha + B/D^beta" + (f"   [{100 * f3['ci_level']:.0f}% bootstrap CI, n={f3['n_bootstrap']}]" if ci else ""),
         f"  {'param':<6} {'fit':>12} {'Hoffmann22':>11} {'Besiroglu24':>12}" + (f" {'CI':>24}" if ci else ""),
     ]
     for name in sl.PARAM_NAMES:

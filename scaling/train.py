@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scaling import accounting, hardware
-from scaling.checkpoint import Checkpointer, abstract_like
+from scaling.checkpoint import Checkpointer
 from scaling.config import Config, NonFinitePolicy, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer

@@ -9,7 +9,7 @@ from flax import nnx
 
 from scaling import accounting as acc
 from scaling import plan
-from scaling.config import ModelConfig, RematPolicyName, load_config
+from scaling.config import ModelConfig, load_config
 from scaling.model import build_model, count_params
 from scaling.sharding.params import logical_axes
 

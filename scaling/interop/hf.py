@@ -20,8 +20,8 @@ half-split layout of layers.apply_rope, so q/k rows need no permutation (Meta's 
 checkpoints pair (2i, 2i+1); HF's conversion script permutes them into this layout). The
 golden-logit tests in tests/test_hf_interop.py check it.
 
-Safetensors is read and written here directly (an 8-byte header length, a JSON header, raw
-little-endian bytes) so bf16 works without torch; tensors are memory-mapped on load.
+Safetensors files are read and written with the `safetensors` library's numpy API (bf16 as
+ml_dtypes.bfloat16), so no torch is needed.
 """
 
 from __future__ import annotations
@@ -41,19 +41,6 @@ from flax import nnx
 from scaling.config import AttentionConfig, DType, ModelConfig
 from scaling.model import Transformer
 
-_ST_DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 _TO_DTYPE = {np.dtype(np.float32): DType.float32, np.dtype(ml_dtypes.bfloat16): DType.bfloat16, np.dtype(np.float16): DType.float16}
 
 
@@ -65,44 +52,22 @@ class HFFormatError(ValueError):
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """name -> array, memory-mapped (read-only views into the file)."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    base = 8 + n
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise HFFormatError(f"{path}: tensor {name} has dtype {info['dtype']}, which we do not read")
-        start, end = info["data_offsets"]
-        dt = _ST_DTYPES[info["dtype"]]
-        out[name] = mm[base + start : base + end].view(dt).reshape(info["shape"])
-    return out
+    """name -> numpy array (bf16 as ml_dtypes.bfloat16), via the `safetensors` library."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, TypeError, ValueError) as e:
+        raise HFFormatError(f"{path}: cannot read safetensors: {e}") from None
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    arrays = []
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        if a.dtype not in _ST_NAMES:
-            raise ValueError(f"tensor {name}: dtype {a.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays.append(a)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    """Atomic write (temporary file, then rename) via the `safetensors` library."""
+    from safetensors.numpy import save_file
+
     tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for a in arrays:
-            f.write(a.tobytes())
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=metadata or {"format": "pt"})
     tmp.replace(path)
 
 

@@ -288,7 +288,6 @@ def _kv_ranges(plan: _Plan, t0, q_tokens: int, block_k: int):
     Causal: tiles entirely at or below the diagonal need no mask; tiles entirely above it are
     skipped by the loop bound (FlashAttention-2 section 3.1.1, "causal masking").
     """
-    num_k = plan.kv_pad // block_k
     if plan.causal:
         hi = lax.div(t0 + q_tokens + block_k - 1, block_k)  # last tile holding a key <= t0 + q_tokens - 1
         full = lax.div(t0 + 1, block_k)  # tiles whose last key is <= t0
