@@ -21,7 +21,7 @@ from scaling.sharding import axes as A
 from scaling.sharding import constrain
 
 
-def _segment_mask(segment_ids, t: int, s: int):
+def _segment_mask(segment_ids):
     if segment_ids is None:
         return None
     q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
@@ -38,7 +38,7 @@ def xla_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=No
     logits = logits / math.sqrt(h)
     mask = jnp.ones((t, s), bool) if not causal else jnp.tril(jnp.ones((t, s), bool), k=s - t)
     mask = mask[None]
-    seg = _segment_mask(segment_ids, t, s)
+    seg = _segment_mask(segment_ids)
     if seg is not None:
         mask = mask & seg
     logits = jnp.where(mask[:, None, None], logits, -1e30)
@@ -56,7 +56,7 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=
         )
     mask = None
     if segment_ids is not None:
-        mask = _segment_mask(segment_ids, q_btnh.shape[1], k_bskh.shape[1])[:, None]
+        mask = _segment_mask(segment_ids)[:, None]
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, is_causal=causal, implementation="cudnn")
 
 

@@ -27,7 +27,7 @@ from scaling import accounting, hardware
 from scaling.checkpoint import Checkpointer
 from scaling.config import Config, NonFinitePolicy, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
-from scaling.model import Transformer
+from scaling.model import Transformer, build_model
 from scaling.optim import learning_rate_schedule, make_optimizer
 from scaling.sharding import axes as A
 from scaling.sharding import get_rule_set, logical_to_spec, make_mesh, use_sharding
@@ -69,7 +69,7 @@ class Setup:
 
 
 def _build(cfg: Config, seed: int) -> Transformer:
-    return Transformer(cfg.model, attention=cfg.attention, remat_cfg=cfg.remat, rngs=nnx.Rngs(params=seed))
+    return build_model(cfg.model, attention=cfg.attention, remat_cfg=cfg.remat, seed=seed)
 
 
 def make_setup(cfg: Config, devices=None) -> Setup:
