@@ -54,6 +54,11 @@ KV_BLOCK = 64  # cache length is rounded up to whole tiles of the decode kernel
 LEN_BUCKET = 128  # default cache length: prompt + new tokens rounded up to this
 MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two at least this long
 DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
+# On the GPU, XLA lowers a [1, D] x [D, X] dot to multiply + reduce fusions that reach half
+# the bandwidth of the gemm kernels it emits for M >= 8: padding batch 1 to 8 rows took the
+# 1b decode step from 1.29 to 0.90 ms on an H200 (experiments/decode_variants.py,
+# docs/decoding.md). The cost: 8x the KV cache of a batch-1 call.
+GPU_MIN_BATCH = 8
 
 
 class DecodeAttentionImpl(str, enum.Enum):
@@ -322,6 +327,9 @@ class Decoder:
 
     max_batch: the most prompts one call may take (rows are padded to a power of two).
     max_len: cache length (prompt + new tokens); None sizes it per call.
+    min_batch: rows are padded up to at least this many (padding rows start finished and
+        attend to one position), so small batches take the matmul path of larger ones.
+        None: GPU_MIN_BATCH on GPU, 1 elsewhere.
     """
 
     def __init__(
@@ -333,6 +341,7 @@ class Decoder:
         cache_dtype=None,
         attention: DecodeAttentionImpl | str = DecodeAttentionImpl.auto,
         chunk: int = DEFAULT_CHUNK,
+        min_batch: int | None = None,
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -348,6 +357,11 @@ class Decoder:
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")
         self.chunk = chunk
+        if min_batch is None:
+            min_batch = GPU_MIN_BATCH if jax.default_backend() == "gpu" else 1
+        if min_batch < 1 or min_batch & (min_batch - 1):
+            raise ValueError(f"{min_batch=} must be a power of two >= 1")
+        self.min_batch = min_batch
         if max_len is not None and max_len < 1:
             raise ValueError(f"{max_len=} must be >= 1")
         self.weights = prepare_weights(model, self.dtype)
@@ -405,7 +419,7 @@ class Decoder:
         max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p, max_len if max_len is not None else self.max_len)
         cfg = self.cfg
         n_rows = len(prompts)
-        b = _next_pow2(n_rows)
+        b = max(_next_pow2(n_rows), self.min_batch)
         s = _round_up(max_len, KV_BLOCK)
         longest = max(len(p) for p in prompts)
         t = min(max(MIN_PROMPT_BUCKET, _next_pow2(longest)), s)

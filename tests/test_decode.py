@@ -58,6 +58,20 @@ def test_ragged_batch_equals_each_prompt_alone(decoder, greedy):
         np.testing.assert_allclose(alone.logprobs[0], lps, atol=2e-5, rtol=0)
 
 
+def test_padding_rows_change_nothing(model, greedy):
+    """min_batch pads rows (the GPU default pads batch 1 to 8); the real rows' tokens and
+    log-probs must be those of the unpadded decoder, sampled ones included."""
+    padded = decode.Decoder(model, max_len=MAX_LEN, attention="xla", chunk=4, min_batch=8)
+    out = padded.generate(PROMPTS, NEW)
+    assert out.tokens == greedy.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(greedy.logprobs), atol=2e-5, rtol=0)
+    plain = decode.Decoder(model, max_len=MAX_LEN, attention="xla", chunk=4, min_batch=1)
+    kw = dict(temperature=1.0, top_k=20, seed=5)
+    assert padded.generate(PROMPTS, NEW, **kw).tokens == plain.generate(PROMPTS, NEW, **kw).tokens
+    with pytest.raises(ValueError, match="min_batch"):
+        decode.Decoder(model, min_batch=3)
+
+
 def test_stop_tokens_per_row_and_cache_limit(decoder, greedy):
     # Stop row 0 at its third token; other rows go on unless they produce it too.
     stop = greedy.tokens[0][2]

@@ -1,0 +1,196 @@
+"""Where does a batch-1 decode step's time go? Decode-step variants side by side, one GPU run.
+
+    python experiments/decode_variants.py                        # the default variant table
+    python experiments/decode_variants.py --models 1b --profile  # + a kernel-level trace summary
+
+Each variant runs in its own process (XLA flags are read once, at backend start-up) and
+times `--new-tokens` greedy decode steps of random bf16 weights at batch 1, prompt 128,
+with experiments/bench_decode.py's measurement (same roofline: weights + filled KV bytes
+over the copy bandwidth measured in the parent). A variant is a name, a set of XLA flags
+and the decoder's `min_batch` (rows padded up to it, so M = 1 matmuls take the M >= 8 path).
+
+`--profile` traces one decode call of the first variant op by op (profiling turns command
+buffers off unless XLA is told otherwise) and prints the GPU kernels of one step: count,
+total time, the idle time between kernels, and the top kernels by time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CMDBUF_LOOPS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+VARIANTS = {
+    # name: (XLA flags, min_batch)
+    "default": ("", 1),
+    "min_batch8": ("", 8),
+    "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 1),
+    "cmdbuf_loops": (CMDBUF_LOOPS, 1),
+    "cmdbuf_loops_min1": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 1),
+    "cmdbuf_loops_b8": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 8),
+    "concurrent_b8": ("--xla_gpu_graph_enable_concurrent_region=true", 8),
+    "no_triton_gemm": ("--xla_gpu_enable_triton_gemm=false", 1),
+    "no_triton_gemm_b8": ("--xla_gpu_enable_triton_gemm=false", 8),
+}
+
+
+def run_one(args) -> dict:
+    sys.path.insert(0, str(ROOT / "experiments"))
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    import bench_decode
+    from scaling import decode
+    from scaling.model import build_model
+
+    out = {}
+    for name in args.models.split(","):
+        cfg = bench_decode.preset(name)
+        model = build_model(cfg)
+        dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch)
+        del model
+        t = time.perf_counter()
+        r = bench_decode.bench_ours(dec, cfg, args.batch, args.prompt, args.new_tokens, np.random.default_rng(0))
+        r["wall_s"] = time.perf_counter() - t
+        out[name] = r
+        print(f"  {name}: {r['step_ms']:.3f} ms/step, {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
+        if args.profile_dir:
+            out[name]["profile"] = profile(dec, cfg, args, Path(args.profile_dir) / name)
+        del dec
+    return out
+
+
+def profile(dec, cfg, args, log_dir: Path) -> dict:
+    """Trace one decode call; summarise the GPU kernels of one step."""
+    import jax
+    import numpy as np
+
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (args.batch, args.prompt)).tolist()
+    max_len = -(-(args.prompt + args.new_tokens) // 128) * 128
+    dec.generate(prompts, dec.chunk + 1, max_len=max_len)
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        dec.generate(prompts, dec.chunk + 1, max_len=max_len)
+    traces = sorted(log_dir.rglob("perfetto_trace.json.gz"))
+    if not traces:
+        return {"error": f"no perfetto trace under {log_dir}"}
+    return summarise(traces[-1], steps=dec.chunk + 1)
+
+
+def summarise(path: Path, steps: int, top: int = 25) -> dict:
+    """GPU kernel events of a perfetto trace: per-step count, busy time, gaps, top kernels."""
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pid_names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {p for p, n in pid_names.items() if "GPU" in n or "gpu" in n}
+    kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur", 0) > 0]
+    # Keep the stream with the most events (the compute stream), not memcpy/host rows.
+    by_tid = defaultdict(list)
+    for e in kern:
+        by_tid[(e["pid"], e["tid"])].append(e)
+    if not by_tid:
+        return {"error": "no GPU events", "processes": sorted(set(pid_names.values()))}
+    main = max(by_tid.values(), key=len)
+    main.sort(key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in main)
+    span = main[-1]["ts"] + main[-1]["dur"] - main[0]["ts"]
+    per_name = defaultdict(lambda: [0, 0.0])
+    for e in main:
+        per_name[e["name"]][0] += 1
+        per_name[e["name"]][1] += e["dur"]
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "kernels_per_step": len(main) / steps,
+        "busy_us_per_step": busy / steps,
+        "span_us_per_step": span / steps,
+        "idle_us_per_step": (span - busy) / steps,
+        "mean_kernel_us": busy / len(main),
+        "top": [{"name": n[:90], "count_per_step": c / steps, "us_per_step": d / steps} for n, (c, d) in rows],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="1b,llama2_7b")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="trace the first variant and summarise its kernels")
+    ap.add_argument("--bw-gib", type=float, default=4.0, help="buffer size of the bandwidth measurement")
+    ap.add_argument("--tag", default="decode_variants", help="file name stem of the outputs")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per variant")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--min-batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return 0
+
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
+    sys.path.insert(0, str(ROOT / "experiments"))
+    sys.path.insert(0, str(ROOT))
+    import bench_decode
+
+    bw = bench_decode.measure_bandwidth(int(args.bw_gib * (1 << 30)))
+    peak_bw = max(bw.values())
+    print(f"copy bandwidth: { {k: f'{v / 1e12:.2f} TB/s' for k, v in bw.items()} }", flush=True)
+    out_dir = Path(os.environ.get("OUT", ROOT / "runs" / "decode_variants"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for i, name in enumerate(args.variants.split(",")):
+        flags, min_batch = VARIANTS[name]
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        cmd = [sys.executable, __file__, "--one", name, "--models", args.models, "--batch", str(args.batch),
+               "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
+               "--min-batch", str(min_batch)]
+        if args.profile and i == 0:
+            cmd += ["--profile-dir", str(out_dir / f"trace_{args.tag}")]
+        print(f"[{name}] XLA_FLAGS={env['XLA_FLAGS']!r} min_batch={min_batch}", flush=True)
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            results[name] = json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
+            sys.stderr.write(p.stderr[-600:] if not line else "")
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {args.timeout} s"}
+        print(f"[{name}] {time.perf_counter() - t:.0f} s", flush=True)
+
+    lines = ["| variant | model | ms/step | tok/s | % of copy BW |", "|---|---|---|---|---|"]
+    for name, res in results.items():
+        if "error" in res:
+            lines.append(f"| {name} | - | error: {res['error'][-200:]!r} | | |")
+            continue
+        for model, r in res.items():
+            lines.append(f"| {name} | {model} | {r['step_ms']:.3f} | {r['tok_s']:,.0f} | "
+                         f"{100 * r['bytes_per_step'] / (r['step_ms'] / 1e3) / peak_bw:.1f}% |")
+    table = "\n".join(lines)
+    print(table)
+    for name, res in results.items():
+        for model, r in (res.items() if "error" not in res else []):
+            if "profile" in r:
+                print(f"\nprofile {name} {model}: " + json.dumps({k: v for k, v in r["profile"].items() if k != "top"}))
+                for row in r["profile"].get("top", []):
+                    print(f"  {row['us_per_step']:8.1f} us  x{row['count_per_step']:5.1f}  {row['name']}")
+    (out_dir / f"{args.tag}.json").write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
+    (out_dir / f"{args.tag}.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
