@@ -5,6 +5,13 @@
     PYTHONPATH=. python experiments/bench_attention.py --shape 4,4096,32,8,128 --causal yes
     PYTHONPATH=. python experiments/bench_attention.py --head-dims 64 --out-name bench_d64
     PYTHONPATH=. python experiments/bench_attention.py --check    # GPU correctness suite first
+    PYTHONPATH=. python experiments/bench_attention.py --impls cudnn,ours,mosaic   # + Mosaic forward
+
+Implementations: `ours` = our Pallas kernels with the Triton forward (backend="triton"),
+`mosaic` = flash_attention(backend="mosaic"): the Mosaic GPU (Hopper) forward of
+flash_attention_mgpu.py with the same Triton backward (a shape the Mosaic kernel does not
+support falls back to the Triton forward; the row's note says so), `cudnn` and `xla` via
+jax.nn.dot_product_attention.
 
 FLOPs (FlashAttention-2 paper convention): forward 4·B·H·T²·D, halved when causal; backward
 2.5× the forward, so forward+backward counts 3.5× the forward. TFLOP/s = FLOPs / median time.
@@ -30,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scaling.kernels import BlockSizes, attention_reference, flash_attention
+from scaling.kernels import flash_attention_mgpu as mgpu
 
 fa = importlib.import_module("scaling.kernels.flash_attention")  # the module (the package exports the function)
 
@@ -82,6 +90,8 @@ def impl_fn(name: str, causal: bool, block_sizes: BlockSizes | None = None):
     """attention(q, k, v) for one implementation."""
     if name == "ours":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes)
+    if name == "mosaic":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, backend="mosaic")
     if name in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=name)
     raise ValueError(f"unknown implementation {name!r}")
@@ -110,7 +120,10 @@ def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
             rows.append(row)
             continue
         try:
-            fwd, fwdbwd = fwd_and_fwdbwd(impl_fn(name, causal, block_sizes if name == "ours" else None))
+            if name == "mosaic" and (why := mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal,
+                                                                    segmented=False)):
+                row["note"] = f"Triton forward (Mosaic refuses: {why})"
+            fwd, fwdbwd = fwd_and_fwdbwd(impl_fn(name, causal, block_sizes if name in ("ours", "mosaic") else None))
             outs[name] = (fwd(q, k, v), fwdbwd(q, k, v, do))
             if name != "cudnn" and "cudnn" in outs:
                 o_ref, g_ref = outs["cudnn"]
@@ -143,7 +156,7 @@ def format_table(rows) -> str:
             if isinstance(x, float):
                 x = f"{x:.2e}" if c.startswith("err") else f"{x:.2f}" if c.startswith("vs") else f"{x:.0f}"
             cells.append(str(x))
-        note = r.get("error", r.get("skipped", ""))
+        note = r.get("error", r.get("skipped", r.get("note", "")))
         lines.append("| " + " | ".join(cells) + f" | {note} |")
     return "\n".join(lines)
 
@@ -215,7 +228,7 @@ def main(argv=None):
     p.add_argument("--head-dims", default="128,64", help="head dims of the sweep")
     p.add_argument("--out-name", default="bench_attention", help="file name (no suffix) under $OUT")
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    p.add_argument("--impls", default="cudnn,ours,xla")
+    p.add_argument("--impls", default="cudnn,ours,xla", help="comma list of cudnn, ours, mosaic, xla")
     p.add_argument("--check", nargs="?", const="all", help="run the GPU correctness suite first (or cases i,j)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", help="JSON of BlockSizes fields for ours (default: the tuned table)")

@@ -1,6 +1,7 @@
 """Pallas kernels, each with a pure-jnp reference."""
 
 from scaling.kernels.flash_attention import BLOCK_SIZE_TABLE, BlockSizes, default_block_sizes, flash_attention
+from scaling.kernels.flash_attention_mgpu import MosaicConfig
 from scaling.kernels.reference import attention_reference
 
-__all__ = ["BLOCK_SIZE_TABLE", "BlockSizes", "attention_reference", "default_block_sizes", "flash_attention"]
+__all__ = ["BLOCK_SIZE_TABLE", "BlockSizes", "MosaicConfig", "attention_reference", "default_block_sizes", "flash_attention"]

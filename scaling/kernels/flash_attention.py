@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from scaling.kernels import flash_attention_mgpu as mgpu
 from scaling.kernels.reference import SegmentIds, split_segment_ids
 
 # Finite: the running max of a fully masked row stays this value instead of -inf.
@@ -171,6 +172,7 @@ class _Plan:
     dq: _Tiles
     fused_dq: bool
     interpret: bool
+    mosaic: mgpu.MosaicConfig | None = None  # forward by the Mosaic GPU kernel (backward unchanged)
 
     @property
     def chunks(self) -> int:  # programs per KV head (> 1 only when G has an odd factor)
@@ -542,8 +544,26 @@ def _q_major_index(plan: _Plan, tiles: _Tiles):
     return (lambda i: n - 1 - i) if plan.causal else (lambda i: i)
 
 
+def _mosaic_forward(q, k, v, plan: _Plan):
+    """The Mosaic GPU forward, its lse converted to this module's layout.
+
+    mgpu returns lse [B, H, T] (log2 domain, same definition as `_fwd_kernel`'s); the backward
+    reads [B, H // fold, T_pad * fold] with row t * fold + f for head h * fold + f. Padded rows
+    get lse = +inf (their recomputed P is 0; their dO and delta are 0 anyway).
+    """
+    o, lse = mgpu.mosaic_forward(q, k, v, causal=plan.causal, sm_scale=plan.sm_scale,
+                                 config=plan.mosaic, interpret=plan.interpret)
+    b, hp, fold = plan.batch, plan.head_programs, plan.fold
+    lse = lse.reshape(b, hp, fold, plan.q_len).transpose(0, 1, 3, 2)
+    if plan.q_pad != plan.q_len:
+        lse = jnp.pad(lse, ((0, 0), (0, 0), (0, plan.q_pad - plan.q_len), (0, 0)), constant_values=jnp.inf)
+    return o, lse.reshape(b, hp, plan.q_pad * fold)
+
+
 @functools.partial(jax.jit, static_argnames="plan")
 def _forward(q, k, v, seg, plan: _Plan):
+    if plan.mosaic is not None:
+        return _mosaic_forward(q, k, v, plan)
     tiles = plan.fwd
     rows = tiles.q_tokens * plan.fold
     qi = _q_major_index(plan, tiles)
@@ -752,6 +772,8 @@ def flash_attention(
     sm_scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    backend: str = "triton",
+    mosaic_config: mgpu.MosaicConfig | None = None,
 ) -> jax.Array:
     """softmax(q kᵀ · sm_scale + mask) v with FlashAttention-2 Pallas kernels; differentiable.
 
@@ -764,6 +786,14 @@ def flash_attention(
     block_sizes: tiles and launch parameters; default: the tuned `BLOCK_SIZE_TABLE` entry.
     interpret: run the kernels in Pallas interpret mode. On a CPU backend interpret mode is
       used automatically (the Triton kernels need a GPU), so the same code runs everywhere.
+    backend: which kernel runs the FORWARD pass (the backward is always the Triton-lowered
+      Pallas pair dK/dV + dQ). "triton" (default): `_fwd_kernel`. "mosaic": the Hopper
+      kernel of `flash_attention_mgpu.py` (wgmma, TMA ring, warp specialisation) when it
+      supports the call, otherwise the Triton forward (it refuses segment ids, f32, head
+      dims other than 64/128/256 and lengths that are not multiples of its tiles; see
+      `flash_attention_mgpu.unsupported_reason`). "auto": "mosaic" on an sm_90 GPU, else
+      "triton". On a CPU backend "mosaic" runs Pallas' GPU interpret mode (slow; for tests).
+    mosaic_config: tiles of the Mosaic forward; default per head dim (`mgpu.DEFAULT_CONFIGS`).
 
     Returns [B, T, H, D] in q's dtype. The backward pass saves only q, k, v, the output and the
     per-row log-sum-exp, and recomputes the probabilities in two Pallas kernels (dK/dV, dQ).
@@ -778,4 +808,26 @@ def flash_attention(
     interpret = bool(interpret) or jax.default_backend() == "cpu"
     plan = _make_plan(q, k, causal=bool(causal), segmented=seg is not None, sm_scale=scale,
                       blocks=blocks, interpret=interpret)
+    if _use_mosaic(backend, q, k, causal=bool(causal), segmented=seg is not None, config=mosaic_config):
+        plan = dataclasses.replace(plan, mosaic=mosaic_config or mgpu.default_config(d))
     return _flash(q, k, v, seg, plan)
+
+
+BACKENDS = ("triton", "mosaic", "auto")
+
+
+def _is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+def _use_mosaic(backend, q, k, *, causal, segmented, config) -> bool:
+    """Whether the Mosaic forward takes this call (silent fallback to Triton when unsupported)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if config is not None and not isinstance(config, mgpu.MosaicConfig):
+        raise TypeError(f"mosaic_config must be a MosaicConfig or None, got {type(config).__name__}")
+    if backend == "triton" or (backend == "auto" and not _is_hopper()):
+        return False
+    reason = mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=segmented, config=config)
+    return reason is None

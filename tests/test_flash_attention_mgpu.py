@@ -1,0 +1,158 @@
+"""Mosaic GPU flash attention forward (scaling/kernels/flash_attention_mgpu.py).
+
+On the CPU the kernel runs under Pallas' GPU interpret mode (jax 0.11.2), which simulates the
+warpgroups, shared memory, TMA copies and barriers (and checks barrier phases). One difference
+from the GPU: interpret mode supports neither `pl.run_state` nor a wgmma with its A operand in
+registers, so the P·V product is a `jnp.dot` there (see `_Geometry.in_place`); the Q·Kᵀ wgmma,
+the ring, masking, softmax and stores are the GPU code. The GPU test (skipped off-GPU) and
+experiments/check_mgpu.py cover the in-place wgmma path. Fresh random inputs each run
+(FLASH_SEED=<seed> to reproduce); interpret mode is slow, so the shapes are small.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scaling.kernels import attention_reference, flash_attention
+from scaling.kernels.flash_attention_mgpu import MosaicConfig, mosaic_forward, unsupported_reason
+
+fa = importlib.import_module("scaling.kernels.flash_attention")  # the module (the package exports the function)
+TOL = {jnp.bfloat16: 1.5e-2, jnp.float16: 2e-3}
+ON_HOPPER = jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+def _seed() -> int:
+    return int(os.environ.get("FLASH_SEED", np.random.SeedSequence().entropy % 2**32))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, b, t, s, h, kv, d, dtype):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+                 ((b, t, h, d), (b, s, kv, d), (b, s, kv, d), (b, t, h, d)))
+
+
+def _ref_lse(q, k, causal, scale):
+    h, kv = q.shape[2], k.shape[2]
+    kf = jnp.repeat(k.astype(jnp.float32), h // kv, axis=2)
+    logits = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), kf, precision="highest") * scale
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), logits, -jnp.inf)
+    return jax.nn.logsumexp(logits, axis=-1) * math.log2(math.e)
+
+
+CASES = [  # b, t, s, h, kv, d, causal, dtype, config, what it covers
+    (1, 256, 256, 2, 2, 64, True, jnp.bfloat16, MosaicConfig(block_kv=64, stages=2),
+     "token pairing, causal: the lower consumer skips ring slots; ping-pong"),
+    (1, 256, 256, 4, 2, 64, True, jnp.float16, MosaicConfig(block_kv=64, stages=3),
+     "head pairing (GQA 2), causal, ring deeper than some CTAs' step count"),
+    (1, 128, 192, 3, 1, 64, False, jnp.bfloat16, MosaicConfig(block_kv=64, stages=2, pingpong=False),
+     "GQA 3 -> token pairing, non-causal, T != S, no ping-pong"),
+    (1, 128, 128, 2, 2, 128, True, jnp.bfloat16, None, "D=128 default tiles (T=S=128 causal)"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[-1] for c in CASES])
+def test_forward_and_lse_interpret(case):
+    b, t, s, h, kv, d, causal, dtype, cfg, _ = case
+    seed = _seed()
+    q, k, v, _ = _inputs(seed, b, t, s, h, kv, d, dtype)
+    o, lse = mosaic_forward(q, k, v, causal=causal, config=cfg, interpret=True)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (b, h, t) and lse.dtype == jnp.float32
+    ref = attention_reference(q, k, v, causal=causal)
+    err = _rel(o, ref)
+    assert err < TOL[dtype], f"out rel err {err:.2e} (seed {seed})"
+    lerr = _rel(lse, _ref_lse(q, k, causal, 1 / math.sqrt(d)))
+    assert lerr < 1e-5, f"lse rel err {lerr:.2e} (seed {seed})"
+
+
+def test_dispatch_mosaic_forward_with_triton_backward_interpret(monkeypatch):
+    """backend="mosaic": Mosaic forward, its lse feeding the existing Pallas backward (GQA 4)."""
+    calls = []
+    real = fa.mgpu.mosaic_forward
+    monkeypatch.setattr(fa.mgpu, "mosaic_forward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    seed = _seed()
+    b, t, h, kv, d, dtype = 1, 192, 4, 1, 64, jnp.bfloat16  # fold 4; T=192 -> Triton q_pad 256
+    q, k, v, do = _inputs(seed, b, t, t, h, kv, d, dtype)
+    cfg = MosaicConfig(block_kv=64, stages=2)
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic", mosaic_config=cfg)
+    ref = lambda q, k, v: attention_reference(q, k, v, causal=True)
+    o, vjp = jax.vjp(ours, q, k, v)
+    g = vjp(do)
+    assert calls and calls[0]["config"] == cfg, "the Mosaic forward was not used"
+    f32 = lambda x: x.astype(jnp.float32)
+    o_r, vjp_r = jax.vjp(ref, f32(q), f32(k), f32(v))
+    g_r = vjp_r(f32(do))
+    for name, a, r in (("out", o, o_r), *zip(("dq", "dk", "dv"), g, g_r)):
+        err = _rel(a, r)
+        assert err < TOL[dtype], f"{name} rel err {err:.2e} (seed {seed})"
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(segmented=True), "segment ids"),
+    (dict(dtype=jnp.float32), "dtype float32"),
+    (dict(d=96), "head dim 96"),
+    (dict(t=200, s=200), "q length 200"),
+    (dict(t=256, s=200, causal=False), "kv length 200"),
+    (dict(t=256, s=512, causal=True), "causal with q length"),
+])
+def test_unsupported_reasons(kwargs, reason):
+    args = dict(b=1, t=256, s=256, h=4, kv=4, d=128, dtype=jnp.bfloat16, causal=True, segmented=False)
+    args.update(kwargs)
+    got = unsupported_reason((args["b"], args["t"], args["h"], args["d"]), (args["b"], args["s"], args["kv"], args["d"]),
+                             args["dtype"], causal=args["causal"], segmented=args["segmented"])
+    assert got is not None and reason in got
+    assert unsupported_reason((1, 256, 4, 128), (1, 256, 4, 128), jnp.bfloat16, causal=True, segmented=False) is None
+
+
+def test_mosaic_forward_raises_value_errors():
+    q = jnp.zeros((1, 200, 4, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="q length 200"):
+        mosaic_forward(q, q, q)
+    with pytest.raises(ValueError, match="dtype float32"):
+        mosaic_forward(q.astype(jnp.float32)[:, :128], q.astype(jnp.float32)[:, :128], q.astype(jnp.float32)[:, :128])
+    with pytest.raises(ValueError, match="4-D"):
+        mosaic_forward(q[0], q, q)
+    good = jnp.zeros((1, 128, 4, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_q"):
+        mosaic_forward(good, good, good, config=MosaicConfig(block_q=128))
+    with pytest.raises(ValueError, match="stages"):
+        mosaic_forward(good, good, good, config=MosaicConfig(stages=1))
+
+
+def test_backend_argument_validated_and_fallback():
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 2, 32)), jnp.float32)
+    with pytest.raises(ValueError, match="backend"):
+        flash_attention(q, q, q, backend="cuda")
+    with pytest.raises(TypeError, match="mosaic_config"):
+        flash_attention(q, q, q, backend="mosaic", mosaic_config={"block_kv": 64})
+    # Unsupported by Mosaic (f32, D=32, T=40): silently the Triton forward, same result.
+    a = flash_attention(q, q, q, backend="mosaic")
+    b = flash_attention(q, q, q)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (the in-place wgmma P·V path)")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("h, kv, d", [(8, 8, 128), (8, 2, 128), (6, 2, 64), (4, 4, 256)])
+def test_forward_on_hopper(causal, h, kv, d):
+    seed = _seed()
+    q, k, v, do = _inputs(seed, 2, 512, 512, h, kv, d, jnp.bfloat16)
+    o, lse = jax.jit(lambda q, k, v: mosaic_forward(q, k, v, causal=causal))(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        ref = attention_reference(f32(q), f32(k), f32(v), causal=causal)
+        lse_r = _ref_lse(q, k, causal, 1 / math.sqrt(d))
+    assert _rel(o, ref) < TOL[jnp.bfloat16], f"seed {seed}"
+    assert _rel(lse, lse_r) < 1e-4, f"seed {seed}"
