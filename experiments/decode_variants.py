@@ -6,8 +6,10 @@
 Each variant runs in its own process (XLA flags are read once, at backend start-up) and
 times `--new-tokens` greedy decode steps of random bf16 weights at batch 1, prompt 128,
 with experiments/bench_decode.py's measurement (same roofline: weights + filled KV bytes
-over the copy bandwidth measured in the parent). A variant is a name, a set of XLA flags
-and the decoder's `min_batch` (rows padded up to it, so M = 1 matmuls take the M >= 8 path).
+over the copy bandwidth measured in the parent). A variant is a name, a set of XLA flags,
+the decoder's `min_batch` (rows padded up to it, so M = 1 matmuls take the M >= 8 path) and
+its decode attention (pallas: the flash-decoding kernel; fused: the kernel with RoPE and the
+cache write folded in).
 
 `--profile` traces one decode call of the first variant op by op (profiling turns command
 buffers off unless XLA is told otherwise) and prints the GPU kernels of one step: count,
@@ -29,17 +31,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CMDBUF_LOOPS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+CONCURRENT = "--xla_gpu_graph_enable_concurrent_region=true"
 VARIANTS = {
-    # name: (XLA flags, min_batch)
-    "default": ("", 1),
-    "min_batch8": ("", 8),
-    "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 1),
-    "cmdbuf_loops": (CMDBUF_LOOPS, 1),
-    "cmdbuf_loops_min1": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 1),
-    "cmdbuf_loops_b8": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 8),
-    "concurrent_b8": ("--xla_gpu_graph_enable_concurrent_region=true", 8),
-    "no_triton_gemm": ("--xla_gpu_enable_triton_gemm=false", 1),
-    "no_triton_gemm_b8": ("--xla_gpu_enable_triton_gemm=false", 8),
+    # name: (XLA flags, min_batch, decode attention)
+    "default": ("", None, "auto"),
+    "batch1_pallas": ("", 1, "pallas"),
+    "min_batch8": ("", 8, "pallas"),
+    "fused_b8": ("", 8, "fused"),
+    "fused_b8_concurrent": (CONCURRENT, 8, "fused"),
+    "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 1, "pallas"),
+    "cmdbuf_loops": (CMDBUF_LOOPS, 1, "pallas"),
+    "cmdbuf_loops_min1": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 1, "pallas"),
+    "cmdbuf_loops_b8": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 8, "pallas"),
+    "concurrent_b8": (CONCURRENT, 8, "pallas"),
+    # Autotuning every tiling: did not finish compiling within 200 s on an H200.
+    "exhaustive_b8": ("--xla_gpu_exhaustive_tiling_search=true", 8, "pallas"),
+    "no_triton_gemm": ("--xla_gpu_enable_triton_gemm=false", 1, "pallas"),
+    "no_triton_gemm_b8": ("--xla_gpu_enable_triton_gemm=false", 8, "pallas"),
 }
 
 
@@ -56,7 +64,7 @@ def run_one(args) -> dict:
     for name in args.models.split(","):
         cfg = bench_decode.preset(name)
         model = build_model(cfg)
-        dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch)
+        dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention)
         del model
         t = time.perf_counter()
         r = bench_decode.bench_ours(dec, cfg, args.batch, args.prompt, args.new_tokens, np.random.default_rng(0))
@@ -131,7 +139,8 @@ def main() -> int:
     ap.add_argument("--tag", default="decode_variants", help="file name stem of the outputs")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per variant")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--min-batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--min-batch", type=lambda v: None if v == "None" else int(v), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--attention", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -153,14 +162,14 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for i, name in enumerate(args.variants.split(",")):
-        flags, min_batch = VARIANTS[name]
+        flags, min_batch, attention = VARIANTS[name]
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
         cmd = [sys.executable, __file__, "--one", name, "--models", args.models, "--batch", str(args.batch),
                "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
-               "--min-batch", str(min_batch)]
+               "--min-batch", str(min_batch), "--attention", attention]
         if args.profile and i == 0:
             cmd += ["--profile-dir", str(out_dir / f"trace_{args.tag}")]
-        print(f"[{name}] XLA_FLAGS={env['XLA_FLAGS']!r} min_batch={min_batch}", flush=True)
+        print(f"[{name}] XLA_FLAGS={env['XLA_FLAGS']!r} min_batch={min_batch} attention={attention}", flush=True)
         t = time.perf_counter()
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

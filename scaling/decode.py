@@ -47,7 +47,13 @@ from flax import nnx
 from scaling import layers
 from scaling.attention import attention_core, resolve_impl
 from scaling.config import AttentionImpl, ModelConfig
-from scaling.kernels.decode_attention import decode_attention, decode_attention_reference, prime_lowering
+from scaling.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_fused,
+    decode_attention_reference,
+    fused_supported,
+    prime_lowering,
+)
 from scaling.model import Transformer
 
 KV_BLOCK = 64  # cache length is rounded up to whole tiles of the decode kernel
@@ -64,7 +70,8 @@ GPU_MIN_BATCH = 8
 class DecodeAttentionImpl(str, enum.Enum):
     xla = "xla"  # reads the whole cache and masks; reference
     pallas = "pallas"  # flash-decoding kernel; reads only the filled part
-    auto = "auto"  # pallas on GPU, xla elsewhere
+    fused = "fused"  # the kernel with RoPE and the cache write folded in (fewer launches)
+    auto = "auto"  # fused (or pallas where fused is unsupported) on GPU, xla elsewhere
 
 
 def _xla_decode(q_bnh, k_bskh, v_bskh, lengths_b):
@@ -78,12 +85,18 @@ def _pallas_decode(q_bnh, k_bskh, v_bskh, lengths_b):
 DECODE_ATTENTION = {DecodeAttentionImpl.xla: _xla_decode, DecodeAttentionImpl.pallas: _pallas_decode}
 
 
-def resolve_decode_impl(impl: DecodeAttentionImpl | str, head_dim: int) -> DecodeAttentionImpl:
+def resolve_decode_impl(impl: DecodeAttentionImpl | str, cfg: ModelConfig) -> DecodeAttentionImpl:
     impl = DecodeAttentionImpl(impl)
+    fused_ok = fused_supported(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim)
+    if impl == DecodeAttentionImpl.fused and not fused_ok:
+        raise ValueError(f"attention='fused' needs a power-of-two group size (num_heads / num_kv_heads = "
+                         f"{cfg.num_heads} / {cfg.num_kv_heads}) and head_dim ({cfg.resolved_head_dim}); use 'pallas'")
     if impl != DecodeAttentionImpl.auto:
         return impl
-    kernel_ok = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-    return DecodeAttentionImpl.pallas if jax.default_backend() == "gpu" and kernel_ok else DecodeAttentionImpl.xla
+    head_dim = cfg.resolved_head_dim
+    if jax.default_backend() != "gpu" or head_dim < 16 or head_dim & (head_dim - 1):
+        return DecodeAttentionImpl.xla
+    return DecodeAttentionImpl.fused if fused_ok else DecodeAttentionImpl.pallas
 
 
 # ------------------------------------------------------------------------------ weights
@@ -190,24 +203,35 @@ def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, 
     return _head(weights, x_last, cfg), {"k": tuple(ks), "v": tuple(vs)}
 
 
-def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attend):
+def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl):
     """One token per row at position pos[b] -> logits [B, V]; its K/V written in place."""
     b = tokens_b.shape[0]
     s = cache["k"][0].shape[1]
     inv_freq = layers.rope_frequencies(cfg)
     rows = jnp.arange(b)
-    write_b = jnp.minimum(pos_b, s - 1)  # finished rows may sit at the end; never write past it
+    # Finished rows may sit at the end; never write past it. (Their outputs are discarded.)
+    write_b = jnp.minimum(pos_b, s - 1)
     lengths_b = write_b + 1
+    fused = attn_impl == DecodeAttentionImpl.fused
+    if fused:  # RoPE at each row's position, once per step for every layer
+        angles_bf = write_b[:, None].astype(jnp.float32) * inv_freq
+        cos_bf, sin_bf = jnp.cos(angles_bf), jnp.sin(angles_bf)
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)[:, None, :]  # [B, 1, D]
     ks, vs = [], []
     for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
         h = _rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        q, k, v = _split_qkv(jnp.einsum("btd,dx->btx", h, w["wqkv_dx"]), cfg)
-        q = layers.apply_rope(q, pos_b[:, None], inv_freq)
-        k = layers.apply_rope(k, pos_b[:, None], inv_freq)
-        ck = ck.at[rows, write_b].set(k[:, 0].astype(ck.dtype))  # [B, S, K, H], in place
-        cv = cv.at[rows, write_b].set(v[:, 0].astype(cv.dtype))
-        attn = attend(q[:, 0], ck, cv, lengths_b)  # [B, N, H]
+        qkv = jnp.einsum("btd,dx->btx", h, w["wqkv_dx"])
+        if fused:
+            heads = cfg.num_heads + 2 * cfg.num_kv_heads
+            attn, ck, cv = decode_attention_fused(qkv.reshape(b, heads, -1).astype(ck.dtype), write_b, cos_bf, sin_bf,
+                                                  ck, cv, num_heads=cfg.num_heads)
+        else:
+            q, k, v = _split_qkv(qkv, cfg)
+            q = layers.apply_rope(q, write_b[:, None], inv_freq)
+            k = layers.apply_rope(k, write_b[:, None], inv_freq)
+            ck = ck.at[rows, write_b].set(k[:, 0].astype(ck.dtype))  # [B, S, K, H], in place
+            cv = cv.at[rows, write_b].set(v[:, 0].astype(cv.dtype))
+            attn = DECODE_ATTENTION[attn_impl](q[:, 0], ck, cv, lengths_b)  # [B, N, H]
         x = x + jnp.einsum("btx,xd->btd", attn.reshape(b, 1, -1), w["wo_xd"])
         x = _mlp(w, x, cfg)
         ks.append(ck)
@@ -289,11 +313,10 @@ def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_
     jax.jit, static_argnames=("cfg", "attn_impl", "sampling", "n_steps"), donate_argnames=("state",)
 )
 def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps):
-    attend = DECODE_ATTENTION[attn_impl]
     seed_key = jax.random.wrap_key_data(params["key"])
 
     def step(state, _):
-        logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg, attend=attend)
+        logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg, attn_impl=attn_impl)
         tok, lp = sample(logits, _row_keys(seed_key, state["count"]), params["temperature"], params["top_p"], sampling)
         state, tok, lp = _advance(dict(state, cache=cache), tok, lp, params)
         return state, (tok, lp)
@@ -348,8 +371,8 @@ class Decoder:
         self.cache_dtype = jnp.dtype(cache_dtype) if cache_dtype is not None else jnp.dtype(self.dtype)
         self.max_batch = max_batch
         self.max_len = max_len
-        self.attn_impl = resolve_decode_impl(attention, self.cfg.resolved_head_dim)
-        if self.attn_impl == DecodeAttentionImpl.pallas:
+        self.attn_impl = resolve_decode_impl(attention, self.cfg)
+        if self.attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.fused):
             prime_lowering()
         self.core_impl = resolve_impl(model.attention_cfg.impl)
         if self.core_impl == AttentionImpl.cudnn and jnp.dtype(self.dtype) == jnp.float32:

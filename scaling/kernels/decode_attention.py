@@ -203,6 +203,159 @@ def decode_attention(q_bnh, k_bskh, v_bskh, lengths_b, *, blocks: DecodeBlockSiz
     return out.reshape(b, n, h).astype(q_bnh.dtype)
 
 
+# ----------------------------------------------------------------------------------------------
+# The fused step: RoPE, the cache write and the attention in one kernel.
+#
+# In a decode step the unfused path runs, per layer, one XLA fusion for q's RoPE and its
+# padding to 16 rows, one scatter per cache (k with its RoPE, v), then the kernel: four
+# launches of ~1.5-2.5 us around ~3 us of attention (profile in docs/decoding.md). Here one
+# program (row b, KV head j, split s) reads the raw q/k/v projections, rotates q and the new
+# k itself, and the program whose chunk holds the row's position writes the new k/v there.
+# The new token's own score enters the online softmax as split 0's initial state, so no
+# program reads a cache slot that another one may be writing in the same launch.
+#
+# q·kᵀ and p·v are broadcast-multiply-reduce on the CUDA cores instead of tensor-core dots:
+# a GQA group has G (often 1-8) rows, below the 16 a Triton dot needs, and a decode step is
+# bandwidth-bound (G multiply-adds per loaded cache element), so no padding is needed.
+
+
+def _fused_kernel(pos_ref, cos_ref, sin_ref, q_ref, knew_ref, vnew_ref, k_ref, v_ref,
+                  o_ref, m_ref, l_ref, ko_ref, vo_ref, *, block_s: int, chunk: int, sm_scale: float):
+    """Refs: pos [1]; cos, sin [H/2] f32; q [G, H]; knew, vnew [1, H]; k, v [chunk, H] (input
+    cache blocks); outputs o [G, H], m, l [G]; ko, vo [chunk, H] (the same cache blocks)."""
+    split = pl.program_id(2)
+    pos = pos_ref[0]  # the new token's position: it attends to the cache [0, pos) and itself
+    start = split * chunk
+    half = q_ref.shape[1] // 2
+    cos, sin = cos_ref[...], sin_ref[...]
+
+    def rotate(x1, x2):  # RoPE on the half-split layout (layers.apply_rope), f32
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    def f32(x):
+        return x.astype(jnp.float32)
+
+    dt = k_ref.dtype
+    q1, q2 = rotate(f32(q_ref[:, :half]), f32(q_ref[:, half:]))
+    # Round to the cache dtype as the unfused path does, then fold in the softmax scale.
+    q1 = f32(q1.astype(dt)) * sm_scale
+    q2 = f32(q2.astype(dt)) * sm_scale
+    k1, k2 = rotate(f32(knew_ref[:, :half]), f32(knew_ref[:, half:]))  # [1, H/2]
+    k1, k2 = k1.astype(dt), k2.astype(dt)
+    vnew = vnew_ref[...].astype(dt)  # [1, H]
+
+    @pl.when((pos >= start) & (pos < start + chunk))
+    def _write():
+        ko_ref[pl.ds(pos - start, 1), :half] = k1
+        ko_ref[pl.ds(pos - start, 1), half:] = k2
+        vo_ref[pl.ds(pos - start, 1), :] = vnew
+
+    # Split 0 starts from the new token alone (m = its score, l = 1, acc = its v); the
+    # others start empty. Cache reads stop before pos, so none sees a half-written slot.
+    s_new = jnp.sum(q1 * f32(k1), axis=1) + jnp.sum(q2 * f32(k2), axis=1)  # [G]
+    first = split == 0
+    m0 = jnp.where(first, s_new, MASK_VALUE)
+    l0 = jnp.where(first, 1.0, 0.0) + jnp.zeros_like(s_new)
+    acc0 = jnp.where(first, 1.0, 0.0) * f32(vnew) + jnp.zeros((q1.shape[0], vnew.shape[1]), jnp.float32)
+
+    n_valid = jnp.clip(pos - start, 0, chunk)
+    n_tiles = (n_valid + block_s - 1) // block_s
+
+    def body(i, carry):
+        m_prev, l_prev, acc = carry
+        rows = pl.ds(i * block_s, block_s)
+        kc1, kc2 = f32(k_ref[rows, :half]), f32(k_ref[rows, half:])  # [block_s, H/2]
+        vc = f32(v_ref[rows, :])  # [block_s, H]
+        s = jnp.sum(q1[:, None, :] * kc1[None], axis=2) + jnp.sum(q2[:, None, :] * kc2[None], axis=2)  # [G, bs]
+        t = start + i * block_s + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(t < pos, s, MASK_VALUE)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = alpha * l_prev + jnp.sum(p, axis=1)
+        p = f32(p.astype(dt))  # p·v at the cache dtype's precision, as the tensor-core path
+        acc = acc * alpha[:, None] + jnp.sum(p[:, :, None] * vc[None], axis=1)
+        return m_new, l_new, acc
+
+    m, l, acc = lax.fori_loop(0, n_tiles, body, (m0, l0, acc0))
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def fused_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Triton blocks need power-of-two dims: the group size G and the head dim (>= 16)."""
+    g = num_heads // num_kv_heads
+    return num_heads % num_kv_heads == 0 and g & (g - 1) == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "blocks", "interpret"), donate_argnames=("k_bskh", "v_bskh"))
+def decode_attention_fused(qkv_bmh, pos_b, cos_bf, sin_bf, k_bskh, v_bskh, *, num_heads: int,
+                           blocks: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False):
+    """One decode step's attention from the raw projections, writing the new K/V in place.
+
+    qkv [B, N + 2K, H]: q, k, v heads of the new token before RoPE (the fused projection's
+    output); pos [B] int32: its position (row b attends to cache [0, pos] incl. itself);
+    cos, sin [B, H/2] f32: RoPE at pos; k, v [B, S, K, H] caches (donated, updated in place).
+    Returns (out [B, N, H], k, v), equal to rotating q and k, writing k/v at pos and calling
+    `decode_attention` with lengths pos + 1.
+    """
+    b, m, h = qkv_bmh.shape
+    bk, s, kh, hk = k_bskh.shape
+    n = num_heads
+    if m != n + 2 * kh or (bk, hk) != (b, h) or v_bskh.shape != k_bskh.shape:
+        raise ValueError(f"shapes disagree: qkv {qkv_bmh.shape} (want [B, {n} + 2 * {kh}, H]), k {k_bskh.shape}, v {v_bskh.shape}")
+    if not fused_supported(n, kh, h):
+        raise ValueError(f"fused decode needs a power-of-two group size and head_dim >= 16: heads {n}, kv {kh}, head_dim {h}")
+    if cos_bf.shape != (b, h // 2) or sin_bf.shape != (b, h // 2):
+        raise ValueError(f"cos/sin must be [B, H/2] = {(b, h // 2)}, got {cos_bf.shape}, {sin_bf.shape}")
+    g = n // kh
+    interpret = bool(interpret) or jax.default_backend() == "cpu"
+    plan = _plan(b, kh, s, blocks)
+    kernel = functools.partial(_fused_kernel, block_s=blocks.block_s, chunk=plan.chunk, sm_scale=1.0 / math.sqrt(h))
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    cache_spec = pl.BlockSpec((None, plan.chunk, None, h), lambda i, j, c: (i, c, j, 0))
+    o, m_, l_, k_out, v_out = pl.pallas_call(
+        kernel,
+        grid=(b, kh, plan.splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, c: (i,)),
+            pl.BlockSpec((None, h // 2), lambda i, j, c: (i, 0)),
+            pl.BlockSpec((None, h // 2), lambda i, j, c: (i, 0)),
+            pl.BlockSpec((None, g, h), lambda i, j, c: (i, j, 0)),  # q heads [jG, jG + G)
+            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + j, 0)),  # k head j
+            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + kh + j, 0)),  # v head j
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, g, h), lambda i, j, c: (i, j, c, 0, 0)),
+            pl.BlockSpec((None, None, None, g), lambda i, j, c: (i, j, c, 0)),
+            pl.BlockSpec((None, None, None, g), lambda i, j, c: (i, j, c, 0)),
+            cache_spec,
+            cache_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kh, plan.splits, g, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, g), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, g), jnp.float32),
+            jax.ShapeDtypeStruct(k_bskh.shape, k_bskh.dtype),
+            jax.ShapeDtypeStruct(v_bskh.shape, v_bskh.dtype),
+        ],
+        input_output_aliases={6: 3, 7: 4},
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="decode_attention_fused",
+    )(pos_b.astype(jnp.int32), cos_bf.astype(jnp.float32), sin_bf.astype(jnp.float32), qkv_bmh, qkv_bmh, qkv_bmh,
+      k_bskh, v_bskh)
+    out = _combine(o, m_, l_)  # [B, K, G, H]
+    return out.reshape(b, n, h).astype(qkv_bmh.dtype), k_out, v_out
+
+
 @functools.cache
 def prime_lowering() -> None:
     """Lower one tiny call, once per process.
