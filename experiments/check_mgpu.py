@@ -112,7 +112,8 @@ VARIANTS = {
     "mosaic-kv128-s2": MosaicConfig(block_kv=128, stages=2, pingpong=False),
     "mosaic-kv128-s3-pp": MosaicConfig(block_kv=128, stages=3, pingpong=True),
     "mosaic-kv64-s3-pp": MosaicConfig(block_kv=64, stages=3, pingpong=True),
-    "mosaic-kv192-s2-pp": MosaicConfig(block_kv=192, stages=2, pingpong=True),
+    "mosaic-kv128-s3-pp-r1k": MosaicConfig(block_kv=128, stages=3, pingpong=True, reduction_scratch_bytes=1024),
+    "mosaic-kv128-s3-r1k": MosaicConfig(block_kv=128, stages=3, pingpong=False, reduction_scratch_bytes=1024),
 }
 
 

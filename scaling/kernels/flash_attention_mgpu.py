@@ -64,19 +64,24 @@ class MosaicConfig:
     block_kv: keys per K/V ring slot (the N of Q Kᵀ, the K of P V); multiple of 64.
     stages: K/V ring depth (TMA copies in flight ahead of the consumers), >= 2.
     pingpong: alternate the two consumers' softmax and matmul phases (see module docstring).
+    reduction_scratch_bytes: shared memory Mosaic reserves for cross-warp reductions (its
+      default is 2048); D=128 with block_kv=128 and 3 stages is 120 bytes over the 227 KiB
+      limit with the default, and fits with 1024.
     """
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     pingpong: bool = True
+    reduction_scratch_bytes: int = 2048
 
 
 # Per head dim. D=256 uses narrower K/V slots so that Q (2 x 64 x 256) and the ring fit in the
-# 227 KiB of shared memory an H100/H200 CTA may use.
+# 227 KiB of shared memory an H100/H200 CTA may use. D=128 and D=64: the best of a small sweep
+# on an H200 (docs/attention.md, "Mosaic GPU forward"); D=256 is untuned.
 DEFAULT_CONFIGS = {
     64: MosaicConfig(block_q=64, block_kv=128, stages=3),
-    128: MosaicConfig(block_q=64, block_kv=128, stages=2),
+    128: MosaicConfig(block_q=64, block_kv=128, stages=3, reduction_scratch_bytes=1024),
     256: MosaicConfig(block_q=64, block_kv=64, stages=2),
 }
 
@@ -350,7 +355,8 @@ def _call(q, k, v, geo: _Geometry, interpret: bool):
         grid_names=("t", "h", "b"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             reduction_scratch_bytes=cfg.reduction_scratch_bytes),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v)
 
