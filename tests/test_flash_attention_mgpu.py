@@ -5,7 +5,8 @@ warpgroups, shared memory, TMA copies and barriers (and checks barrier phases). 
 from the GPU: interpret mode supports neither `pl.run_state` nor a wgmma with its A operand in
 registers, so the P·V product is a `jnp.dot` there (see `_Geometry.in_place`); the Q·Kᵀ wgmma,
 the ring, masking, softmax and stores are the GPU code. The GPU test (skipped off-GPU) and
-experiments/check_mgpu.py cover the in-place wgmma path. Fresh random inputs each run
+experiments/check_mgpu.py cover the in-place wgmma path (conftest.py defaults JAX_PLATFORMS to cpu:
+on a GPU machine run `JAX_PLATFORMS=cuda python -m pytest tests/test_flash_attention_mgpu.py -k hopper`). Fresh random inputs each run
 (FLASH_SEED=<seed> to reproduce); interpret mode is slow, so the shapes are small.
 """
 
