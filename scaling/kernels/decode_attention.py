@@ -253,10 +253,11 @@ def _fused_kernel(pos_ref, cos_ref, sin_ref, q_ref, knew_ref, vnew_ref, k_ref, v
     # Split 0 starts from the new token alone (m = its score, l = 1, acc = its v); the
     # others start empty. Cache reads stop before pos, so none sees a half-written slot.
     s_new = jnp.sum(q1 * f32(k1), axis=1) + jnp.sum(q2 * f32(k2), axis=1)  # [G]
-    first = split == 0
-    m0 = jnp.where(first, s_new, MASK_VALUE)
-    l0 = jnp.where(first, 1.0, 0.0) + jnp.zeros_like(s_new)
-    acc0 = jnp.where(first, 1.0, 0.0) * f32(vnew) + jnp.zeros((q1.shape[0], vnew.shape[1]), jnp.float32)
+    # (Arithmetic, not jnp.where on a scalar predicate: the Triton lowering mixes i1 and f32 there.)
+    first = 1.0 - jnp.minimum(split, 1).astype(jnp.float32)  # 1.0 in split 0, else 0.0
+    m0 = s_new * first + MASK_VALUE * (1.0 - first)
+    l0 = first + jnp.zeros_like(s_new)
+    acc0 = first * f32(vnew) + jnp.zeros((q1.shape[0], vnew.shape[1]), jnp.float32)
 
     n_valid = jnp.clip(pos - start, 0, chunk)
     n_tiles = (n_valid + block_s - 1) // block_s
