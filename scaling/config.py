@@ -139,6 +139,10 @@ class TrainConfig:
     seed: int = 0
     nonfinite: NonFinitePolicy = NonFinitePolicy.stop
     show_shardings: bool = False  # print the sharding report before training
+    # Chunked cross-entropy: the output head and loss run over chunks of this many sequence
+    # positions (all batch rows at once), so the f32 [B, T, V] logits are never stored
+    # (scaling.train.chunked_cross_entropy). Must divide seq_len; 0 = off (one [B, T, V] pass).
+    loss_chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +397,12 @@ def validate(cfg: Config) -> None:
         t.batch_size % t.grad_accum == 0,
         "train.batch_size",
         f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
+    )
+    _require(t.loss_chunk >= 0, "train.loss_chunk", f"must be >= 0 (0 turns chunking off), got {t.loss_chunk}")
+    _require(
+        t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0,
+        "train.loss_chunk",
+        f"{t.loss_chunk} does not divide train.seq_len={t.seq_len}; use a divisor of seq_len, or 0 to turn chunking off",
     )
     _require(
         len(cfg.profile.steps) in (0, 2) and (not cfg.profile.steps or 0 <= cfg.profile.steps[0] < cfg.profile.steps[1]),

@@ -105,6 +105,14 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", x_btd, w, preferred_element_type=jnp.float32)
         return constrain(logits, (A.BATCH, A.SEQ, A.ACT_VOCAB))
 
+    def head_weight(self):
+        """(w, layout): the output projection in the compute dtype, w [D, V] with layout "dv",
+        or tied, the embedding table [V, D] with "vd". For losses that apply the head themselves."""
+        dt = self.compute_dtype
+        if self.cfg.tie_embeddings:
+            return self.embed.table_vd[...].astype(dt), "vd"
+        return self.head_dv[...].astype(dt), "dv"
+
     def __call__(self, tokens_bt, positions_bt=None, segment_ids=None):
         """tokens [B, T] int32 -> logits [B, T, V] float32."""
         return self.logits(self.hidden_states(tokens_bt, positions_bt, segment_ids))

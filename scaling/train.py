@@ -8,6 +8,7 @@ The model object is rebuilt from (graphdef, params) inside the jitted functions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer, build_model
 from scaling.optim import learning_rate_schedule, make_optimizer
 from scaling.sharding import axes as A
-from scaling.sharding import get_rule_set, logical_to_spec, make_mesh, use_sharding
+from scaling.sharding import constrain, get_rule_set, logical_to_spec, make_mesh, use_sharding
 from scaling.sharding.params import logical_axes, param_shardings
 
 NONFINITE_LOSS, NONFINITE_GRADS = 1, 2
@@ -42,6 +43,87 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets_bt[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - picked)
+
+
+def chunked_cross_entropy(x_btd: jax.Array, w: jax.Array, targets_bt: jax.Array, chunk: int, layout: str = "dv") -> jax.Array:
+    """cross_entropy(x · w, targets) without ever holding the [B, T, V] logits.
+
+    The head matmul (compute dtype in, f32 accumulation) and the log-sum-exp run over chunks of
+    `chunk` sequence positions (all batch rows, so batch sharding is kept). Under
+    differentiation the same pass also forms the gradients, as Liger-Kernel's fused linear
+    cross-entropy does: the loss is a scalar, so its cotangent only scales them. Per chunk,
+    d logits = softmax - onehot (f32, rounded to the compute dtype as PyTorch's autocast
+    backward has it) feeds two compute-dtype matmuls with f32 accumulation, dx (kept in f32)
+    and dW (summed over chunks in f32); the backward scales both by the sum's cotangent (1/N
+    under the mean) and rounds once. No logits are stored or recomputed, and all three head matmuls run in the
+    compute dtype (the one-pass path multiplies its f32 d logits by the head in f32). The loss
+    is the one-pass computation in another order (equal to f32 rounding). w is [D, V] ("dv")
+    or [V, D] ("vd", tied embeddings). With the batch sharded over several devices, each
+    chunk's dW partial sum is reduced inside the loop: fine on one device, measure before
+    using it on many.
+    """
+    return _chunked_nll_sum(x_btd, w, targets_bt, chunk, layout) / targets_bt.size
+
+
+def _chunk_logits(x_bcd, w, layout):
+    spec = "bcd,dv->bcv" if layout == "dv" else "bcd,vd->bcv"
+    logits = jnp.einsum(spec, x_bcd, w, preferred_element_type=jnp.float32)
+    return constrain(logits, (A.BATCH, A.SEQ, A.ACT_VOCAB))
+
+
+def _chunk_nll(x_btd, w, targets_bt, i, chunk, layout):
+    """One chunk's logits [B, c, V] f32, their log-sum-exp and the targets' negative log-likelihoods."""
+    x_bcd = jax.lax.dynamic_slice_in_dim(x_btd, i * chunk, chunk, axis=1)
+    t_bc = jax.lax.dynamic_slice_in_dim(targets_bt, i * chunk, chunk, axis=1)
+    logits = _chunk_logits(x_bcd, w, layout)
+    lse_bc = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t_bc[..., None], axis=-1)[..., 0]
+    return x_bcd, t_bc, logits, lse_bc, jnp.sum(lse_bc - picked)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_nll_sum(x_btd, w, targets_bt, chunk, layout):
+    def body(total, i):
+        return total + _chunk_nll(x_btd, w, targets_bt, i, chunk, layout)[-1], None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(x_btd.shape[1] // chunk))
+    return total
+
+
+def _chunked_nll_fwd(x_btd, w, targets_bt, chunk, layout):
+    dx_spec, dw_spec = ("bcv,dv->bcd", "bcd,bcv->dv") if layout == "dv" else ("bcv,vd->bcd", "bcd,bcv->vd")
+
+    def body(carry, i):
+        total, dx_btd, dw = carry
+        x_bcd, t_bc, logits, lse_bc, nll = _chunk_nll(x_btd, w, targets_bt, i, chunk, layout)
+        onehot = t_bc[..., None] == jax.lax.broadcasted_iota(t_bc.dtype, logits.shape, 2)
+        dlogits = (jnp.exp(logits - lse_bc[..., None]) - onehot).astype(x_btd.dtype)
+        dx_bcd = jnp.einsum(dx_spec, dlogits, w, preferred_element_type=jnp.float32)
+        dw = dw + jnp.einsum(dw_spec, x_bcd, dlogits, preferred_element_type=jnp.float32)
+        dx_btd = jax.lax.dynamic_update_slice_in_dim(dx_btd, dx_bcd, i * chunk, axis=1)
+        return (total + nll, dx_btd, dw), None
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(x_btd.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    (total, dx_btd, dw), _ = jax.lax.scan(body, init, jnp.arange(x_btd.shape[1] // chunk))
+    # Empty arrays carry the inputs' dtypes to the backward (residuals must be arrays).
+    return total, (dx_btd, dw, jnp.zeros((0,), x_btd.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _chunked_nll_bwd(chunk, layout, residuals, g):
+    dx_btd, dw, x_like, w_like = residuals
+    return (g * dx_btd).astype(x_like.dtype), (g * dw).astype(w_like.dtype), None
+
+
+_chunked_nll_sum.defvjp(_chunked_nll_fwd, _chunked_nll_bwd)
+
+
+def model_loss(model: Transformer, tokens_bt: jax.Array, loss_chunk: int = 0) -> jax.Array:
+    """Mean next-token NLL of a [B, T + 1] token batch; loss_chunk > 0 uses chunked_cross_entropy."""
+    inputs_bt, targets_bt = tokens_bt[:, :-1], tokens_bt[:, 1:]
+    if not loss_chunk:
+        return cross_entropy(model(inputs_bt), targets_bt)
+    w, layout = model.head_weight()
+    return chunked_cross_entropy(model.hidden_states(inputs_bt), w, targets_bt, loss_chunk, layout)
 
 
 # ------------------------------------------------------------------------ the setup
@@ -137,8 +219,7 @@ def make_train_step(setup: Setup):
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
 
     def loss_fn(params, tokens_bt):
-        model = setup.model(params)
-        return cross_entropy(model(tokens_bt[:, :-1]), tokens_bt[:, 1:])
+        return model_loss(setup.model(params), tokens_bt, cfg.train.loss_chunk)
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -192,8 +273,7 @@ def make_train_step(setup: Setup):
 
 def make_eval_step(setup: Setup):
     def eval_fn(params, batch_bt):
-        model = setup.model(params)
-        return cross_entropy(model(batch_bt[:, :-1]), batch_bt[:, 1:])
+        return model_loss(setup.model(params), batch_bt, setup.cfg.train.loss_chunk)
 
     return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
@@ -320,6 +400,23 @@ def _evaluate(eval_step, params, setup: Setup, data: Dataset) -> float | None:
     return float(jnp.mean(jnp.stack(losses)))
 
 
+def _summarize_profile(profile_dir: Path, steps: int, write) -> None:
+    """Device time per step by category (scaling.profile_summary) -> <profile_dir>/summary.md."""
+    from scaling import profile_summary
+
+    try:
+        s, _ = profile_summary.summarize_path(profile_dir)
+        if s["steps_source"].startswith("unknown"):
+            s, _ = profile_summary.summarize_path(profile_dir, steps=steps)
+        (profile_dir / "summary.md").write_text(profile_summary.to_markdown(s, title=f"profile of {steps} steps"))
+        n = s["steps"]
+        cats = ", ".join(f"{k} {v['us'] / n / 1e3:.2f}" for k, v in s["categories"].items() if v["us"])
+        write(f"profile: per step {s['window_us'] / n / 1e3:.2f} ms = {cats}, idle {s['idle_us'] / n / 1e3:.2f} (ms); "
+              f"details in {profile_dir / 'summary.md'}")
+    except Exception as e:  # a summary is a convenience; never fail the run over it
+        write(f"profile: no summary ({type(e).__name__}: {e})")
+
+
 def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = None, log=None, devices=None) -> dict:
     """Train per `cfg`; resumes from the latest checkpoint in `run_dir` if there is one.
 
@@ -412,7 +509,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
             step = start_step
             while step < total:
                 if cfg.profile.steps and step == cfg.profile.steps[0] and is_main:
-                    jax.profiler.start_trace(str(run_dir_path / "profile"))
+                    jax.profiler.start_trace(str(run_dir_path / "profile"), create_perfetto_trace=True)
                     profiling = True
                 batch = global_batch(setup, next(data.train))
                 state, metrics = train_step(state, batch)
@@ -424,6 +521,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                     jax.profiler.stop_trace()
                     profiling = False
                     write(f"profile: trace of steps {cfg.profile.steps} written to {run_dir_path / 'profile'}")
+                    _summarize_profile(run_dir_path / "profile", cfg.profile.steps[1] - cfg.profile.steps[0], write)
                 if bar is not None:
                     bar.update(1)
 
