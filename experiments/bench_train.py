@@ -393,7 +393,7 @@ class Piece:
 
 
 def make_plan(configs, variants, other_variants, *, torch: bool, matmul: bool, profile_variants=(),
-              profile_config: BenchConfig | None = None) -> list[Piece]:
+              profile_config: BenchConfig | None = None, torch_eager: bool = True) -> list[Piece]:
     """Pieces in the order they run: headline pieces first, so a budget cuts the extras."""
     pieces = []
     if matmul:
@@ -408,7 +408,7 @@ def make_plan(configs, variants, other_variants, *, torch: bool, matmul: bool, p
         pieces.append(Piece(f"profile:{v}", profile_config or configs[0], 2))
     for i, bc in enumerate(configs):
         vs = variants if i == 0 else other_variants
-        if torch:
+        if torch and torch_eager:
             pieces.append(Piece("torch-eager", bc, 3))
         for v in vs[1:]:
             pieces.append(Piece(v, bc, 3 if i == 0 else 4))
@@ -567,6 +567,7 @@ def main(argv=None) -> int:
     p.add_argument("--other-variants", default=DEFAULT_OTHER_VARIANTS, help="for the other configurations")
     p.add_argument("--remat-names", default="query_proj,key_proj,value_proj,out_proj", help="tags the `names` policy keeps")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-torch-eager", action="store_true", help="PyTorch compiled only (the ratio's peer)")
     p.add_argument("--no-matmul", action="store_true", help="skip the bf16 matmul rate (always skipped on CPU)")
     p.add_argument("--budget-s", type=float, default=510.0, help="cap on this whole invocation, seconds")
     p.add_argument("--timeout", type=int, default=240, help="seconds per piece at most")
@@ -603,7 +604,7 @@ def main(argv=None) -> int:
         shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl")) and not args.dry_run
     plan = make_plan(configs, variants, other_variants, torch=not args.no_torch and not on_cpu,
                      matmul=not args.no_matmul and not on_cpu, profile_variants=profile_variants,
-                     profile_config=profile_config)
+                     profile_config=profile_config, torch_eager=not args.no_torch_eager)
     if args.dry_run:
         total = 0.0
         for pc in plan:
