@@ -1,4 +1,5 @@
-"""How to Scale Your Model's accounting as code: parameters, FLOPs, bytes, communication, roofline.
+"""How to Scale Your Model's accounting as code: parameters, FLOPs, bytes, communication, roofline,
+and a calibrated step time.
 
 Notation (the book's "All the Transformer Math You Need"): D model width, F MLP width,
 N query heads, K key/value heads, H head dim, L layers, V vocabulary, T sequence length,
@@ -20,6 +21,12 @@ Sources, cited as [tag] below:
   [K22]    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
            Models": per-layer activation bytes and selective recomputation.
   [PaLM]   Chowdhery et al. 2022, appendix B: MFU = model FLOPs (no recomputation) / peak.
+
+Peak memory is the largest phase of the step (MemoryBytes), not a sum of every buffer: the
+loss/head transients and a layer's backward working set are live at different times.
+The calibrated step time (training_time) divides work by measured achievable rates and adds
+the kernel classes up (XLA runs a step's kernels on one CUDA stream, which executes them in
+order); the roofline (training_roofline) stays beside it as the book's bound [HSM-R].
 
 The activation table (`layer_residuals`) mirrors what JAX saves for this repository's
 model code (scaling/layers.py, attention.py, model.py) under each remat policy; the tests
@@ -318,47 +325,92 @@ def host_residuals(m: ModelConfig, policy: RematPolicyName, names: Sequence[str]
     return [r for r in layer_residuals(m, 0, RematPolicyName.names, names, c=c) if r.name != "layer input x"]
 
 
-def outer_residuals(m: ModelConfig, *, c: int, p: int = 4) -> list[Residual]:
-    """Kept outside the layers: the final RMSNorm's (as in a layer), the softmax of the
-    cross-entropy (f32 [B, T, V]), token indices; the head weight's c-cast when c != p."""
+def head_residuals(m: ModelConfig, *, c: int, p: int = 4, chunk_tokens: float = 0) -> list[Residual]:
+    """What is live while the loss and the output head are differentiated, beyond the saved
+    layer stack: the final RMSNorm's residuals (as in a layer), token ids and targets, the
+    head weight's c-cast when c != p, and the loss's own buffers:
+      - one-pass loss (train.loss_chunk = 0): the f32 logits [B, T, V] and their f32 gradient
+        (softmax - one-hot; scaling.train.cross_entropy computes in f32). Two [B, T, V] f32
+        buffers, not three: XLA keeps either the logits or exp(logits) for the backward, never
+        both, and writes the gradient into a second buffer (XLA:CPU's live ranges at the peak;
+        tests/test_remat.py);
+      - chunked loss (scaling.train.chunked_cross_entropy, `chunk_tokens` = rows x chunk
+        positions): it runs in the forward pass (a custom VJP that forms the head's gradients
+        chunk by chunk), so no gradient buffer exists yet. Live: the f32 dx [B, T, D] it
+        fills, and the larger of (one chunk's f32 logits + their c gradient + the f32 dW
+        [D, V] accumulator) and (the accumulation dW + x^T·dlogits: three [D, V] f32
+        buffers, the chunk's logits dead by then); XLA:CPU's live ranges at the peak.
+    """
     d, v = m.hidden_size, m.vocab_size
     out = [
         Residual("final norm input (f32)", d, F32) if c != F32 else Residual("final hidden state", d, c),
         Residual("final norm x·rsqrt (f32)", d, F32),
         Residual("final norm output", d, c),
         Residual("final norm stats (f32)", 2, F32),
-        Residual("cross-entropy exp(logits) (f32)", v, F32, A.ACT_VOCAB),
-        Residual("token ids, targets, loss terms", 4, 4),
+        Residual("token ids, targets", 2, 4),
     ]
+    if chunk_tokens:
+        chunk = int(chunk_tokens * v * (F32 + c) + d * v * F32)
+        out += [
+            Residual("dx accumulator (f32)", d, F32),
+            Residual("max(chunk logits + gradient + dW, 3 dW)", max(chunk, 3 * d * v * F32), 1, A.ACT_VOCAB,
+                     per_token=False),
+        ]
+    else:
+        out += [
+            Residual("logits (f32)", v, F32, A.ACT_VOCAB),
+            Residual("logits gradient (f32)", v, F32, A.ACT_VOCAB),
+        ]
     if c != p:
         out.append(Residual("head weight cast", d * v, c, per_token=False))
     return out
 
 
+def backward_temporaries(m: ModelConfig, *, c: int) -> list[Residual]:
+    """The backward pass's own buffers at its widest point, the SwiGLU backward: the gradients
+    of the gate and up projections' outputs, [F] each, while the layer's residuals are live."""
+    return [Residual("SwiGLU gate/up gradients", 2 * m.mlp_dim, c, A.ACT_MLP)]
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationBytes:
+    """Activation bytes of one micro-batch, per device, in the two phases of the backward pass.
+
+    A training step's activation memory is not one sum. The backward pass runs in phases
+    that are live at different times:
+      1. loss and output head: the f32 logits and their gradient (`head`), with every layer's
+         saved residuals (`layers`) still waiting;
+      2. the layer backward (a reverse scan): one layer at a time has its complete residual
+         set live (sliced from the stack or recomputed) plus the backward's temporaries
+         (`working_layer`); the head's buffers are dead by then.
+    So the activation peak is `layers + max(head, working_layer)`: the largest transient, not
+    the sum of all of them (checked on CPU by varying the vocabulary: XLA's peak follows the
+    larger phase and does not grow with the smaller, tests/test_accounting.py).
+    """
+
     per_layer: float  # saved per layer (device memory)
-    layers: float  # all L layers
-    outer: float  # final norm, cross-entropy softmax, ...
-    logits: float  # transient: f32 logits [B, T, V] and their gradient
-    working_layer: float  # transient: the layer being differentiated (complete residual set)
+    layers: float  # all L layers: the saved stack
+    head: float  # transient, phase 1: final norm, f32 logits + gradient, head weight cast
+    working_layer: float  # transient, phase 2: one layer's complete residual set + backward temporaries
     host: float = 0.0  # offloaded to host memory (not in HBM)
 
     @property
     def total(self) -> float:
-        return self.layers + self.outer + self.logits + self.working_layer
+        """The activation peak: saved stack + the larger of the two transients."""
+        return self.layers + max(self.head, self.working_layer)
 
 
 def activation_bytes(m: ModelConfig, seq_len: int, batch: int, policy: RematPolicyName, names: Sequence[str] = (),
-                     *, c: int, p: int = 4, flash: bool = False, mesh: MeshShape = MeshShape()) -> ActivationBytes:
+                     *, c: int, p: int = 4, flash: bool = False, mesh: MeshShape = MeshShape(),
+                     loss_chunk: int = 0) -> ActivationBytes:
     """Activation bytes of one micro-batch of `batch` sequences, per device under `mesh`.
 
     Batch splits over the rule set's batch axes; tensors whose axis the rule set maps to
     `tensor` split over it; [B, T, D] tensors are replicated over `tensor` (Megatron without
-    sequence parallelism [K22]). Peak = saved residuals + the layer under differentiation
-    (its complete residual set is live, sliced from the stack or recomputed) + the f32 logits
-    and their gradient. These two transients are what XLA's memory analysis shows beyond
-    the stacked residuals (tests/test_accounting.py).
+    sequence parallelism [K22]). The saved stack is `layer_residuals` x L; the layer under
+    differentiation holds `layer_residuals(policy=none)` (every residual the backward reads,
+    whichever policy saved or recomputed it) plus `backward_temporaries`; the head phase holds
+    `head_residuals`. See ActivationBytes for how they combine.
     """
     tokens = batch * seq_len / mesh.split(A.BATCH)
 
@@ -366,11 +418,12 @@ def activation_bytes(m: ModelConfig, seq_len: int, batch: int, policy: RematPoli
         return sum(r.bytes(tokens, mesh.split(r.tp_axis) if r.tp_axis else 1) for r in rs)
 
     per_layer = total(layer_residuals(m, seq_len, policy, names, c=c, p=p, flash=flash))
-    full_layer = total(layer_residuals(m, seq_len, RematPolicyName.none, c=c, p=p, flash=flash))
-    logits = 2 * tokens * m.vocab_size * F32 / mesh.split(A.ACT_VOCAB)
+    working = total(layer_residuals(m, seq_len, RematPolicyName.none, c=c, p=p, flash=flash))
+    working += total(backward_temporaries(m, c=c))
     host = total(host_residuals(m, policy, names, c=c)) * m.num_layers
-    return ActivationBytes(per_layer, per_layer * m.num_layers, total(outer_residuals(m, c=c, p=p)), logits,
-                           full_layer, host)
+    chunk_tokens = tokens * loss_chunk / seq_len
+    head = total(head_residuals(m, c=c, p=p, chunk_tokens=chunk_tokens))
+    return ActivationBytes(per_layer, per_layer * m.num_layers, head, working, host)
 
 
 def kv_cache_bytes(m: ModelConfig, batch: int, seq_len: int, *, c: int = 2) -> float:
@@ -383,38 +436,92 @@ def kv_cache_bytes(m: ModelConfig, batch: int, seq_len: int, *, c: int = 2) -> f
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBytes:
-    """Training-step memory per device."""
+    """Training-step memory per device, phase by phase.
+
+    Live through the whole step: params and AdamW moments (the donated state) and, with grad
+    accumulation, the f32 sum of the grads. Gradients come into existence during the
+    backward pass: the output head's (and final norm's) in the head phase, the stacked layers'
+    when the backward scan starts (its outputs), the embedding's after it (a scatter-add).
+    `eager_grads` (XLA:CPU's schedule, seen in its buffer live ranges) allocates all of them
+    before the head phase instead. A chunked loss (`loss_in_forward`) runs its head phase in
+    the forward pass, before any gradient. The peak is the largest phase:
+
+      head phase   = state + accum + head grads (all, if eager) + saved stack + head transient
+      layer phase  = state + accum + all grads but the embedding's (all, if eager) + stack + layer working set
+      update phase = state + accum + all grads (the fused AdamW update writes in place)
+    """
 
     params: float
-    grads: float
+    grads: float  # all gradients of one micro-batch (parameter dtype)
     optimizer: float
     activations: ActivationBytes
+    grads_head: float = 0.0  # output head + final norm (tied: the final norm only)
+    grads_embed: float = 0.0  # embedding table (tied: 0; its grad arrives with the head's)
+    accumulator: float = 0.0  # grad accumulation's running sum
+    eager_grads: bool = False
+    loss_in_forward: bool = False  # chunked loss: the head phase runs before any gradient exists
+
+    @property
+    def phases(self) -> dict[str, float]:
+        state = self.params + self.optimizer + self.accumulator
+        act = self.activations
+        head_grads = 0.0 if self.loss_in_forward else self.grads if self.eager_grads else self.grads_head
+        layer_grads = self.grads if self.eager_grads else self.grads - self.grads_embed
+        return {
+            "loss and output head": state + head_grads + act.layers + act.head,
+            "layer backward": state + layer_grads + act.layers + act.working_layer,
+            "optimizer update": state + self.grads,
+        }
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases
+        return max(phases, key=phases.get)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations.total
+        """Predicted peak bytes per device: the largest phase."""
+        return max(self.phases.values())
 
 
 def training_memory(cfg: Config, mesh: MeshShape, *, accelerator: bool = True, hw: Hardware | None = None,
-                    policy: RematPolicyName | None = None, grad_accum: int | None = None) -> MemoryBytes:
-    """Params, grads and AdamW state per device plus one micro-batch's activations.
+                    policy: RematPolicyName | None = None, grad_accum: int | None = None,
+                    batch_size: int | None = None) -> MemoryBytes:
+    """Params, grads and AdamW state per device plus one micro-batch's activations, by phase.
 
     AdamW (optax.adamw in scaling/optim.py) keeps two moments in the parameter dtype; the
     parameters are the f32 master copy and the compute dtype is a per-use cast, so there
     is no separate master copy: 4 + 4 + 8 = 16 bytes per parameter with f32 params [HSM-TR].
     Grad accumulation keeps an f32 sum of grads beside the micro-batch grads.
+    `accelerator=False` prices the CPU: `auto` compute is f32 and gradients are allocated
+    eagerly (MemoryBytes).
     """
     m = cfg.model
     p = dtype_bytes(m.param_dtype)
     c = dtype_bytes(m.compute_dtype, accelerator=accelerator)
     policy = cfg.remat.policy if policy is None else policy
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
+    batch = cfg.train.batch_size if batch_size is None else batch_size
     n_dev = params_per_device(m, mesh)
-    micro = cfg.train.batch_size // accum
+    micro = batch // accum
     act = activation_bytes(m, cfg.train.seq_len, micro, policy, cfg.remat.names, c=c, p=p,
-                           flash=is_flash(cfg.attention.impl, hw), mesh=mesh)
-    grads = n_dev * p * (2 if accum > 1 else 1)
-    return MemoryBytes(n_dev * p, grads, 2 * n_dev * p, act)
+                           flash=is_flash(cfg.attention.impl, hw), mesh=mesh, loss_chunk=cfg.train.loss_chunk)
+    shapes = param_shapes(m)
+
+    def dev_elems(name):
+        shape, names = shapes[name]
+        return math.prod(-(-s // k) for s, k in zip(shape, mesh.shards(names, mesh.rule_set.params)))
+
+    if not accelerator and act.host:
+        # The CPU's pinned_host memory space is its own RAM: XLA counts offloaded residuals there.
+        act = dataclasses.replace(act, layers=act.layers + act.host)
+    head = dev_elems("final_norm.scale") + (dev_elems("head_dv") if "head_dv" in shapes else 0)
+    embed = 0 if m.tie_embeddings else dev_elems("embed.table_vd")
+    if m.tie_embeddings:
+        head += dev_elems("embed.table_vd")
+    return MemoryBytes(n_dev * p, n_dev * p, 2 * n_dev * p, act, head * p, embed * p,
+                       n_dev * p if accum > 1 else 0.0, eager_grads=not accelerator,
+                       loss_in_forward=cfg.train.loss_chunk > 0)
 
 
 # ------------------------------------------------------------------- communication
@@ -562,7 +669,7 @@ def training_roofline(cfg: Config, mesh: MeshShape, hw: Hardware, *, policy: Rem
     c = dtype_bytes(m.compute_dtype)
     n_dev = mem.params / p
     act = mem.activations
-    hbm = accum * (3 * n_dev * c + 2 * (act.layers + act.outer) + act.logits) + 7 * n_dev * p
+    hbm = accum * (3 * n_dev * c + 2 * (act.layers + act.head)) + 7 * n_dev * p
     comms = sum(x.seconds for x in training_comms(cfg, mesh, hw, policy=policy, grad_accum=accum))
     return Roofline(tokens, model_flops, hw_flops, hbm, comms, hw_flops / hw.bf16_flops, hbm / hw.hbm_bandwidth,
                     hw.bf16_flops)
@@ -580,3 +687,216 @@ def critical_tokens_per_device(hw: Hardware, *, bytes_per_param: int = 2) -> dic
         "fsdp (intra-node)": bytes_per_param * hw.bf16_flops / (2 * hw.ring_bandwidth),
         "fsdp (across nodes)": bytes_per_param * hw.bf16_flops / (2 * hw.dcn_bandwidth),
     }
+
+
+# ------------------------------------------------------------------ calibrated time
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What kernels achieve on a device (measured), as opposed to the datasheet's peaks.
+
+    matmul: FLOP/s of a large bf16 matmul (8192^3). attention: FLOP/s of the flash attention
+    core forward + backward, counting 3 x the causal forward FLOPs (this module's convention,
+    `attention_flops_per_token`). hbm: bytes/s of a device-to-device copy, read + write.
+    host: bytes/s one way between device and pinned host memory (remat offload; 0 = unknown).
+    f32_matmul: FLOP/s of matmuls with f32 inputs (TF32 tensor cores on NVIDIA, XLA's default
+    precision): the one-pass loss's output-head backward multiplies f32 logit gradients.
+    """
+
+    matmul: float
+    attention: float
+    hbm: float
+    host: float = 0.0
+    f32_matmul: float = 0.0  # f32-input matmuls (TF32 on NVIDIA GPUs); 0 = the bf16 rate
+    source: str = ""
+
+    @classmethod
+    def of(cls, hw: Hardware) -> Rates:
+        """The hardware table's default achievable fractions (scaling/hardware.py says where
+        each was measured)."""
+        return cls(hw.bf16_flops * hw.matmul_fraction, hw.bf16_flops * hw.attention_fraction,
+                   hw.hbm_bandwidth * hw.hbm_fraction, hw.host_bandwidth, hw.bf16_flops * hw.f32_matmul_fraction,
+                   hw.calibration)
+
+
+def elementwise_bytes_per_token(m: ModelConfig, seq_len: int, *, c: int, flash: bool, tp: int = 1) -> dict[str, float]:
+    """HBM bytes per token per layer of the memory-bound (non-matmul) kernels of one layer.
+
+    XLA fuses each chain of elementwise ops between two matmuls into one kernel, which reads
+    the chain's inputs and writes its outputs once; counted that way (in the compute dtype):
+      forward  RMSNorm x2 (read x, write y: 2·D each), RoPE on q and k (2·(N+K)·H), residual
+               adds x2 (read two, write one: 3·D each), SwiGLU silu(gate)·up (read 2·F, write F):
+               10·D + 2·(N+K)·H + 3·F
+      backward RMSNorm x2 (read x and dy, write dx: 3·D each), RoPE (2·(N+K)·H), residual
+               adds x2 (sum two cotangents: 3·D each), SwiGLU (read gate, up, dh; write dgate,
+               dup: 5·F): 12·D + 2·(N+K)·H + 5·F
+    An XLA (non-flash) attention core adds its [N, T] softmax passes per token: forward
+    read and write the f32 scores and write the probabilities in c ((8 + c)·N·T), backward
+    twice that. A flash core keeps them on chip (its time is in the attention rate).
+    Head- and MLP-sized tensors split over a tensor-parallel axis; [D] ones do not.
+    """
+    d, n, k, h, f = m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.mlp_dim
+    fwd = (10 * d + 2 * (n + k) * h / tp + 3 * f / tp) * c
+    bwd = (12 * d + 2 * (n + k) * h / tp + 5 * f / tp) * c
+    core = 0.0 if flash else (8 + c) * n * seq_len / tp
+    return {"forward": fwd + core, "backward": bwd + 2 * core}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A calibrated step time prediction: work divided by measured (achievable) rates.
+
+    On one GPU the matmuls, the attention core and the memory-bound kernels are separate
+    kernels on one stream: they run one after another, so their times add (the roofline's
+    max() assumes a perfect overlap that a single stream cannot give). FSDP / data-parallel
+    collectives and host transfers run on their own streams / copy engines and overlap with
+    compute, so they only count when longer than it; tensor-parallel all-reduces sit between
+    a layer's matmuls and add up (multi-device: not yet checked against a measurement).
+    """
+
+    matmul_flops: float  # per device per step: bf16 dense matmuls incl. recomputation (and an XLA core's)
+    attention_flops: float  # flash core: 3 x causal forward + recomputed forwards
+    traffic: dict[str, float]  # HBM bytes per device per step of the memory-bound kernels, by source
+    rates: Rates
+    comm_seconds: float = 0.0
+    host_bytes: float = 0.0  # device <-> host per step (both directions)
+    f32_matmul_flops: float = 0.0  # matmuls with f32 inputs (the one-pass loss's head backward)
+    serial_comm_seconds: float = 0.0  # collectives on the critical path (tensor parallelism)
+
+    @property
+    def matmul_seconds(self) -> float:
+        f32 = self.f32_matmul_flops / (self.rates.f32_matmul or self.rates.matmul)
+        return self.matmul_flops / self.rates.matmul + f32
+
+    @property
+    def attention_seconds(self) -> float:
+        return self.attention_flops / self.rates.attention if self.attention_flops else 0.0
+
+    @property
+    def memory_seconds(self) -> float:
+        return sum(self.traffic.values()) / self.rates.hbm
+
+    @property
+    def host_seconds(self) -> float:
+        """Offload traffic: out in the forward, back in the backward, one way at a time."""
+        return self.host_bytes / self.rates.host if self.host_bytes and self.rates.host else 0.0
+
+    @property
+    def compute_seconds(self) -> float:
+        """The kernels of one stream, in order (+ collectives that sit between them)."""
+        return self.matmul_seconds + self.attention_seconds + self.memory_seconds + self.serial_comm_seconds
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_seconds, self.comm_seconds, self.host_seconds)
+
+
+def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, rates: Rates | None = None,
+                  policy: RematPolicyName | None = None, grad_accum: int | None = None,
+                  batch_size: int | None = None, accelerator: bool = True) -> StepTime:
+    """Calibrated step time of one optimizer step, per device.
+
+    time = bf16 matmul FLOPs (model + remat recompute) / achievable matmul rate
+         + f32 matmul FLOPs (the one-pass loss's head backward) / achievable f32 matmul rate
+         + flash attention FLOPs (3 x causal forward + recomputed forwards) / achievable attention rate
+         + memory-bound HBM traffic / achievable copy bandwidth
+         + tensor-parallel all-reduces (StepTime says why these add and the others overlap)
+    with the traffic counted kernel by kernel (`elementwise_bytes_per_token`):
+      - elementwise passes of each layer forward and backward, and the forward again for every
+        policy that recomputes (full re-runs the layer; dots / selective / names / offload keep
+        matmul outputs but recompute the norms, RoPE, the residual add and the SwiGLU product);
+      - scanned layers (`lax.scan`) copy every saved residual into the [L, ...] stack
+        (a dynamic-update-slice: read + write); unrolled layers keep them in place;
+      - the f32 -> c weight casts (forward; again backward unless `none` saved them) and the
+        c -> f32 conversion of weight gradients, when c != p, per micro-batch;
+      - the loss: one-pass, read the f32 logits for the log-sum-exp, again backward, and write
+        the f32 gradient (12·V per token; the head's backward then runs as f32 matmuls at the
+        f32 rate); chunked (train.loss_chunk), read each chunk's f32 logits once and write its
+        c gradient ((4 + c)·V per token) plus the f32 dW accumulation per chunk;
+      - the optimizer once per step: the global grad norm reads the grads, the fused AdamW
+        update reads params, grads and both moments and writes params and moments: 8·p·N;
+        grad accumulation adds a read + write of the f32 sum per micro-batch.
+    `rates` default to the hardware table's achievable fractions (Rates.of(hw)); pass measured
+    ones (experiments/bench_remat.py measures them in the same run). Collectives come from
+    `training_comms` at the datasheet link bandwidths (not calibrated).
+    """
+    m = cfg.model
+    policy = cfg.remat.policy if policy is None else policy
+    accum = cfg.train.grad_accum if grad_accum is None else grad_accum
+    batch = cfg.train.batch_size if batch_size is None else batch_size
+    if rates is None:
+        if hw is None:
+            raise ValueError("training_time needs measured rates or a hardware entry")
+        rates = Rates.of(hw)
+    t = cfg.train.seq_len
+    p = dtype_bytes(m.param_dtype)
+    c = dtype_bytes(m.compute_dtype, accelerator=accelerator)
+    flash = is_flash(cfg.attention.impl, hw)
+    dev = mesh.devices
+    tokens = batch * t / dev  # FLOPs: a device's share of the step's work (all micro-batches)
+    # Traffic: a device streams every token of its batch shard; [D]-sized tensors are
+    # replicated over a tensor-parallel axis, head/MLP/vocab-sized ones split (tp, v_dev).
+    shard_tokens = batch * t / mesh.split(A.BATCH)
+    tp = mesh.split(A.ACT_MLP)
+    r = RematPolicyName
+
+    # FLOPs. A flash core runs at the attention rate on the causal half; an XLA core is two
+    # batched matmuls over the whole T x T at the matmul rate.
+    f = flops_per_token(m, t)
+    core_fwd = attention_flops_per_token(m, t, causal=flash)
+    recompute = recompute_flops_per_token(m, t, policy, cfg.remat.names, causal=flash)
+    recompute_core = core_fwd if policy != r.none else 0.0
+    matmul = (f.dense + recompute - recompute_core) * tokens
+    attention = (3 * core_fwd + recompute_core) * tokens
+    if not flash:
+        matmul, attention = matmul + attention, 0.0
+    # The one-pass loss hands the head's backward f32 logit gradients: dx = dlogits·W^T and
+    # dW = x^T·dlogits promote the c-side to f32 and run as f32 matmuls (TF32 on the GPU;
+    # the training profile in docs/benchmarks.md shows them). The chunked loss rounds the
+    # gradients to c first: all three head matmuls in c.
+    chunk = cfg.train.loss_chunk
+    f32_matmul = 0.0
+    if not chunk and c < F32:
+        f32_matmul = 2 * 2 * m.hidden_size * m.vocab_size / mesh.split(A.ACT_VOCAB) * tokens
+        matmul -= f32_matmul
+
+    # Memory-bound traffic.
+    mem = training_memory(cfg, mesh, hw=hw, policy=policy, grad_accum=accum, batch_size=batch, accelerator=accelerator)
+    n_dev = mem.params / p
+    e = elementwise_bytes_per_token(m, t, c=c, flash=flash, tp=tp)
+    layers = m.num_layers
+    recomputes = policy != r.none
+    traffic = {
+        "layer elementwise forward": e["forward"] * shard_tokens * layers,
+        "layer elementwise backward": e["backward"] * shard_tokens * layers,
+        "recomputed elementwise forward": e["forward"] * shard_tokens * layers if recomputes else 0.0,
+        "saved residuals copied into the scan stack": 2 * mem.activations.layers * accum if m.scan_layers else 0.0,
+        "final norm, embedding gather": 6 * m.hidden_size * c * shard_tokens,
+    }
+    v_dev = m.vocab_size / mesh.split(A.ACT_VOCAB)
+    if chunk:
+        # Per chunk: read the f32 logits once (log-sum-exp and the gradient in one fusion),
+        # write the c gradient; add x^T·dlogits into the f32 dW (read + write) per chunk.
+        traffic["loss (chunked: f32 logits read, c gradient)"] = (F32 + c) * v_dev * shard_tokens
+        traffic["loss (chunked: dW accumulation)"] = 2 * F32 * m.hidden_size * v_dev * (t // chunk) * accum
+    else:
+        # Read the f32 logits for the log-sum-exp, again backward, write the f32 gradient.
+        traffic["loss (f32 logits read twice, f32 gradient)"] = 3 * F32 * v_dev * shard_tokens
+    if c != p:
+        layer_w = layer_matmul_params(m) * layers * n_dev / param_count(m)
+        other_w = n_dev - layer_w  # embedding and head (as sharded)
+        casts = (2 if recomputes else 1) * layer_w + other_w
+        traffic["weight casts f32 -> c"] = (p + c) * casts * accum
+        traffic["weight gradients c -> f32"] = (p + c) * n_dev * accum
+    traffic["optimizer (grad norm + fused AdamW)"] = 8 * p * n_dev
+    if accum > 1:
+        traffic["grad accumulation"] = 2 * p * n_dev * accum
+    # FSDP gathers / reduce-scatters and the data-parallel all-reduce can run ahead of, or
+    # behind, the compute that needs them (async collectives on their own stream); Megatron's
+    # all-reduces sit between a layer's matmuls (the next one needs the sum), so they add up.
+    collectives = training_comms(cfg, mesh, hw, policy=policy, grad_accum=accum) if hw and dev > 1 else []
+    overlapped = sum(x.seconds for x in collectives if x.axis != "tensor")
+    serial = sum(x.seconds for x in collectives if x.axis == "tensor")
+    host = 2 * mem.activations.host * accum  # offloaded in the forward, fetched back in the backward
+    return StepTime(matmul, attention, traffic, rates, overlapped, host, f32_matmul, serial)

@@ -19,6 +19,12 @@ pages give 50 Gb/s per chip for v5p (6.25e9 B/s) and 6.4 Tb/s per 256-chip pod f
 (25 Gb/s = 3.125e9 B/s per chip). v5p HBM is 95 GiB at 2,765 GB/s per Google (the book
 rounds to 96 GB and 2.8e12). GPU HBM sizes are GiB-scale stacks (80 GiB on H100), but the
 usable amount after the CUDA context is a little less: see `usable_fraction`.
+
+Achievable rates (`matmul_fraction`, `attention_fraction`, `hbm_fraction`): the datasheet peak is
+a ceiling no kernel reaches. The calibrated step time (`scaling.accounting.training_time`)
+divides work by what kernels are measured to reach, as fractions of the peaks above, each
+with where it was measured (`calibration`). experiments/bench_remat.py measures all three in
+the same run as the training steps it predicts and passes them in instead of these defaults.
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+
+
+# Measured on one H200 (2026-11-22, jax 0.11.2; docs/benchmarks.md, docs/attention.md,
+# docs/decoding.md): bf16 matmul 8192^3 631 TFLOP/s (experiments/bench_train.py) = 0.638 of
+# 989; JAX device copy (x * 2, 4 GiB, read + write) 2.91 TB/s = 0.606 of 4.8 (torch's copy_
+# reached 4.27 TB/s; JAX's own copy is what JAX's kernels get, so the default uses it);
+# cuDNN flash attention, causal, head dim 64, T 2048, B 8, H 32: 255 TFLOP/s fwd+bwd counted
+# as 3.5 x forward (experiments/bench_attention.py), i.e. 255 * 3 / 3.5 = 219 TFLOP/s counted
+# as 3 x forward, the accounting's convention = 0.221 of 989.
+# f32 matmuls (TF32 tensor cores, XLA's default precision for f32 on the GPU; the one-pass
+# loss's output-head backward runs in f32): the training profile of docs/benchmarks.md
+# (second session) shows those two kernels at 10.3 + 5.2 ms for 4·B·T·D·V = 4.29e12 FLOPs
+# (1b, batch 8 x 2048) = 277 TFLOP/s. That profile also puts the step's bf16 matmuls at
+# ~715 TFLOP/s, above the 8192^3 benchmark: the 631 default is conservative.
+_H200_MEASURED = dict(matmul_fraction=631 / 989, attention_fraction=219 / 989, hbm_fraction=2.91 / 4.8,
+                      f32_matmul_fraction=277 / 989)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +63,13 @@ class Hardware:
     devices_per_node: int = 8
     host_offload: bool = True  # pinned host memory space for remat offload
     usable_fraction: float = 0.92  # of hbm_bytes, for "does it fit" (runtime, fragmentation)
+    host_bandwidth: float = 0.0  # device <-> host bytes/s one way (remat offload); 0 = unknown
+    # Achievable fractions of the peaks (see the module docstring and `calibration`).
+    matmul_fraction: float = 1.0  # large bf16 matmul FLOP/s / bf16_flops
+    attention_fraction: float = 1.0  # flash attention fwd+bwd FLOP/s (3 x causal forward) / bf16_flops
+    hbm_fraction: float = 1.0  # device copy (read + write) bytes/s / hbm_bandwidth
+    f32_matmul_fraction: float = 1.0  # f32-input matmul FLOP/s (TF32 on NVIDIA) / bf16_flops
+    calibration: str = "not measured: datasheet peaks (fractions 1.0)"
 
     @property
     def ring_bandwidth(self) -> float:
@@ -55,17 +84,28 @@ HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
         "NVIDIA H100 SXM", 989e12, 3.35e12, 80 * 2**30, 450e9, 50e9,
         "NVIDIA H100 datasheet (SXM5: 989 dense bf16 TFLOP/s, 3.35 TB/s HBM3, 80 GB, 900 GB/s NVLink "
-        "bidirectional = 450 GB/s egress); ConnectX-7 400 Gb/s NIC per GPU (DGX H100)",
+        "bidirectional = 450 GB/s egress); ConnectX-7 400 Gb/s NIC per GPU (DGX H100); PCIe Gen5 x16 to "
+        "the host (64 GB/s one way)",
+        host_bandwidth=64e9,
+        **_H200_MEASURED,
+        calibration="not measured on an H100: the H200's measured fractions (same Hopper SXM compute; "
+        "HBM3 vs HBM3e may differ)",
     ),
     "h200": Hardware(
         "NVIDIA H200 SXM", 989e12, 4.8e12, 141e9, 450e9, 50e9,
         "NVIDIA H200 datasheet (989 dense bf16 TFLOP/s, 4.8 TB/s HBM3e, 141 GB, 900 GB/s NVLink "
-        "bidirectional); 400 Gb/s NIC per GPU",
+        "bidirectional); 400 Gb/s NIC per GPU; PCIe Gen5 x16 to the host (64 GB/s one way)",
+        host_bandwidth=64e9,
+        **_H200_MEASURED,
+        calibration="measured on one H200, 2026-11-22: matmul 631 TFLOP/s (bench_train.py), JAX copy "
+        "2.91 TB/s (bench_decode.py), cuDNN attention d64 T2048 219 TFLOP/s (bench_attention.py), f32 (TF32) "
+        "head-backward matmuls 277 TFLOP/s (bench_train.py profile)",
     ),
     "a100": Hardware(
         "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80 * 2**30, 300e9, 25e9,
         "NVIDIA A100 datasheet (312 dense bf16 TFLOP/s, 2,039 GB/s HBM2e, 80 GB, 600 GB/s NVLink "
-        "bidirectional); 200 Gb/s HDR NIC per GPU (DGX A100)",
+        "bidirectional); 200 Gb/s HDR NIC per GPU (DGX A100); PCIe Gen4 x16 to the host (32 GB/s one way)",
+        host_bandwidth=32e9,
     ),
     "tpu_v5e": Hardware(
         "TPU v5e", 197e12, 8.1e11, 16e9, 4.5e10 * 4, 3.125e9,
@@ -97,7 +137,12 @@ def get_hardware(name: str) -> Hardware:
 def detect(device: jax.Device | None = None) -> Hardware | None:
     """The table entry for a JAX device (by device_kind), or None (e.g. the CPU)."""
     device = device or jax.devices()[0]
-    kind = device.device_kind.lower()
+    return by_device_kind(device.device_kind)
+
+
+def by_device_kind(kind: str) -> Hardware | None:
+    """The table entry for a `jax.Device.device_kind` string ("NVIDIA H200", "TPU v5 lite"), or None."""
+    kind = kind.lower()
     for key, marker in (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("tpu_v5e", "v5 lite"), ("tpu_v5e", "v5e"), ("tpu_v5p", "v5p")):
         if marker in kind:
             return HARDWARE[key]

@@ -3,9 +3,11 @@
     python -m scaling plan --config configs/models/llama3_8b.yaml --hardware h100 --devices 8 \
         --train.batch_size=64 --train.seq_len=4096 [--search]
 
-Prints params, FLOPs, bytes per device, collectives per mesh axis and the roofline for the
-config's mesh and remat policy; `--search` ranks mesh shape x remat policy x grad_accum by
-predicted tokens/s among the candidates that fit in device memory.
+Prints params, FLOPs, bytes per device (by phase of the step), collectives per mesh axis, the
+book's roofline (datasheet peaks, perfect overlap) and the calibrated step time (achievable
+rates, kernels adding up on one stream) for the config's mesh and remat policy; `--search` ranks
+mesh shape x remat policy x grad_accum by the calibrated step time among the candidates that
+fit in device memory.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Candidate:
     grad_accum: int
     memory: acc.MemoryBytes
     roofline: acc.Roofline
+    time: acc.StepTime
 
     @property
     def fits(self) -> bool:
@@ -49,7 +52,8 @@ class Candidate:
 def evaluate(cfg: Config, mesh: acc.MeshShape, hw: Hardware, policy: RematPolicyName, accum: int) -> Candidate:
     mem = acc.training_memory(cfg, mesh, hw=hw, policy=policy, grad_accum=accum)
     roof = acc.training_roofline(cfg, mesh, hw, policy=policy, grad_accum=accum)
-    return Candidate(mesh, policy, accum, mem, roof, hw.usable_bytes)
+    time = acc.training_time(cfg, mesh, hw, policy=policy, grad_accum=accum)
+    return Candidate(mesh, policy, accum, mem, roof, time, hw.usable_bytes)
 
 
 def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
@@ -57,7 +61,7 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
     c = evaluate(cfg, mesh, hw, cfg.remat.policy, t.grad_accum)
     f = acc.flops_per_token(m, t.seq_len)
     fi = acc.flops_per_token(m, t.seq_len, training=False)
-    mem, act, roof = c.memory, c.memory.activations, c.roofline
+    mem, act, roof, st = c.memory, c.memory.activations, c.roofline, c.time
     crit = acc.critical_tokens_per_device(hw)
     tokens_dev = t.batch_size * t.seq_len / mesh.devices / t.grad_accum
     lines = [
@@ -77,12 +81,13 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         f"  params               {_g(mem.params)}",
         f"  grads                {_g(mem.grads)}",
         f"  AdamW moments        {_g(mem.optimizer)}",
-        f"  activations / layer  {_g(act.per_layer)}  (x {m.num_layers} = {_g(act.layers)})",
-        f"  final norm + softmax {_g(act.outer)}",
-        f"  logits f32 + grad    {_g(act.logits)}",
-        f"  layer in backward    {_g(act.working_layer)}",
+        f"  activations / layer  {_g(act.per_layer)}  (x {m.num_layers} = {_g(act.layers)} saved)",
+        f"  transient, loss/head {_g(act.head)}  (final norm, f32 logits + their gradient)",
+        f"  transient, layer bwd {_g(act.working_layer)}  (one layer's complete residual set + temporaries)",
         *( [f"  offloaded to host    {_g(act.host)}"] if act.host else []),
-        f"  total                {_g(mem.total)}  of {_g(hw.usable_bytes)} usable: "
+        "  by phase (the transients are live at different times; the peak is the largest):",
+        *[f"    {name:20s} {_g(v)}{'  <- peak' if name == mem.peak_phase else ''}" for name, v in mem.phases.items()],
+        f"  peak                 {_g(mem.total)}  of {_g(hw.usable_bytes)} usable: "
         f"{'fits' if c.fits else 'DOES NOT FIT'}",
         f"  KV cache (decode, batch {t.batch_size}, seq {t.seq_len}, bf16): "
         f"{_g(acc.kv_cache_bytes(m, t.batch_size, t.seq_len) / mesh.devices)} per device",
@@ -96,7 +101,7 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         lines.append("  none (one device)")
     lines += [
         "",
-        "roofline per step",
+        "roofline per step (the book's bound: datasheet peaks, perfect overlap)",
         f"  compute {_t(roof.compute_seconds)} | memory {_t(roof.memory_seconds)} | comms {_t(roof.comm_seconds)}",
         f"  step: {_t(roof.step_seconds)} overlapped ({roof.bound}-bound), {_t(roof.step_seconds_no_overlap)} "
         f"without overlap",
@@ -104,6 +109,18 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         f"  tokens/device/micro-batch {tokens_dev:,.0f}; compute-bound above: "
         + ", ".join(f"{k} {v:,.0f}" for k, v in crit.items()),
         f"  predicted MFU ceiling {roof.mfu:.1%}; {roof.tokens_per_second:,.0f} tokens/s",
+        "",
+        "calibrated step time (achievable rates; kernels on one stream add up)",
+        f"  rates: matmul {st.rates.matmul / 1e12:,.0f} TFLOP/s (f32 {(st.rates.f32_matmul or st.rates.matmul) / 1e12:,.0f}), "
+        f"attention {st.rates.attention / 1e12:,.0f} TFLOP/s, HBM {st.rates.hbm / 1e12:.2f} TB/s ({st.rates.source})",
+        f"  matmuls {_t(st.matmul_seconds)} + attention {_t(st.attention_seconds)} + memory-bound "
+        f"{_t(st.memory_seconds)} = {_t(st.compute_seconds)}"
+        + (f" (incl. tensor-parallel all-reduces {_t(st.serial_comm_seconds)})" if st.serial_comm_seconds else "")
+        + (f"; FSDP/DP comms {_t(st.comm_seconds)} overlapped" if st.comm_seconds else "")
+        + (f"; host offload {_t(st.host_seconds)} overlapped" if st.host_seconds else ""),
+        *[f"    {k:44s} {v / 1e9:8.2f} GB  {_t(v / st.rates.hbm):>10s}" for k, v in st.traffic.items() if v],
+        f"  step: {_t(st.seconds)}; predicted MFU {roof.model_flops / (hw.bf16_flops * st.seconds):.1%}; "
+        f"{roof.tokens_per_step / st.seconds:,.0f} tokens/s",
     ]
     return "\n".join(lines)
 
@@ -135,19 +152,20 @@ def search(cfg: Config, hw: Hardware, devices: int, top: int = 10) -> list[Candi
             out.append(c)
             if c.fits:
                 break  # more accumulation only slows a candidate that already fits
-    fitting = sorted((c for c in out if c.fits), key=lambda c: (-c.roofline.tokens_per_second, c.roofline.step_seconds_no_overlap))
+    fitting = sorted((c for c in out if c.fits), key=lambda c: (c.time.seconds, c.roofline.step_seconds))
     return fitting[:top]
 
 
 def search_table(cands: list[Candidate]) -> str:
-    head = "| data | fsdp | tensor | remat | grad_accum | memory/device | step | bound | tokens/s | MFU |"
-    rows = [head, "|" + "---|" * 10]
+    head = ("| data | fsdp | tensor | remat | grad_accum | memory/device | step (calibrated) | tokens/s | MFU | "
+            "roofline step | bound |")
+    rows = [head, "|" + "---|" * 11]
     for c in cands:
-        r = c.roofline
+        r, st = c.roofline, c.time
         rows.append(
             f"| {c.mesh.data} | {c.mesh.fsdp} | {c.mesh.tensor} | {c.policy.value} | {c.grad_accum} | "
-            f"{c.memory.total / GiB:,.1f} GiB | {_t(r.step_seconds)} | {r.bound} | {r.tokens_per_second:,.0f} | "
-            f"{r.mfu:.1%} |"
+            f"{c.memory.total / GiB:,.1f} GiB | {_t(st.seconds)} | {r.tokens_per_step / st.seconds:,.0f} | "
+            f"{r.model_flops / (r.peak_flops * st.seconds):.1%} | {_t(r.step_seconds)} | {r.bound} |"
         )
     return "\n".join(rows)
 
@@ -181,6 +199,6 @@ def main(argv: list[str]) -> int:
     if args.search:
         cands = search(cfg, hw, devices, args.top)
         print()
-        print(f"search over {devices} devices (top {len(cands)} that fit, by predicted tokens/s, ties by the no-overlap step time):")
+        print(f"search over {devices} devices (top {len(cands)} that fit, by the calibrated step time; the roofline beside it):")
         print(search_table(cands) if cands else "nothing fits; lower train.batch_size or add devices")
     return 0

@@ -3,6 +3,7 @@
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,18 +11,19 @@ from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.pri
 
 from scaling import accounting as acc
 from scaling import remat
-from scaling.config import ModelConfig, RematConfig, RematPolicyName as R
+from scaling.config import ModelConfig, RematConfig, RematPolicyName as R, load_config
 from scaling.model import build_model
-from scaling.train import cross_entropy
+from scaling.train import abstract_state, cross_entropy, make_setup, make_train_step
 
 # Distinct sizes so every residual is identifiable: B=2 T=32 D=64 N=4 K=2 H=16 F=160 V=128.
 B, T = 2, 32
 NAMES = ("mlp_gate", "mlp_up", "attention_out")
+POLICIES = [(R.none, ()), (R.full, ()), (R.dots, ()), (R.selective, ()), (R.names, NAMES), (R.offload, NAMES)]
 
 
-def small(layers=2, dtype="float32"):
-    return ModelConfig(vocab_size=128, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
-                       mlp_dim=160, max_seq_len=64, compute_dtype=dtype)
+def small(layers=2, dtype="float32", vocab=128, mlp=160):
+    return ModelConfig(vocab_size=vocab, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
+                       mlp_dim=mlp, max_seq_len=64, compute_dtype=dtype)
 
 
 def loss_and_params(m, policy, names=()):
@@ -34,8 +36,8 @@ def loss_and_params(m, policy, names=()):
     return loss, params
 
 
-def tokens():
-    return jax.random.randint(jax.random.key(1), (B, T + 1), 0, 128)
+def tokens(b=B, t=T, vocab=128):
+    return jax.random.randint(jax.random.key(1), (b, t + 1), 0, vocab)
 
 
 def stacked_residual_bytes(m, policy, names=()):
@@ -62,11 +64,10 @@ def test_saved_residuals_match_the_accounting_table(dtype, c):
 
 @pytest.fixture(scope="module")
 def compiled():
-    """One compile per policy (f32, the CPU compute dtype): memory analysis and gradients."""
+    """One f32 compile per policy: the gradients of every policy against `none`."""
     m = small(2)
     out = {}
-    for policy, names in [(R.none, ()), (R.full, ()), (R.dots, ()), (R.selective, ()), (R.names, NAMES),
-                          (R.offload, NAMES)]:
+    for policy, names in POLICIES:
         loss, params = loss_and_params(m, policy, names)
         c = jax.jit(jax.value_and_grad(loss)).lower(params, tokens()).compile()
         out[policy] = (names, c, c(params, tokens()))
@@ -82,16 +83,102 @@ def test_gradients_identical_across_policies(compiled):
                      grads, ref_grads)
 
 
-@pytest.mark.parametrize("policy", [R.none, R.full, R.dots, R.selective, R.names])
-def test_predicted_memory_within_10_percent_of_xla(compiled, policy):
-    m, out = compiled
-    names, c, _ = out[policy]
+# ------------------------------------------------------------------ peak memory vs XLA
+#
+# bf16 compute, the GPU's compute dtype (docs/accounting.md gives the CPU's f32 numbers).
+# Two configs whose peaks sit in different phases of the backward pass:
+#   layers: V=128, one layer's working set (complete residual set + SwiGLU gradients) is the
+#           largest transient: the peak is in the layer backward;
+#   logits: V=2048 with B·T=256, the f32 logits and their gradient (4 MiB) are larger than a
+#           layer's working set (~1.6 MiB): the peak is in the loss/head phase.
+# Summing both transients (the model this replaced) over-predicts the second by ~20%, so the
+# test fails on that regression (test_transients_are_a_max_not_a_sum).
+MEMORY_CONFIGS = {
+    "layers": (small(2, "bfloat16"), B, T, "layer backward"),
+    "logits": (small(2, "bfloat16", vocab=2048, mlp=256), 4, 64, "loss and output head"),
+}
+
+
+def _xla_bytes(c) -> int:
     ma = c.memory_analysis()
-    xla = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+    return ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+
+
+def grad_memory(m, b, t, policy, names) -> acc.MemoryBytes:
+    """The accounting's phases for value_and_grad (no optimizer), as XLA:CPU schedules it:
+    gradient buffers allocated eagerly, offloaded residuals in the same RAM."""
+    act = acc.activation_bytes(m, t, b, policy, names, c=2, p=4)
+    # On the CPU, pinned_host is the device's own RAM: XLA counts offloaded residuals with it.
+    act = acc.ActivationBytes(act.per_layer, act.layers + act.host, act.head, act.working_layer)
     params = acc.param_count(m) * 4
-    act = acc.activation_bytes(m, T, B, policy, names, c=4, p=4)
-    predicted = params + params + act.total  # args: params (+ tokens); outputs: grads (+ loss)
-    assert abs(predicted - xla) / xla < 0.10, (policy, predicted, xla)
+    return acc.MemoryBytes(params, params, 0.0, act, eager_grads=True)
+
+
+@pytest.fixture(scope="module")
+def memory_compiled():
+    out = {}
+    for key, (m, b, t, _) in MEMORY_CONFIGS.items():
+        for policy, names in POLICIES:
+            loss, params = loss_and_params(m, policy, names)
+            c = jax.jit(jax.value_and_grad(loss)).lower(params, tokens(b, t, m.vocab_size)).compile()
+            out[key, policy] = _xla_bytes(c)
+    return out
+
+
+@pytest.mark.parametrize("policy,names", POLICIES, ids=[p.value for p, _ in POLICIES])
+@pytest.mark.parametrize("key", list(MEMORY_CONFIGS))
+def test_predicted_memory_within_10_percent_of_xla(memory_compiled, key, policy, names):
+    m, b, t, phase = MEMORY_CONFIGS[key]
+    xla = memory_compiled[key, policy]
+    mem = grad_memory(m, b, t, policy, names)
+    assert mem.peak_phase == phase, (key, policy, mem.phases)
+    assert abs(mem.total - xla) / xla < 0.10, (key, policy, mem.total, xla)
+
+
+def test_transients_are_a_max_not_a_sum(memory_compiled):
+    """The head phase's logits and a layer's working set are never live together: adding
+    both (as if they were) misses XLA's peak by more than the 10% the test allows."""
+    m, b, t, _ = MEMORY_CONFIGS["logits"]
+    for policy, names in [(R.full, ()), (R.dots, ())]:
+        mem = grad_memory(m, b, t, policy, names)
+        summed = mem.total + min(mem.activations.head, mem.activations.working_layer)
+        xla = memory_compiled["logits", policy]
+        assert (summed - xla) / xla > 0.15, (policy, summed, xla)
+
+
+def test_chunked_loss_memory_within_10_percent_of_xla():
+    """train.loss_chunk: the head phase runs in the forward (a custom VJP forms the head's
+    gradients chunk by chunk) with one chunk's logits and an f32 dW, before any gradient."""
+    from scaling.train import model_loss
+
+    m, b, t, chunk = small(2, "bfloat16", vocab=8192, mlp=256), 4, 64, 16
+    model = build_model(m, remat_cfg=RematConfig(policy=R.full))
+    gd, params = nnx.split(model)
+    c = jax.jit(jax.value_and_grad(lambda p, tok: model_loss(nnx.merge(gd, p), tok, chunk)))
+    xla = _xla_bytes(c.lower(params, tokens(b, t, m.vocab_size)).compile())
+    act = acc.activation_bytes(m, t, b, R.full, c=2, p=4, loss_chunk=chunk)
+    params_bytes = acc.param_count(m) * 4
+    mem = acc.MemoryBytes(params_bytes, params_bytes, 0.0, act, eager_grads=True, loss_in_forward=True)
+    assert mem.peak_phase == "loss and output head"
+    assert abs(mem.total - xla) / xla < 0.10, (mem.phases, xla)
+    # Without the chunks, the same model's head phase holds two f32 [B, T, V] buffers.
+    assert acc.activation_bytes(m, t, b, R.full, c=2, p=4).head > 2 * act.head
+
+
+@pytest.mark.parametrize("policy", [R.dots, R.full])
+def test_train_step_memory_within_10_percent_of_xla(policy):
+    """The real donated train step (params + AdamW moments in, updated out, f32 grads
+    inside): the state bookkeeping on top of the activation phases."""
+    cfg = load_config("configs/models/tiny.yaml", [
+        "--model.vocab_size=128", "--model.hidden_size=64", "--model.num_layers=2", "--model.num_heads=4",
+        "--model.num_kv_heads=2", "--model.mlp_dim=160", "--model.compute_dtype=bfloat16", f"--train.batch_size={B}",
+        f"--train.seq_len={T}", f"--remat.policy={policy.value}", "--data.source=synthetic",
+    ])
+    setup = make_setup(cfg, devices=jax.devices()[:1])
+    batch = jax.ShapeDtypeStruct((B, T + 1), jnp.int32, sharding=setup.batch_sharding)
+    xla = _xla_bytes(make_train_step(setup).lower(abstract_state(setup), batch).compile())
+    mem = acc.training_memory(cfg, acc.MeshShape(), accelerator=False)
+    assert abs(mem.total - xla) / xla < 0.10, (policy, mem.phases, xla)
 
 
 def test_offload_on_cpu_runs_and_is_accounted_on_the_host(compiled):
