@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,10 @@ def chunked_cross_entropy(x_btd: jax.Array, w: jax.Array, targets_bt: jax.Array,
     under the mean) and rounds once. No logits are stored or recomputed, and all three head matmuls run in the
     compute dtype (the one-pass path multiplies its f32 d logits by the head in f32). The loss
     is the one-pass computation in another order (equal to f32 rounding). w is [D, V] ("dv")
-    or [V, D] ("vd", tied embeddings). With the batch sharded over several devices, each
-    chunk's dW partial sum is reduced inside the loop: fine on one device, measure before
-    using it on many.
+    or [V, D] ("vd", tied embeddings). With the batch sharded over several devices, XLA
+    all-reduces each chunk's dW inside the loop (the whole [D, V] f32 gradient, T / chunk
+    times a step; seen in the compiled HLO): fine on one device, and make_setup warns on a
+    batch-sharded mesh.
     """
     return _chunked_nll_sum(x_btd, w, targets_bt, chunk, layout) / targets_bt.size
 
@@ -174,6 +176,19 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         "nonfinite": {"count": replicated, "first_step": replicated, "kind": replicated},
     }
     batch_spec = logical_to_spec((A.BATCH, None), rules.activations, mesh)
+    batch_axes = batch_spec[0] if batch_spec else None
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
+    if cfg.train.loss_chunk and batch_shards > 1:
+        # Seen in the compiled HLO (fsdp=8, simulated devices): XLA all-reduces the whole
+        # [D, V] head gradient once per chunk, T / loss_chunk times a step instead of once.
+        warnings.warn(
+            f"train.loss_chunk={cfg.train.loss_chunk} with the batch split over {batch_shards} devices: the head "
+            f"gradient is all-reduced once per chunk ({cfg.train.seq_len // cfg.train.loss_chunk} x per step); "
+            "measured faster only on one device (docs/benchmarks.md). Use train.loss_chunk=0 unless you have "
+            "measured it on this mesh.",
+            stacklevel=2,
+        )
     return Setup(cfg, mesh, graphdef, names, abstract_params, tx, state_shardings, NamedSharding(mesh, batch_spec))
 
 

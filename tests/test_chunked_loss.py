@@ -104,3 +104,20 @@ def test_tied_embeddings_gradients(devices):
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_multi_device_chunking_warns(devices):
+    """On a batch-sharded mesh the chunk loop all-reduces the head gradient per chunk (in the
+    compiled HLO); the setup says so instead of silently paying for it."""
+    import warnings
+
+    def setup_warnings(fsdp, chunk):
+        cfg = load_config("configs/models/tiny.yaml", ["--train.seq_len=32", "--train.batch_size=8",
+                                                       f"--train.loss_chunk={chunk}", f"--mesh.fsdp={fsdp}"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make_setup(cfg, devices=devices[:fsdp])
+        return [str(w.message) for w in caught if "loss_chunk" in str(w.message)]
+
+    assert any("all-reduced once per chunk" in m for m in setup_warnings(8, 8))
+    assert setup_warnings(1, 8) == [] and setup_warnings(8, 0) == []
