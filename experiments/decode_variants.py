@@ -19,13 +19,11 @@ total time, the idle time between kernels, and the top kernels by time.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,39 +88,28 @@ def profile(dec, cfg, args, log_dir: Path) -> dict:
     traces = sorted(log_dir.rglob("perfetto_trace.json.gz"))
     if not traces:
         return {"error": f"no perfetto trace under {log_dir}"}
-    return summarise(traces[-1], steps=dec.chunk + 1)
+    try:
+        return summarise(traces[-1], steps=dec.chunk)
+    except ValueError as e:  # e.g. the module was not found under that name
+        return {"error": str(e)[:300]}
 
 
 def summarise(path: Path, steps: int, top: int = 25) -> dict:
-    """GPU kernel events of a perfetto trace: per-step count, busy time, gaps, top kernels."""
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pid_names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu_pids = {p for p, n in pid_names.items() if "GPU" in n or "gpu" in n}
-    kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur", 0) > 0]
-    # Keep the stream with the most events (the compute stream), not memcpy/host rows.
-    by_tid = defaultdict(list)
-    for e in kern:
-        by_tid[(e["pid"], e["tid"])].append(e)
-    if not by_tid:
-        return {"error": "no GPU events", "processes": sorted(set(pid_names.values()))}
-    main = max(by_tid.values(), key=len)
-    main.sort(key=lambda e: e["ts"])
-    busy = sum(e["dur"] for e in main)
-    span = main[-1]["ts"] + main[-1]["dur"] - main[0]["ts"]
-    per_name = defaultdict(lambda: [0, 0.0])
-    for e in main:
-        per_name[e["name"]][0] += 1
-        per_name[e["name"]][1] += e["dur"]
-    rows = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+    """Per decode step, from scaling.profile_summary over the decode chunk's module (`steps`
+    steps; the prefill is another module): kernel count, busy/idle time, top kernels."""
+    from scaling.profile_summary import summarize_path
+
+    s, _ = summarize_path(path, steps=steps, module="jit__decode_chunk", top=top)
+    n_kernels = sum(c["count"] for c in s["categories"].values())
     return {
-        "kernels_per_step": len(main) / steps,
-        "busy_us_per_step": busy / steps,
-        "span_us_per_step": span / steps,
-        "idle_us_per_step": (span - busy) / steps,
-        "mean_kernel_us": busy / len(main),
-        "top": [{"name": n[:90], "count_per_step": c / steps, "us_per_step": d / steps} for n, (c, d) in rows],
+        "module": s["module"],
+        "kernels_per_step": n_kernels / steps,
+        "busy_us_per_step": s["busy_us"] / steps,
+        "span_us_per_step": s["window_us"] / steps,
+        "idle_us_per_step": s["idle_us"] / steps,
+        "mean_kernel_us": s["kernel_us"] / max(n_kernels, 1),
+        "top": [{"name": r["name"][:90], "count_per_step": r["count"] / steps, "us_per_step": r["us"] / steps}
+                for r in s["top_kernels"]],
     }
 
 
