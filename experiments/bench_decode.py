@@ -196,14 +196,60 @@ def check_on_gpu() -> list[str]:
                       init_std=0.1, compute_dtype=DType.float32)
     model = build_model(cfg)
     prompts = [list(range(1, 40)), list(range(7, 300)), [5]]
-    outs = {impl: decode.Decoder(model, attention=impl, chunk=8).generate(prompts, 20) for impl in ("xla", "pallas")}
-    same = outs["xla"].tokens == outs["pallas"].tokens
-    lp = max(abs(a - b) for ra, rb in zip(outs["xla"].logprobs, outs["pallas"].logprobs) for a, b in zip(ra, rb))
-    msg = f"decode f32 pallas vs xla: tokens equal {same}, max |dlogprob| {lp:.2e}"
-    print(msg, flush=True)
-    if not same or lp > 1e-2:
-        fails.append(msg)
+    outs = {impl: decode.Decoder(model, attention=impl, chunk=8, layers="xla").generate(prompts, 20)
+            for impl in ("xla", "pallas")}
+    fails += _compare("decode f32 attention pallas vs xla", outs["pallas"], outs["xla"])
+    fails += check_layers_on_gpu(prompts)
     return fails
+
+
+def _compare(what, out, ref, tol=1e-2) -> list[str]:
+    same = out.tokens == ref.tokens
+    lp = max(abs(a - b) for ra, rb in zip(out.logprobs, ref.logprobs) for a, b in zip(ra, rb))
+    msg = f"{what}: tokens equal {same}, max |dlogprob| {lp:.2e}"
+    print(msg, flush=True)
+    return [] if same and lp <= tol else [msg]
+
+
+def check_layers_on_gpu(prompts) -> list[str]:
+    """The Pallas layer kernels against their f32 references at the 1b shapes (bf16), and a
+    small f32 model decoded on them against the XLA layers."""
+    from scaling import layers
+    from scaling.kernels import decode_gemv as g
+
+    fails = []
+    cfg = preset("1b")
+    b, d, n, kv, h, f, s = 16, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim, 384
+    ks = iter(jax.random.split(jax.random.key(7), 16))
+
+    def rnd(shape, scale=1.0):
+        return (jax.random.normal(next(ks), shape, jnp.float32) * scale).astype(jnp.bfloat16)
+
+    def rel(a, r):
+        a, r = jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32)
+        return float(jnp.linalg.norm(a - r) / jnp.linalg.norm(r))
+
+    x, pos = rnd((b, d), 3.0), jnp.arange(b, dtype=jnp.int32) * 20
+    w = rnd(((n + 2 * kv) * h, d), d ** -0.5)
+    kc, vc = rnd((b, s, kv, h)), rnd((b, s, kv, h))
+    inv = layers.rope_frequencies(cfg)
+    ref = g.qkv_rope_reference(x, w, inv, pos, kc, vc, num_heads=n, eps=cfg.norm_eps)
+    out = g.qkv_rope(x, w, inv, pos, kc.copy(), vc.copy(), num_heads=n, eps=cfg.norm_eps)
+    errs = {"qkv_rope q": rel(out[0], ref[0]), "qkv_rope k": rel(out[1], ref[1]), "qkv_rope v": rel(out[2], ref[2])}
+    a, wo = rnd((b, n * h)), rnd((d, n * h), (n * h) ** -0.5)
+    errs["matmul_residual"] = rel(g.matmul_residual(a, wo, x), g.matmul_residual_reference(a, wo, x))
+    wgu = rnd((2 * f, d), d ** -0.5)
+    errs["gate_up_swiglu"] = rel(g.gate_up_swiglu(x, wgu, eps=cfg.norm_eps), g.gate_up_swiglu_reference(x, wgu, eps=cfg.norm_eps))
+    for k, e in errs.items():
+        msg = f"{k} bf16 1b shapes: rel err {e:.2e}"
+        print(msg, flush=True)
+        if not e < 1e-2:
+            fails.append(msg)
+    small = ModelConfig(vocab_size=512, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
+                        mlp_dim=512, init_std=0.1, compute_dtype=DType.float32)
+    model = build_model(small)
+    outs = {li: decode.Decoder(model, attention="pallas", chunk=8, layers=li).generate(prompts, 20) for li in ("xla", "pallas")}
+    return fails + _compare("decode f32 layers pallas vs xla", outs["pallas"], outs["xla"])
 
 
 # ----------------------------------------------------------------------------- main
@@ -216,7 +262,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompts", default="128,2048")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--attention", default="pallas", help="decode attention impls, comma-separated (pallas, xla)")
+    ap.add_argument("--attention", default="pallas",
+                    help="decode variants, comma-separated: ATTN or ATTN:LAYERS, ATTN in pallas/xla/fused, "
+                         "LAYERS in auto/xla/pallas (default auto: the Pallas layer kernels on GPU)")
+    ap.add_argument("--gemv-blocks-dir", default=None,
+                    help="directory with best_<model>.txt (experiments/tune_decode_gemv.py) for the Pallas layers")
     ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
     ap.add_argument("--hf-models", default="1b,llama2_7b", help="models to run transformers on")
     ap.add_argument("--hf", default="1", help="batches to run transformers at (prompt 128 only), comma-separated; '' for none")
@@ -274,7 +324,15 @@ def main(argv=None) -> int:
                 hf_res["eager"] = bench_hf(d, cfg, cases, args.new_tokens, rng, False, args.hf_eager_new)
                 hf_res["static"] = bench_hf(d, cfg, cases, args.new_tokens, rng, True, args.hf_eager_new)
         for impl in impls:
-            dec = decode.Decoder(model, attention=impl, chunk=args.chunk)
+            attn, _, layer_impl = impl.partition(":")
+            blocks = None
+            spec_file = Path(args.gemv_blocks_dir or ".", f"best_{name}.txt")
+            if args.gemv_blocks_dir and spec_file.exists():
+                from scaling.kernels.decode_gemv import LayerBlocks
+
+                blocks = LayerBlocks.parse(spec_file.read_text().strip())
+                print(f"{name}: Pallas layer tiles {spec_file.read_text().strip()}", flush=True)
+            dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl or "auto", gemv_blocks=blocks)
             wbytes = decode.weight_bytes_per_step(dec.weights)
             for prompt in prompts:
                 for batch in batches:

@@ -9,7 +9,7 @@ with experiments/bench_decode.py's measurement (same roofline: weights + filled 
 over the copy bandwidth measured in the parent). A variant is a name, a set of XLA flags,
 the decoder's `min_batch` (rows padded up to it, so M = 1 matmuls take the M >= 8 path) and
 its decode attention (pallas: the flash-decoding kernel; fused: the kernel with RoPE and the
-cache write folded in).
+cache write folded in) and its layers (xla, or pallas: scaling.kernels.decode_gemv).
 
 `--profile` traces one decode call of the first variant op by op (profiling turns command
 buffers off unless XLA is told otherwise) and prints the GPU kernels of one step: count,
@@ -31,21 +31,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CMDBUF_LOOPS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 CONCURRENT = "--xla_gpu_graph_enable_concurrent_region=true"
 VARIANTS = {
-    # name: (XLA flags, min_batch, decode attention)
-    "default": ("", None, "auto"),
-    "batch1_pallas": ("", 1, "pallas"),
-    "min_batch8": ("", 8, "pallas"),
-    "fused_b8": ("", 8, "fused"),
-    "fused_b8_concurrent": (CONCURRENT, 8, "fused"),
-    "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 1, "pallas"),
-    "cmdbuf_loops": (CMDBUF_LOOPS, 1, "pallas"),
-    "cmdbuf_loops_min1": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 1, "pallas"),
-    "cmdbuf_loops_b8": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 8, "pallas"),
-    "concurrent_b8": (CONCURRENT, 8, "pallas"),
+    # name: (XLA flags, min_batch, decode attention, decode layers)
+    "default": ("", None, "auto", "auto"),
+    "batch1_pallas": ("", 1, "pallas", "xla"),
+    "min_batch8": ("", 8, "pallas", "xla"),
+    "fused_b8": ("", 8, "fused", "xla"),
+    "fused_b8_concurrent": (CONCURRENT, 8, "fused", "xla"),
+    "no_cmdbuf": ("--xla_gpu_enable_command_buffer=", 1, "pallas", "xla"),
+    "cmdbuf_loops": (CMDBUF_LOOPS, 1, "pallas", "xla"),
+    "cmdbuf_loops_min1": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 1, "pallas", "xla"),
+    "cmdbuf_loops_b8": (CMDBUF_LOOPS + " --xla_gpu_graph_min_graph_size=1", 8, "pallas", "xla"),
+    "concurrent_b8": (CONCURRENT, 8, "pallas", "xla"),
     # Autotuning every tiling: did not finish compiling within 200 s on an H200.
-    "exhaustive_b8": ("--xla_gpu_exhaustive_tiling_search=true", 8, "pallas"),
-    "no_triton_gemm": ("--xla_gpu_enable_triton_gemm=false", 1, "pallas"),
-    "no_triton_gemm_b8": ("--xla_gpu_enable_triton_gemm=false", 8, "pallas"),
+    "exhaustive_b8": ("--xla_gpu_exhaustive_tiling_search=true", 8, "pallas", "xla"),
+    "no_triton_gemm": ("--xla_gpu_enable_triton_gemm=false", 1, "pallas", "xla"),
+    "no_triton_gemm_b8": ("--xla_gpu_enable_triton_gemm=false", 8, "pallas", "xla"),
+    "min_batch16": ("", 16, "pallas", "xla"),
+    # scaling.kernels.decode_gemv: norm/RoPE/cache write/SwiGLU/residuals folded into 4 kernels
+    "pallas_layers": ("", None, "pallas", "pallas"),
+    "pallas_layers_concurrent": (CONCURRENT, None, "pallas", "pallas"),
 }
 
 
@@ -62,7 +66,11 @@ def run_one(args) -> dict:
     for name in args.models.split(","):
         cfg = bench_decode.preset(name)
         model = build_model(cfg)
-        dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention)
+        from scaling.kernels.decode_gemv import LayerBlocks
+
+        blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
+        dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
+                             layers=args.layers, gemv_blocks=blocks)
         del model
         t = time.perf_counter()
         r = bench_decode.bench_ours(dec, cfg, args.batch, args.prompt, args.new_tokens, np.random.default_rng(0))
@@ -129,6 +137,9 @@ def main() -> int:
     ap.add_argument("--min-batch", type=lambda v: None if v == "None" else int(v), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--attention", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--layers", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--gemv-blocks", default="", help="Pallas layer tiles, a decode_gemv.LayerBlocks.parse spec "
+                    "(tune_decode_gemv.py writes one per model)")
     args = ap.parse_args()
 
     if args.one:
@@ -149,14 +160,16 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for i, name in enumerate(args.variants.split(",")):
-        flags, min_batch, attention = VARIANTS[name]
+        flags, min_batch, attention, layer_impl = VARIANTS[name]
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
         cmd = [sys.executable, __file__, "--one", name, "--models", args.models, "--batch", str(args.batch),
                "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
-               "--min-batch", str(min_batch), "--attention", attention]
+               "--min-batch", str(min_batch), "--attention", attention, "--layers", layer_impl,
+               "--gemv-blocks", args.gemv_blocks]
         if args.profile and i == 0:
             cmd += ["--profile-dir", str(out_dir / f"trace_{args.tag}")]
-        print(f"[{name}] XLA_FLAGS={env['XLA_FLAGS']!r} min_batch={min_batch} attention={attention}", flush=True)
+        print(f"[{name}] XLA_FLAGS={env['XLA_FLAGS']!r} min_batch={min_batch} attention={attention} layers={layer_impl}",
+              flush=True)
         t = time.perf_counter()
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

@@ -47,6 +47,7 @@ from flax import nnx
 from scaling import layers
 from scaling.attention import attention_core, resolve_impl
 from scaling.config import AttentionImpl, ModelConfig
+from scaling.kernels import decode_gemv
 from scaling.kernels.decode_attention import (
     decode_attention,
     decode_attention_fused,
@@ -65,6 +66,11 @@ DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
 # 1b decode step from 1.29 to 0.90 ms on an H200 (experiments/decode_variants.py,
 # docs/decoding.md). The cost: 8x the KV cache of a batch-1 call.
 GPU_MIN_BATCH = 8
+# The Pallas layer kernels (scaling.kernels.decode_gemv) dot on the tensor cores with the batch
+# as M, whose smallest Triton tile is 16 rows; above PALLAS_MAX_BATCH rows a step is a real
+# gemm and XLA's are the better kernels.
+PALLAS_MIN_BATCH = decode_gemv.MIN_ROWS
+PALLAS_MAX_BATCH = 64
 
 
 class DecodeAttentionImpl(str, enum.Enum):
@@ -74,6 +80,31 @@ class DecodeAttentionImpl(str, enum.Enum):
     # dot products make the kernel itself 2x slower; no faster on an H200 (docs/decoding.md).
     fused = "fused"
     auto = "auto"  # pallas on GPU, xla elsewhere
+
+
+class DecodeLayerImpl(str, enum.Enum):
+    xla = "xla"  # XLA's gemms and fusions (~15 kernels per layer)
+    # scaling.kernels.decode_gemv: RMSNorm, RoPE, the cache write, SwiGLU and the residual adds
+    # folded into the four weight reads (4 kernels + attention per layer); batches <= 64
+    pallas = "pallas"
+    auto = "auto"  # pallas on GPU where the shapes tile, xla elsewhere
+
+
+def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: DecodeAttentionImpl) -> DecodeLayerImpl:
+    impl = DecodeLayerImpl(impl)
+    ok = decode_gemv.supported(cfg.hidden_size, cfg.mlp_dim, cfg.num_heads, cfg.resolved_head_dim)
+    if impl == DecodeLayerImpl.pallas:
+        if not ok:
+            raise ValueError(f"layers='pallas' needs head_dim / 4 a power of two >= 16 and hidden, mlp_dim, "
+                             f"num_heads * head_dim multiples of 16 (head_dim {cfg.resolved_head_dim}, hidden "
+                             f"{cfg.hidden_size}, mlp_dim {cfg.mlp_dim}); use 'xla'")
+        if attn == DecodeAttentionImpl.fused:
+            raise ValueError("layers='pallas' writes the cache itself; combine it with attention 'pallas' or 'xla', not 'fused'")
+        return impl
+    if impl == DecodeLayerImpl.auto:
+        gpu = jax.default_backend() == "gpu"
+        return DecodeLayerImpl.pallas if gpu and ok and attn != DecodeAttentionImpl.fused else DecodeLayerImpl.xla
+    return impl
 
 
 def _xla_decode(q_bnh, k_bskh, v_bskh, lengths_b):
@@ -104,8 +135,13 @@ def resolve_decode_impl(impl: DecodeAttentionImpl | str, cfg: ModelConfig) -> De
 # ------------------------------------------------------------------------------ weights
 
 
-def prepare_weights(model: Transformer, dtype) -> dict:
-    """The decode layout of `model`'s parameters, in `dtype`, one buffer per layer."""
+def prepare_weights(model: Transformer, dtype, *, rows: bool = False) -> dict:
+    """The decode layout of `model`'s parameters, in `dtype`, one buffer per layer.
+
+    rows=False: [in, out] matrices (XLA's layout). rows=True: the Pallas layer kernels'
+    output-major [out, in] matrices, each RMSNorm's scale folded into the matrix after it
+    (decode_gemv.fold_norm), so the norms keep no scale of their own.
+    """
     cfg = model.cfg
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
@@ -119,13 +155,24 @@ def prepare_weights(model: Transformer, dtype) -> dict:
             wqkv = jnp.concatenate(
                 [a["q_dnh"][i].reshape(d, n * h), a["k_dkh"][i].reshape(d, k * h), a["v_dkh"][i].reshape(d, k * h)], axis=1
             )
+            wgu = jnp.concatenate([m["gate_df"][i], m["up_df"][i]], axis=1)
+            if rows:
+                per_layer.append(
+                    {
+                        "wqkv_xd": decode_gemv.fold_norm(wqkv, blocks["attn_norm"]["scale"][i]).astype(dtype),
+                        "wo_dx": a["o_nhd"][i].reshape(n * h, d).T.astype(dtype),
+                        "wgu_xd": decode_gemv.fold_norm(wgu, blocks["mlp_norm"]["scale"][i]).astype(dtype),
+                        "wdown_df": m["down_fd"][i].T.astype(dtype),
+                    }
+                )
+                continue
             per_layer.append(
                 {
                     "attn_norm": blocks["attn_norm"]["scale"][i],
                     "wqkv_dx": wqkv.astype(dtype),  # x = (N + 2K) H
                     "wo_xd": a["o_nhd"][i].reshape(n * h, d).astype(dtype),
                     "mlp_norm": blocks["mlp_norm"]["scale"][i],
-                    "wgu_dx": jnp.concatenate([m["gate_df"][i], m["up_df"][i]], axis=1).astype(dtype),  # x = 2F
+                    "wgu_dx": wgu.astype(dtype),  # x = 2F
                     "wdown_fd": m["down_fd"][i].astype(dtype),
                 }
             )
@@ -154,10 +201,17 @@ def weight_bytes_per_step(weights: dict) -> int:
 
 
 def _rms_norm(x, scale, eps):
-    """layers.RMSNorm's math on a bare scale vector: f32 statistics, result in x's dtype."""
+    """layers.RMSNorm's math on a bare scale vector: f32 statistics, result in x's dtype.
+    scale None: the scale is folded into the next matrix (prepare_weights(rows=True))."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def _rows(w) -> bool:
+    return "wqkv_xd" in w
 
 
 def _split_qkv(qkv_btx, cfg: ModelConfig):
@@ -169,11 +223,28 @@ def _split_qkv(qkv_btx, cfg: ModelConfig):
     return q, kk, v
 
 
+def _qkv(w, x_btd, cfg: ModelConfig):
+    if _rows(w):
+        return jnp.einsum("btd,xd->btx", _rms_norm(x_btd, None, cfg.norm_eps), w["wqkv_xd"])
+    return jnp.einsum("btd,dx->btx", _rms_norm(x_btd, w["attn_norm"], cfg.norm_eps), w["wqkv_dx"])
+
+
+def _out_proj(w, attn_btx, x_btd):
+    if _rows(w):
+        return x_btd + jnp.einsum("btx,dx->btd", attn_btx, w["wo_dx"])
+    return x_btd + jnp.einsum("btx,xd->btd", attn_btx, w["wo_xd"])
+
+
 def _mlp(w, x_btd, cfg: ModelConfig):
-    h = _rms_norm(x_btd, w["mlp_norm"], cfg.norm_eps)
-    gu = jnp.einsum("btd,dx->btx", h, w["wgu_dx"])
+    if _rows(w):
+        gu = jnp.einsum("btd,xd->btx", _rms_norm(x_btd, None, cfg.norm_eps), w["wgu_xd"])
+    else:
+        gu = jnp.einsum("btd,dx->btx", _rms_norm(x_btd, w["mlp_norm"], cfg.norm_eps), w["wgu_dx"])
     gate, up = gu[..., : cfg.mlp_dim], gu[..., cfg.mlp_dim :]
-    return x_btd + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["wdown_fd"])
+    act = jax.nn.silu(gate) * up
+    if _rows(w):
+        return x_btd + jnp.einsum("btf,df->btd", act, w["wdown_df"])
+    return x_btd + jnp.einsum("btf,fd->btd", act, w["wdown_fd"])
 
 
 def _head(weights, x_bd, cfg: ModelConfig):
@@ -191,13 +262,12 @@ def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, 
     x = jnp.take(weights["embed_vd"], tokens_bt, axis=0)  # [B, T, D]
     ks, vs = [], []
     for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
-        h = _rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        q, k, v = _split_qkv(jnp.einsum("btd,dx->btx", h, w["wqkv_dx"]), cfg)
+        q, k, v = _split_qkv(_qkv(w, x, cfg), cfg)
         q = layers.apply_rope(q, positions_bt, inv_freq)
         k = layers.apply_rope(k, positions_bt, inv_freq)
         # Causal attention within the prompt: a real token never sees the padding after it.
         attn = core(q, k, v, causal=True, segment_ids=None)
-        x = x + jnp.einsum("btx,xd->btd", attn.reshape(b, t, -1), w["wo_xd"])
+        x = _out_proj(w, attn.reshape(b, t, -1), x)
         x = _mlp(w, x, cfg)
         ks.append(jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
         vs.append(jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
@@ -205,7 +275,8 @@ def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, 
     return _head(weights, x_last, cfg), {"k": tuple(ks), "v": tuple(vs)}
 
 
-def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl):
+def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl,
+                  layer_impl: DecodeLayerImpl = DecodeLayerImpl.xla, blocks: decode_gemv.LayerBlocks | None = None):
     """One token per row at position pos[b] -> logits [B, V]; its K/V written in place."""
     b = tokens_b.shape[0]
     s = cache["k"][0].shape[1]
@@ -214,6 +285,9 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     # Finished rows may sit at the end; never write past it. (Their outputs are discarded.)
     write_b = jnp.minimum(pos_b, s - 1)
     lengths_b = write_b + 1
+    if layer_impl == DecodeLayerImpl.pallas:
+        return _pallas_step(weights, cache, tokens_b, write_b, cfg=cfg, attn_impl=attn_impl, inv_freq=inv_freq,
+                            blocks=blocks or decode_gemv.LayerBlocks())
     fused = attn_impl == DecodeAttentionImpl.fused
     if fused:  # RoPE at each row's position, once per step for every layer
         angles_bf = write_b[:, None].astype(jnp.float32) * inv_freq
@@ -221,8 +295,7 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)[:, None, :]  # [B, 1, D]
     ks, vs = [], []
     for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
-        h = _rms_norm(x, w["attn_norm"], cfg.norm_eps)
-        qkv = jnp.einsum("btd,dx->btx", h, w["wqkv_dx"])
+        qkv = _qkv(w, x, cfg)
         if fused:
             heads = cfg.num_heads + 2 * cfg.num_kv_heads
             attn, ck, cv = decode_attention_fused(qkv.reshape(b, heads, -1).astype(ck.dtype), write_b, cos_bf, sin_bf,
@@ -234,11 +307,31 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
             ck = ck.at[rows, write_b].set(k[:, 0].astype(ck.dtype))  # [B, S, K, H], in place
             cv = cv.at[rows, write_b].set(v[:, 0].astype(cv.dtype))
             attn = DECODE_ATTENTION[attn_impl](q[:, 0], ck, cv, lengths_b)  # [B, N, H]
-        x = x + jnp.einsum("btx,xd->btd", attn.reshape(b, 1, -1), w["wo_xd"])
+        x = _out_proj(w, attn.reshape(b, 1, -1), x)
         x = _mlp(w, x, cfg)
         ks.append(ck)
         vs.append(cv)
     return _head(weights, x[:, 0], cfg), {"k": tuple(ks), "v": tuple(vs)}
+
+
+def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl, inv_freq,
+                 blocks: decode_gemv.LayerBlocks):
+    """_step_forward with the Pallas layer kernels: per layer qkv_rope (norm, projection, RoPE,
+    cache write), attention, out projection + residual, norm + gate/up + SwiGLU, down + residual."""
+    b = tokens_b.shape[0]
+    eps = cfg.norm_eps
+    x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
+    ks, vs = [], []
+    for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
+        q, ck, cv = decode_gemv.qkv_rope(x, w["wqkv_xd"], inv_freq, write_b, ck, cv, num_heads=cfg.num_heads, eps=eps,
+                                         blocks=blocks.qkv)
+        attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
+        x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out)
+        h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
+        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down)
+        ks.append(ck)
+        vs.append(cv)
+    return _head(weights, x, cfg), {"k": tuple(ks), "v": tuple(vs)}
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -312,13 +405,15 @@ def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "attn_impl", "sampling", "n_steps"), donate_argnames=("state",)
+    jax.jit, static_argnames=("cfg", "attn_impl", "layer_impl", "blocks", "sampling", "n_steps"), donate_argnames=("state",)
 )
-def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps):
+def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, layer_impl=DecodeLayerImpl.xla,
+                  blocks=None):
     seed_key = jax.random.wrap_key_data(params["key"])
 
     def step(state, _):
-        logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg, attn_impl=attn_impl)
+        logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg, attn_impl=attn_impl,
+                                      layer_impl=layer_impl, blocks=blocks)
         tok, lp = sample(logits, _row_keys(seed_key, state["count"]), params["temperature"], params["top_p"], sampling)
         state, tok, lp = _advance(dict(state, cache=cache), tok, lp, params)
         return state, (tok, lp)
@@ -354,7 +449,10 @@ class Decoder:
     max_len: cache length (prompt + new tokens); None sizes it per call.
     min_batch: rows are padded up to at least this many (padding rows start finished and
         attend to one position), so small batches take the matmul path of larger ones.
-        None: GPU_MIN_BATCH on GPU, 1 elsewhere.
+        None: PALLAS_MIN_BATCH with the Pallas layers, else GPU_MIN_BATCH on GPU, 1 elsewhere.
+    layers: the decode step's layer implementation (DecodeLayerImpl); batch buckets outside
+        [PALLAS_MIN_BATCH, PALLAS_MAX_BATCH] run the XLA path on the same weights.
+    gemv_blocks: the Pallas layer kernels' tiles (decode_gemv.LayerBlocks; None: defaults).
     """
 
     def __init__(
@@ -367,6 +465,8 @@ class Decoder:
         attention: DecodeAttentionImpl | str = DecodeAttentionImpl.auto,
         chunk: int = DEFAULT_CHUNK,
         min_batch: int | None = None,
+        layers: DecodeLayerImpl | str = DecodeLayerImpl.auto,
+        gemv_blocks: decode_gemv.LayerBlocks | None = None,
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -382,14 +482,25 @@ class Decoder:
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")
         self.chunk = chunk
+        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl)
+        self.gemv_blocks = gemv_blocks
         if min_batch is None:
-            min_batch = GPU_MIN_BATCH if jax.default_backend() == "gpu" else 1
+            if self.layer_impl == DecodeLayerImpl.pallas:
+                min_batch = PALLAS_MIN_BATCH
+            else:
+                min_batch = GPU_MIN_BATCH if jax.default_backend() == "gpu" else 1
         if min_batch < 1 or min_batch & (min_batch - 1):
             raise ValueError(f"{min_batch=} must be a power of two >= 1")
         self.min_batch = min_batch
         if max_len is not None and max_len < 1:
             raise ValueError(f"{max_len=} must be >= 1")
-        self.weights = prepare_weights(model, self.dtype)
+        self.weights = prepare_weights(model, self.dtype, rows=self.layer_impl == DecodeLayerImpl.pallas)
+
+    def _step_layers(self, batch: int) -> DecodeLayerImpl:
+        """The layer implementation a decode step of `batch` rows runs."""
+        if self.layer_impl == DecodeLayerImpl.pallas and PALLAS_MIN_BATCH <= batch <= PALLAS_MAX_BATCH:
+            return DecodeLayerImpl.pallas
+        return DecodeLayerImpl.xla
 
     # ---------------------------------------------------------------- validation
 
@@ -493,6 +604,7 @@ class Decoder:
             launched = None
             if not finished and steps_left > 0:
                 state, toks, lps = _decode_chunk(self.weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
+                                                 layer_impl=self._step_layers(b), blocks=self.gemv_blocks,
                                                  sampling=sampling, n_steps=self.chunk)
                 steps_left -= self.chunk
                 launched = (toks, lps, jnp.all(state["done"]))

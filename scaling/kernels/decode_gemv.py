@@ -1,0 +1,355 @@
+"""The decode step's projections as Pallas kernels with their neighbours fused in.
+
+A decode step at small batch is memory-bound: each weight byte is read once per step and
+used for B multiply-adds. XLA runs a Llama layer's step as ~15 kernels (docs/decoding.md:
+two RMSNorms, four gemms, RoPE, residual adds, SwiGLU, ...), nine of which move almost no
+bytes but cost 1.3-2.5 us of launch and ramp each. These kernels fold that work into the
+four weight reads:
+
+    qkv_rope        RMSNorm -> x Wqkv -> RoPE on q and k; k, v written into the cache at
+                    each row's position (in place); q returned
+    matmul_residual a W + r  (output projection and down projection with their residual add)
+    gate_up_swiglu  RMSNorm -> silu(x Wg) * (x Wu)
+
+RMSNorm without a pass of its own: the norm's scale is folded into the weight rows once
+(`fold_norm`), and the row statistic rsqrt(mean(x^2) + eps) is accumulated from the same
+x tiles the matmul loads and applied to the f32 accumulator at the end:
+    (x * r * s) W = r * (x (diag(s) W)).
+
+Layout: weights are stored output-major, W^T [X, D] (each output feature's weights
+contiguous, as torch's nn.Linear and gpt-fast's int8 GEMV keep them). A program owns a
+block of output features, loops over D in tiles [BN, BK] (software-pipelined by Triton),
+and dots them with the x tile [B, BK] on the tensor cores (B >= 16 rows: the smallest M of
+a Triton dot; the decoder pads the batch to 16).
+
+Each kernel has a pure-jnp reference below (`*_reference`), the tests' oracle; on a CPU
+backend the kernels run in Pallas interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+MIN_ROWS = 16  # smallest M of a Triton tensor-core dot
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvBlocks:
+    """Tiles and launch parameters (tuned on an H200 by experiments/decode_variants.py).
+
+    block_k: the reduction tile (columns of W^T per load).
+    block_n: output features per program for matmul_residual / gate_up_swiglu (gate and up
+        each); qkv_rope's is the RoPE half-width per program (head_dim / 2 / rope_parts).
+    rope_parts: programs per head in qkv_rope (each owns matching slices of both halves).
+    """
+
+    block_k: int = 256
+    block_n: int = 16
+    rope_parts: int = 2
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBlocks:
+    """GemvBlocks per kernel of a decoder layer (each weight shape tunes on its own)."""
+
+    qkv: GemvBlocks = GemvBlocks()
+    out: GemvBlocks = GemvBlocks()
+    gate_up: GemvBlocks = GemvBlocks()
+    down: GemvBlocks = GemvBlocks()
+
+    @classmethod
+    def parse(cls, spec: str) -> "LayerBlocks":
+        """'qkv=256/16/2/4/4,down=512/32/1/4/3' (block_k/block_n/rope_parts/num_warps/num_stages);
+        kernels not named keep the defaults."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {}
+        for item in filter(None, spec.split(",")):
+            name, _, val = item.partition("=")
+            if name not in fields:
+                raise ValueError(f"gemv blocks: unknown kernel {name!r}; allowed: {sorted(fields)}")
+            nums = [int(v) for v in val.split("/")]
+            if len(nums) != 5:
+                raise ValueError(f"gemv blocks {item!r}: want block_k/block_n/rope_parts/num_warps/num_stages")
+            kw[name] = GemvBlocks(*nums)
+        return cls(**kw)
+
+
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+def _dot_t(a, b):
+    """a [M, K] . b [N, K]^T -> [M, N] f32 (f32 inputs at full precision, not TF32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _block_k(k: int, want: int) -> int:
+    """The largest power of two <= want dividing k (the loop has no masked tail)."""
+    bk = want
+    while bk >= MIN_ROWS and k % bk:
+        bk //= 2
+    if bk < MIN_ROWS:
+        raise ValueError(f"reduction dim {k} has no power-of-two tile >= {MIN_ROWS} dividing it")
+    return bk
+
+
+def _params(blocks: GemvBlocks, interpret: bool):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def _interpret(interpret: bool) -> bool:
+    return bool(interpret) or jax.default_backend() == "cpu"
+
+
+def _check_rows(b: int) -> None:
+    if b < MIN_ROWS or b & (b - 1):
+        raise ValueError(f"batch {b} must be a power of two >= {MIN_ROWS} (Triton dot tiles); pad the rows")
+
+
+def fold_norm(w_dx, scale_d):
+    """diag(scale) W, transposed to the kernels' output-major layout: [X, D], in f32."""
+    return (_f32(w_dx) * _f32(scale_d)[:, None]).T
+
+
+def _rsqrt_mean(ss, d: int, eps: float):
+    return lax.rsqrt(ss / d + eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# qkv_rope
+
+
+def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
+                n: int, kv: int, h: int, cols: int, bk: int, d: int, eps: float):
+    """Program (head, part): output columns [part*cols, +cols) and [h/2 + part*cols, +cols) of
+    one head (the RoPE pairs), for every row. Heads [0, n) are q, [n, n+kv) k, then v."""
+    head, part = pl.program_id(0), pl.program_id(1)
+    half = h // 2
+    lo = head * h + part * cols
+    b = x_ref.shape[0]
+
+    def body(i, carry):
+        acc_lo, acc_hi, ss = carry
+        ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        x = x_ref[:, ks]
+        acc_lo += _dot_t(x, w_ref[pl.ds(lo, cols), ks])
+        acc_hi += _dot_t(x, w_ref[pl.ds(lo + half, cols), ks])
+        return acc_lo, acc_hi, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
+
+    zeros = jnp.zeros((b, cols), jnp.float32)
+    acc_lo, acc_hi, ss = lax.fori_loop(0, d // bk, body, (zeros, zeros, jnp.zeros((b,), jnp.float32)))
+    r = _rsqrt_mean(ss, d, eps)[:, None]
+    a_lo, a_hi = acc_lo * r, acc_hi * r
+
+    pos = pos_ref[...]  # [B]: where each row's new token goes
+    angles = _f32(pos)[:, None] * inv_ref[pl.ds(part * cols, cols)][None, :]
+    # v heads pass through: cos -> 1, sin -> 0 (arithmetic: Triton lowers no where on a scalar i1).
+    rot = 1.0 - jnp.minimum(jnp.maximum(head - (n + kv) + 1, 0), 1).astype(jnp.float32)
+    cos = jnp.cos(angles) * rot + (1.0 - rot)
+    sin = jnp.sin(angles) * rot
+    out_lo = a_lo * cos - a_hi * sin  # layers.apply_rope's half-split pairs (i, i + h/2)
+    out_hi = a_hi * cos + a_lo * sin
+    c_lo, c_hi = pl.ds(part * cols, cols), pl.ds(half + part * cols, cols)
+
+    @pl.when(head < n)
+    def _q():
+        q_ref[:, head, c_lo] = out_lo.astype(q_ref.dtype)
+        q_ref[:, head, c_hi] = out_hi.astype(q_ref.dtype)
+
+    rows = lax.broadcasted_iota(jnp.int32, (b,), 0)
+
+    @pl.when((head >= n) & (head < n + kv))
+    def _k():
+        k_ref[rows, pos, head - n, c_lo] = out_lo.astype(k_ref.dtype)
+        k_ref[rows, pos, head - n, c_hi] = out_hi.astype(k_ref.dtype)
+
+    @pl.when(head >= n + kv)
+    def _v():
+        v_ref[rows, pos, head - n - kv, c_lo] = out_lo.astype(v_ref.dtype)
+        v_ref[rows, pos, head - n - kv, c_hi] = out_hi.astype(v_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "blocks", "interpret"),
+                   donate_argnames=("k_bskh", "v_bskh"))
+def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, eps: float,
+             blocks: GemvBlocks = GemvBlocks(), interpret: bool = False):
+    """RMSNorm(x) Wqkv, RoPE at pos on q and k, k/v written into the caches at pos.
+
+    x [B, D]; wqkv [(N + 2K) H, D] = fold_norm(Wqkv, norm scale) in the compute dtype;
+    inv_freq [H/2] f32 (layers.rope_frequencies); pos [B] int32 (< S); caches [B, S, K, H]
+    (donated, updated in place). Returns (q [B, N, H], k cache, v cache).
+    """
+    b, d = x_bd.shape
+    _, s, kv, h = k_bskh.shape
+    n = num_heads
+    if wqkv_xd.shape != ((n + 2 * kv) * h, d):
+        raise ValueError(f"wqkv {wqkv_xd.shape} must be [(N + 2K) H, D] = {((n + 2 * kv) * h, d)}")
+    if k_bskh.shape[0] != b or v_bskh.shape != k_bskh.shape:
+        raise ValueError(f"caches {k_bskh.shape}, {v_bskh.shape} must be [B={b}, S, K, H] alike")
+    _check_rows(b)
+    parts = blocks.rope_parts
+    cols = h // 2 // parts
+    if h % (2 * parts) or cols < MIN_ROWS or cols & (cols - 1):
+        raise ValueError(f"head_dim {h} / 2 / rope_parts {parts} = {cols} must be a power of two >= {MIN_ROWS}")
+    bk = _block_k(d, blocks.block_k)
+    interpret = _interpret(interpret)
+    kernel = functools.partial(_qkv_kernel, n=n, kv=kv, h=h, cols=cols, bk=bk, d=d, eps=eps)
+    q, k_out, v_out = pl.pallas_call(
+        kernel,
+        grid=(n + 2 * kv, parts),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, h), x_bd.dtype),
+            jax.ShapeDtypeStruct(k_bskh.shape, k_bskh.dtype),
+            jax.ShapeDtypeStruct(v_bskh.shape, v_bskh.dtype),
+        ],
+        input_output_aliases={4: 1, 5: 2},
+        compiler_params=_params(blocks, interpret),
+        interpret=interpret,
+        name="decode_qkv_rope",
+    )(pos_b.astype(jnp.int32), inv_freq.astype(jnp.float32), x_bd, wqkv_xd, k_bskh, v_bskh)
+    return q, k_out, v_out
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul_residual
+
+
+def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int):
+    rows = pl.ds(pl.program_id(0) * bn, bn)
+
+    def body(i, acc):
+        ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        return acc + _dot_t(a_ref[:, ks], w_ref[rows, ks])
+
+    acc = lax.fori_loop(0, k // bk, body, jnp.zeros((a_ref.shape[0], bn), jnp.float32))
+    o_ref[:, rows] = (_f32(r_ref[:, rows]) + acc).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), interpret: bool = False):
+    """r + a W: a [B, K]; w [D, K] (W^T, output-major); r [B, D]. Returns [B, D] in r's dtype."""
+    b, k = a_bk.shape
+    d = w_dk.shape[0]
+    if w_dk.shape != (d, k) or r_bd.shape != (b, d):
+        raise ValueError(f"shapes disagree: a {a_bk.shape}, w {w_dk.shape} (want [D, {k}]), r {r_bd.shape}")
+    _check_rows(b)
+    bn = blocks.block_n
+    if d % bn:
+        raise ValueError(f"output dim {d} must be a multiple of block_n={bn}")
+    bk = _block_k(k, blocks.block_k)
+    interpret = _interpret(interpret)
+    return pl.pallas_call(
+        functools.partial(_residual_kernel, bn=bn, bk=bk, k=k),
+        grid=(d // bn,),
+        out_shape=jax.ShapeDtypeStruct((b, d), r_bd.dtype),
+        compiler_params=_params(blocks, interpret),
+        interpret=interpret,
+        name="decode_matmul_residual",
+    )(a_bk.astype(w_dk.dtype), w_dk, r_bd)
+
+
+# ----------------------------------------------------------------------------------------------
+# gate_up_swiglu
+
+
+def _swiglu_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, f: int, eps: float):
+    j = pl.program_id(0)
+    gate_rows, up_rows = pl.ds(j * bn, bn), pl.ds(f + j * bn, bn)
+    b = x_ref.shape[0]
+
+    def body(i, carry):
+        acc_g, acc_u, ss = carry
+        ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        x = x_ref[:, ks]
+        acc_g += _dot_t(x, w_ref[gate_rows, ks])
+        acc_u += _dot_t(x, w_ref[up_rows, ks])
+        return acc_g, acc_u, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
+
+    zeros = jnp.zeros((b, bn), jnp.float32)
+    acc_g, acc_u, ss = lax.fori_loop(0, d // bk, body, (zeros, zeros, jnp.zeros((b,), jnp.float32)))
+    r = _rsqrt_mean(ss, d, eps)[:, None]
+    g, u = acc_g * r, acc_u * r
+    o_ref[:, gate_rows] = (g * jax.nn.sigmoid(g) * u).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
+def gate_up_swiglu(x_bd, wgu_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(), interpret: bool = False):
+    """silu(n(x) Wg) * (n(x) Wu) with n the RMSNorm: x [B, D]; wgu [2F, D] = fold_norm([Wg | Wu],
+    norm scale) (gate rows first). Returns [B, F] in x's dtype."""
+    b, d = x_bd.shape
+    two_f = wgu_xd.shape[0]
+    if wgu_xd.shape != (two_f, d) or two_f % 2:
+        raise ValueError(f"wgu {wgu_xd.shape} must be [2F, D={d}]")
+    f = two_f // 2
+    _check_rows(b)
+    bn = blocks.block_n
+    if f % bn:
+        raise ValueError(f"mlp dim {f} must be a multiple of block_n={bn}")
+    bk = _block_k(d, blocks.block_k)
+    interpret = _interpret(interpret)
+    return pl.pallas_call(
+        functools.partial(_swiglu_kernel, bn=bn, bk=bk, d=d, f=f, eps=eps),
+        grid=(f // bn,),
+        out_shape=jax.ShapeDtypeStruct((b, f), x_bd.dtype),
+        compiler_params=_params(blocks, interpret),
+        interpret=interpret,
+        name="decode_gate_up_swiglu",
+    )(x_bd, wgu_xd)
+
+
+# ----------------------------------------------------------------------------------------------
+# References (pure jnp, f32 math): the tests' oracle.
+
+
+def _norm_ref(x_bd, eps):
+    x = _f32(x_bd)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def qkv_rope_reference(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, eps: float):
+    b = x_bd.shape[0]
+    kv, h = k_bskh.shape[2], k_bskh.shape[3]
+    y = jnp.dot(_norm_ref(x_bd, eps), _f32(wqkv_xd).T, precision=lax.Precision.HIGHEST)
+    y = y.reshape(b, num_heads + 2 * kv, h)
+    angles = _f32(pos_b)[:, None, None] * inv_freq[None, None, :]
+    y1, y2 = y[..., : h // 2], y[..., h // 2 :]
+    c, s = jnp.cos(angles), jnp.sin(angles)
+    roped = jnp.concatenate([y1 * c - y2 * s, y2 * c + y1 * s], axis=-1)
+    q, k = roped[:, :num_heads], roped[:, num_heads : num_heads + kv]
+    v = y[:, num_heads + kv :]
+    rows = jnp.arange(b)
+    k_bskh = k_bskh.at[rows, pos_b].set(k.astype(k_bskh.dtype))
+    v_bskh = v_bskh.at[rows, pos_b].set(v.astype(v_bskh.dtype))
+    return q.astype(x_bd.dtype), k_bskh, v_bskh
+
+
+def matmul_residual_reference(a_bk, w_dk, r_bd):
+    return (_f32(r_bd) + jnp.dot(_f32(a_bk), _f32(w_dk).T, precision=lax.Precision.HIGHEST)).astype(r_bd.dtype)
+
+
+def gate_up_swiglu_reference(x_bd, wgu_xd, *, eps: float):
+    f = wgu_xd.shape[0] // 2
+    y = jnp.dot(_norm_ref(x_bd, eps), _f32(wgu_xd).T, precision=lax.Precision.HIGHEST)
+    return (jax.nn.silu(y[:, :f]) * y[:, f:]).astype(x_bd.dtype)
+
+
+def supported(hidden: int, mlp_dim: int, num_heads: int, head_dim: int, blocks: GemvBlocks = GemvBlocks()) -> bool:
+    """Whether a model's shapes tile: head_dim / 2 / rope_parts a power of two >= 16, and the
+    output dims multiples of block_n, every reduction dim a multiple of 16."""
+    cols = head_dim // 2 // blocks.rope_parts
+    dims_ok = all(x % MIN_ROWS == 0 for x in (hidden, mlp_dim, num_heads * head_dim))
+    return (head_dim % (2 * blocks.rope_parts) == 0 and cols >= MIN_ROWS and cols & (cols - 1) == 0 and dims_ok
+            and hidden % blocks.block_n == 0 and mlp_dim % blocks.block_n == 0)

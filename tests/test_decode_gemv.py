@@ -1,0 +1,118 @@
+"""The Pallas decode-layer kernels (scaling.kernels.decode_gemv) against their pure-jnp f32
+references, in Pallas interpret mode, and the decoder built on them against the XLA path.
+
+Fresh random shapes and inputs each run: the batch rows, positions and weights are drawn
+from an unseeded generator (the seed is printed on failure through the test id's `rng`)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scaling import decode, layers
+from scaling.config import DType, ModelConfig
+from scaling.kernels import decode_gemv as g
+from scaling.model import build_model
+
+SEED = int(np.random.SeedSequence().entropy % 2**31)
+# f32 inputs: the kernels and the references differ only in summation order.
+# bf16 inputs: the kernels keep f32 accumulators where the reference rounds nothing; the
+# outputs are rounded to bf16 once (relative 2^-8).
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture
+def rng(request):
+    seed = SEED + abs(hash(request.node.name)) % 1000
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n,kv,h,parts", [(4, 2, 64, 2), (2, 2, 32, 1), (8, 1, 64, 1)])
+def test_qkv_rope_matches_reference(rng, dtype, n, kv, h, parts):
+    b, d, s = 16, int(rng.choice([64, 128, 192])), int(rng.choice([8, 24]))
+    x = jnp.asarray(rng.normal(size=(b, d)) * 3, dtype)
+    w = jnp.asarray(rng.normal(size=((n + 2 * kv) * h, d)) / np.sqrt(d), dtype)
+    cfg = ModelConfig(vocab_size=8, hidden_size=n * h, num_layers=1, num_heads=n, num_kv_heads=kv,
+                      rope_theta=float(rng.choice([1e4, 5e5])))
+    inv_freq = layers.rope_frequencies(cfg)
+    pos = jnp.asarray(rng.integers(0, s, size=b), jnp.int32)
+    kc = jnp.asarray(rng.normal(size=(b, s, kv, h)), dtype)
+    vc = jnp.asarray(rng.normal(size=(b, s, kv, h)), dtype)
+    ref_q, ref_k, ref_v = g.qkv_rope_reference(x, w, inv_freq, pos, kc, vc, num_heads=n, eps=1e-5)
+    blocks = g.GemvBlocks(block_k=64, rope_parts=parts)
+    q, k_out, v_out = g.qkv_rope(x, w, inv_freq, pos, kc.copy(), vc.copy(), num_heads=n, eps=1e-5, blocks=blocks)
+    tol = TOL[dtype]
+    assert q.shape == (b, n, h) and q.dtype == x.dtype
+    assert rel(q, ref_q) < tol
+    assert rel(k_out, ref_k) < tol and rel(v_out, ref_v) < tol
+    # Everything but the written slots is untouched, bit for bit.
+    untouched = np.ones((b, s), bool)
+    untouched[np.arange(b), np.asarray(pos)] = False
+    np.testing.assert_array_equal(np.asarray(k_out, np.float32)[untouched], np.asarray(kc, np.float32)[untouched])
+    np.testing.assert_array_equal(np.asarray(v_out, np.float32)[untouched], np.asarray(vc, np.float32)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_residual_and_swiglu_match_reference(rng, dtype):
+    b = int(rng.choice([16, 32]))
+    d, k = int(rng.choice([32, 96])), int(rng.choice([48, 256, 176]))
+    a = jnp.asarray(rng.normal(size=(b, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(d, k)) / np.sqrt(k), dtype)
+    r = jnp.asarray(rng.normal(size=(b, d)), dtype)
+    blocks = g.GemvBlocks(block_k=int(rng.choice([32, 64])), block_n=16)
+    assert rel(g.matmul_residual(a, w, r, blocks=blocks), g.matmul_residual_reference(a, w, r)) < TOL[dtype]
+    f = int(rng.choice([32, 80]))
+    x = jnp.asarray(rng.normal(size=(b, d)) * 2, dtype)
+    wgu = jnp.asarray(rng.normal(size=(2 * f, d)) / np.sqrt(d), dtype)
+    out = g.gate_up_swiglu(x, wgu, eps=1e-6, blocks=blocks)
+    assert out.shape == (b, f)
+    assert rel(out, g.gate_up_swiglu_reference(x, wgu, eps=1e-6)) < TOL[dtype]
+
+
+def test_fold_norm_is_rmsnorm_then_matmul(rng):
+    """(x * r * s) W = r * (x diag(s) W): the folded layout gives the model's RMSNorm."""
+    d, x_dim = 64, 48
+    x = jnp.asarray(rng.normal(size=(16, d)), jnp.float32)
+    scale = jnp.asarray(rng.normal(size=(d,)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d, x_dim)), jnp.float32)
+    x32 = np.asarray(x, np.float64)
+    want = (x32 / np.sqrt((x32 ** 2).mean(-1, keepdims=True) + 1e-5) * np.asarray(scale)) @ np.asarray(w)
+    got = g.matmul_residual_reference(g._norm_ref(x, 1e-5), g.fold_norm(w, scale), jnp.zeros((16, x_dim)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_errors_name_the_shape():
+    x = jnp.zeros((8, 64), jnp.float32)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        g.gate_up_swiglu(x, jnp.zeros((64, 64)), eps=1e-5)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        g.matmul_residual(jnp.zeros((16, 64)), jnp.zeros((40, 64)), jnp.zeros((16, 40)))
+    with pytest.raises(ValueError, match="rope_parts"):
+        g.qkv_rope(jnp.zeros((16, 64)), jnp.zeros((6 * 16, 64)), jnp.zeros((8,)), jnp.zeros((16,), jnp.int32),
+                   jnp.zeros((16, 8, 2, 16)), jnp.zeros((16, 8, 2, 16)), num_heads=2, eps=1e-5)
+
+
+def test_decoder_with_pallas_layers_equals_xla():
+    """The whole decode loop on the Pallas layers (f32, interpret mode): same tokens and
+    log-probs as the XLA layers, ragged prompts, GQA 2, head_dim 64."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                      mlp_dim=96, init_std=0.3, compute_dtype=DType.float32)
+    model = build_model(cfg, seed=3)
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]
+    ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="xla").generate(prompts, 6)
+    dec = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas")
+    assert dec.min_batch == decode.PALLAS_MIN_BATCH
+    out = dec.generate(prompts, 6)
+    assert out.tokens == ref.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="layers='pallas'"):
+        decode.Decoder(build_model(dataclasses.replace(cfg, head_dim=16, hidden_size=64)), layers="pallas")
