@@ -48,7 +48,7 @@ def test_qkv_rope_matches_reference(rng, dtype, n, kv, h, parts):
     kc = jnp.asarray(rng.normal(size=(b, s, kv, h)), dtype)
     vc = jnp.asarray(rng.normal(size=(b, s, kv, h)), dtype)
     ref_q, ref_k, ref_v = g.qkv_rope_reference(x, w, inv_freq, pos, kc, vc, num_heads=n, eps=1e-5)
-    blocks = g.GemvBlocks(block_k=64, rope_parts=parts)
+    blocks = g.GemvBlocks(block_k=64, rope_parts=parts, prefetch=int(parts == 1))
     q, k_out, v_out = g.qkv_rope(x, w, inv_freq, pos, kc.copy(), vc.copy(), num_heads=n, eps=1e-5, blocks=blocks)
     tol = TOL[dtype]
     assert q.shape == (b, n, h) and q.dtype == x.dtype
@@ -68,7 +68,7 @@ def test_matmul_residual_and_swiglu_match_reference(rng, dtype):
     a = jnp.asarray(rng.normal(size=(b, k)), dtype)
     w = jnp.asarray(rng.normal(size=(d, k)) / np.sqrt(k), dtype)
     r = jnp.asarray(rng.normal(size=(b, d)), dtype)
-    blocks = g.GemvBlocks(block_k=int(rng.choice([32, 64])), block_n=16)
+    blocks = g.GemvBlocks(block_k=int(rng.choice([32, 64])), block_n=16, prefetch=int(rng.integers(0, 2)))
     assert rel(g.matmul_residual(a, w, r, blocks=blocks), g.matmul_residual_reference(a, w, r)) < TOL[dtype]
     f = int(rng.choice([32, 80]))
     x = jnp.asarray(rng.normal(size=(b, d)) * 2, dtype)

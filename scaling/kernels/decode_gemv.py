@@ -47,6 +47,8 @@ class GemvBlocks:
     block_n: output features per program for matmul_residual / gate_up_swiglu (gate and up
         each); qkv_rope's is the RoPE half-width per program (head_dim / 2 / rope_parts).
     rope_parts: programs per head in qkv_rope (each owns matching slices of both halves).
+    prefetch: 1 = load the next W tile into registers before the current tile's dot (a
+        software pipeline in the loop carry, on top of Triton's num_stages).
     """
 
     block_k: int = 256
@@ -54,6 +56,7 @@ class GemvBlocks:
     rope_parts: int = 2
     num_warps: int = 4
     num_stages: int = 4
+    prefetch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +70,8 @@ class LayerBlocks:
 
     @classmethod
     def parse(cls, spec: str) -> "LayerBlocks":
-        """'qkv=256/16/2/4/4,down=512/32/1/4/3' (block_k/block_n/rope_parts/num_warps/num_stages);
-        kernels not named keep the defaults."""
+        """'qkv=256/16/2/4/4,down=512/32/1/4/3/1' (block_k/block_n/rope_parts/num_warps/num_stages
+        [/prefetch]); kernels not named keep the defaults."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {}
         for item in filter(None, spec.split(",")):
@@ -76,8 +79,8 @@ class LayerBlocks:
             if name not in fields:
                 raise ValueError(f"gemv blocks: unknown kernel {name!r}; allowed: {sorted(fields)}")
             nums = [int(v) for v in val.split("/")]
-            if len(nums) != 5:
-                raise ValueError(f"gemv blocks {item!r}: want block_k/block_n/rope_parts/num_warps/num_stages")
+            if len(nums) not in (5, 6):
+                raise ValueError(f"gemv blocks {item!r}: want block_k/block_n/rope_parts/num_warps/num_stages[/prefetch]")
             kw[name] = GemvBlocks(*nums)
         return cls(**kw)
 
@@ -124,6 +127,20 @@ def fold_norm(w_dx, scale_d):
     return (_f32(w_dx) * _f32(scale_d)[:, None]).T
 
 
+def _k_loop(n: int, load, step, init, prefetch: int):
+    """carry = step(i, load(i), carry) for i < n. prefetch: tile i + 1 is loaded before tile i's
+    step runs (its registers are the loop carry), so its latency hides behind the dot."""
+    if not prefetch:
+        return lax.fori_loop(0, n, lambda i, c: step(i, load(i), c), init)
+
+    def body(i, c):
+        tiles, carry = c
+        nxt = load(jnp.minimum(i + 1, n - 1))  # the last iteration re-loads its own tile
+        return nxt, step(i, tiles, carry)
+
+    return lax.fori_loop(0, n, body, (load(0), init))[1]
+
+
 def _rsqrt_mean(ss, d: int, eps: float):
     return lax.rsqrt(ss / d + eps)
 
@@ -133,7 +150,7 @@ def _rsqrt_mean(ss, d: int, eps: float):
 
 
 def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
-                n: int, kv: int, h: int, cols: int, bk: int, d: int, eps: float):
+                n: int, kv: int, h: int, cols: int, bk: int, d: int, eps: float, prefetch: int):
     """Program (head, part): output columns [part*cols, +cols) and [h/2 + part*cols, +cols) of
     one head (the RoPE pairs), for every row. Heads [0, n) are q, [n, n+kv) k, then v."""
     head, part = pl.program_id(0), pl.program_id(1)
@@ -141,16 +158,19 @@ def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_re
     lo = head * h + part * cols
     b = x_ref.shape[0]
 
-    def body(i, carry):
-        acc_lo, acc_hi, ss = carry
+    def load(i):
         ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
-        x = x_ref[:, ks]
-        acc_lo += _dot_t(x, w_ref[pl.ds(lo, cols), ks])
-        acc_hi += _dot_t(x, w_ref[pl.ds(lo + half, cols), ks])
+        return w_ref[pl.ds(lo, cols), ks], w_ref[pl.ds(lo + half, cols), ks]
+
+    def step(i, tiles, carry):
+        acc_lo, acc_hi, ss = carry
+        x = x_ref[:, pl.ds(pl.multiple_of(i * bk, bk), bk)]
+        acc_lo += _dot_t(x, tiles[0])
+        acc_hi += _dot_t(x, tiles[1])
         return acc_lo, acc_hi, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
 
     zeros = jnp.zeros((b, cols), jnp.float32)
-    acc_lo, acc_hi, ss = lax.fori_loop(0, d // bk, body, (zeros, zeros, jnp.zeros((b,), jnp.float32)))
+    acc_lo, acc_hi, ss = _k_loop(d // bk, load, step, (zeros, zeros, jnp.zeros((b,), jnp.float32)), prefetch)
     r = _rsqrt_mean(ss, d, eps)[:, None]
     a_lo, a_hi = acc_lo * r, acc_hi * r
 
@@ -206,7 +226,7 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
         raise ValueError(f"head_dim {h} / 2 / rope_parts {parts} = {cols} must be a power of two >= {MIN_ROWS}")
     bk = _block_k(d, blocks.block_k)
     interpret = _interpret(interpret)
-    kernel = functools.partial(_qkv_kernel, n=n, kv=kv, h=h, cols=cols, bk=bk, d=d, eps=eps)
+    kernel = functools.partial(_qkv_kernel, n=n, kv=kv, h=h, cols=cols, bk=bk, d=d, eps=eps, prefetch=blocks.prefetch)
     q, k_out, v_out = pl.pallas_call(
         kernel,
         grid=(n + 2 * kv, parts),
@@ -227,14 +247,16 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
 # matmul_residual
 
 
-def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int):
+def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, prefetch: int):
     rows = pl.ds(pl.program_id(0) * bn, bn)
 
-    def body(i, acc):
-        ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
-        return acc + _dot_t(a_ref[:, ks], w_ref[rows, ks])
+    def load(i):
+        return w_ref[rows, pl.ds(pl.multiple_of(i * bk, bk), bk)]
 
-    acc = lax.fori_loop(0, k // bk, body, jnp.zeros((a_ref.shape[0], bn), jnp.float32))
+    def step(i, w, acc):
+        return acc + _dot_t(a_ref[:, pl.ds(pl.multiple_of(i * bk, bk), bk)], w)
+
+    acc = _k_loop(k // bk, load, step, jnp.zeros((a_ref.shape[0], bn), jnp.float32), prefetch)
     o_ref[:, rows] = (_f32(r_ref[:, rows]) + acc).astype(o_ref.dtype)
 
 
@@ -252,7 +274,7 @@ def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), inte
     bk = _block_k(k, blocks.block_k)
     interpret = _interpret(interpret)
     return pl.pallas_call(
-        functools.partial(_residual_kernel, bn=bn, bk=bk, k=k),
+        functools.partial(_residual_kernel, bn=bn, bk=bk, k=k, prefetch=blocks.prefetch),
         grid=(d // bn,),
         out_shape=jax.ShapeDtypeStruct((b, d), r_bd.dtype),
         compiler_params=_params(blocks, interpret),
@@ -265,21 +287,24 @@ def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), inte
 # gate_up_swiglu
 
 
-def _swiglu_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, f: int, eps: float):
+def _swiglu_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, f: int, eps: float, prefetch: int):
     j = pl.program_id(0)
     gate_rows, up_rows = pl.ds(j * bn, bn), pl.ds(f + j * bn, bn)
     b = x_ref.shape[0]
 
-    def body(i, carry):
-        acc_g, acc_u, ss = carry
+    def load(i):
         ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
-        x = x_ref[:, ks]
-        acc_g += _dot_t(x, w_ref[gate_rows, ks])
-        acc_u += _dot_t(x, w_ref[up_rows, ks])
+        return w_ref[gate_rows, ks], w_ref[up_rows, ks]
+
+    def step(i, tiles, carry):
+        acc_g, acc_u, ss = carry
+        x = x_ref[:, pl.ds(pl.multiple_of(i * bk, bk), bk)]
+        acc_g += _dot_t(x, tiles[0])
+        acc_u += _dot_t(x, tiles[1])
         return acc_g, acc_u, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
 
     zeros = jnp.zeros((b, bn), jnp.float32)
-    acc_g, acc_u, ss = lax.fori_loop(0, d // bk, body, (zeros, zeros, jnp.zeros((b,), jnp.float32)))
+    acc_g, acc_u, ss = _k_loop(d // bk, load, step, (zeros, zeros, jnp.zeros((b,), jnp.float32)), prefetch)
     r = _rsqrt_mean(ss, d, eps)[:, None]
     g, u = acc_g * r, acc_u * r
     o_ref[:, gate_rows] = (g * jax.nn.sigmoid(g) * u).astype(o_ref.dtype)
@@ -301,7 +326,7 @@ def gate_up_swiglu(x_bd, wgu_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(
     bk = _block_k(d, blocks.block_k)
     interpret = _interpret(interpret)
     return pl.pallas_call(
-        functools.partial(_swiglu_kernel, bn=bn, bk=bk, d=d, f=f, eps=eps),
+        functools.partial(_swiglu_kernel, bn=bn, bk=bk, d=d, f=f, eps=eps, prefetch=blocks.prefetch),
         grid=(f // bn,),
         out_shape=jax.ShapeDtypeStruct((b, f), x_bd.dtype),
         compiler_params=_params(blocks, interpret),
