@@ -264,9 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--attention", default="pallas",
                     help="decode variants, comma-separated: ATTN or ATTN:LAYERS, ATTN in pallas/xla/fused, "
-                         "LAYERS in auto/xla/pallas (default auto: the Pallas layer kernels on GPU)")
-    ap.add_argument("--gemv-blocks-dir", default=None,
-                    help="directory with best_<model>.txt (experiments/tune_decode_gemv.py) for the Pallas layers")
+                         "LAYERS in auto/xla/pallas (default auto = xla)")
+    ap.add_argument("--gemv-blocks", default="", help="tiles of the Pallas layer kernels, a decode_gemv.LayerBlocks.parse spec")
     ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
     ap.add_argument("--hf-models", default="1b,llama2_7b", help="models to run transformers on")
     ap.add_argument("--hf", default="1", help="batches to run transformers at (prompt 128 only), comma-separated; '' for none")
@@ -325,13 +324,9 @@ def main(argv=None) -> int:
                 hf_res["static"] = bench_hf(d, cfg, cases, args.new_tokens, rng, True, args.hf_eager_new)
         for impl in impls:
             attn, _, layer_impl = impl.partition(":")
-            blocks = None
-            spec_file = Path(args.gemv_blocks_dir or ".", f"best_{name}.txt")
-            if args.gemv_blocks_dir and spec_file.exists():
-                from scaling.kernels.decode_gemv import LayerBlocks
+            from scaling.kernels.decode_gemv import LayerBlocks
 
-                blocks = LayerBlocks.parse(spec_file.read_text().strip())
-                print(f"{name}: Pallas layer tiles {spec_file.read_text().strip()}", flush=True)
+            blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
             dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl or "auto", gemv_blocks=blocks)
             wbytes = decode.weight_bytes_per_step(dec.weights)
             for prompt in prompts:

@@ -139,7 +139,7 @@ def main() -> int:
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--layers", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--gemv-blocks", default="", help="Pallas layer tiles, a decode_gemv.LayerBlocks.parse spec "
-                    "(tune_decode_gemv.py writes one per model)")
+                    "(e.g. qkv=256/16/2/4/4,gate_up=512/64/1/8/1)")
     args = ap.parse_args()
 
     if args.one:

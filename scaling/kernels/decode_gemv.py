@@ -41,7 +41,7 @@ MIN_ROWS = 16  # smallest M of a Triton tensor-core dot
 
 @dataclasses.dataclass(frozen=True)
 class GemvBlocks:
-    """Tiles and launch parameters (tuned on an H200 by experiments/decode_variants.py).
+    """Tiles and launch parameters (defaults: the first guess measured in docs/decoding.md).
 
     block_k: the reduction tile (columns of W^T per load).
     block_n: output features per program for matmul_residual / gate_up_swiglu (gate and up
