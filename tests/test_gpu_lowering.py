@@ -59,3 +59,20 @@ def test_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal):
 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
     assert text.count(TRITON_CALL) >= 3  # forward, dK/dV, dQ
+
+
+def test_decode_layer_kernels_lower_for_hopper(as_h100):
+    """scaling.kernels.decode_gemv at the 1b shapes (batch 16, head_dim 64, GQA 4)."""
+    from scaling.kernels import decode_gemv as g
+
+    b, d, n, kv, h, f, s = 16, 2048, 32, 8, 64, 8192, 384
+    text = lower_for_cuda(lambda *a: g.qkv_rope(*a, num_heads=n, eps=1e-5),
+                          sds((b, d)), sds(((n + 2 * kv) * h, d)), sds((h // 2,), jnp.float32), sds((b,), jnp.int32),
+                          sds((b, s, kv, h)), sds((b, s, kv, h)))
+    assert text.count(TRITON_CALL) == 1
+    prefetch = g.GemvBlocks(block_k=512, block_n=32, prefetch=1, num_stages=1)
+    for blocks in (g.GemvBlocks(), prefetch):
+        assert lower_for_cuda(lambda a, w, r: g.matmul_residual(a, w, r, blocks=blocks),
+                              sds((b, f)), sds((d, f)), sds((b, d))).count(TRITON_CALL) == 1
+        assert lower_for_cuda(lambda x, w: g.gate_up_swiglu(x, w, eps=1e-5, blocks=blocks),
+                              sds((b, d)), sds((2 * f, d))).count(TRITON_CALL) == 1
