@@ -1,7 +1,7 @@
 """Remat policies on one device: peak memory and step time, measured vs predicted, and the
 largest batch each policy fits. One invocation produces the whole table of docs/benchmarks.md.
 
-    python experiments/bench_remat.py --out DIR                     # 1b, bf16, batch 4 x 2048 (GPU, ~7 min)
+    python experiments/bench_remat.py --out DIR --budget-s 555      # 1b, bf16, batch 4 x 2048 (GPU, ~9.5 min)
     python experiments/bench_remat.py --model tiny --seq 128 --batch 2 --steps 2 \\
         --capacity-gib 0.05 --budget-s 400 --out /tmp/bench_remat    # CPU smoke run
 
@@ -14,22 +14,29 @@ CPU for the predictions, so every child gets the whole device):
      own column), the one-pass loss's f32 head-backward matmuls (TF32), a device copy (x * 2,
      read + write, 1 GiB; 4 GiB beside it, the size docs/decoding.md used), the model's own
      attention core forward + backward at the benchmark's shapes (TFLOP/s counted as 3 x the
-     causal forward, the accounting's convention), and a device -> pinned-host copy (offload).
+     causal forward, the accounting's convention), and device -> pinned host -> device inside
+     one compiled program, as remat offload does it (`host` in calibrate() says how).
   2. one child per policy (none, full, dots, names, offload, selective): compile the train
      step at --batch, XLA's memory_analysis, --steps timed steps, peak_bytes_in_use; then the
      largest batch that fits: start from the planner's prediction (scaling.accounting with
      the device's real byte limit), probe with compile-only memory_analysis (which equals the
-     measured peak on the GPU: docs/benchmarks.md), bracket the boundary, and confirm with one
-     real step at the batch found. A policy the backend cannot run (offload without a
-     pinned_host memory space) is reported as an error row, not a crash.
-A time budget (--budget-s) is shared out over the policies; what it cuts (largest-batch
-searches first) is printed and written into the table.
+     measured peak on the GPU: docs/benchmarks.md), bracket the boundary (on a GPU with
+     autotuning off, then checked with the normal, autotuned compile: `search` says why),
+     and run one real step at the batch found. A policy the backend cannot run (offload
+     without a pinned_host memory space) is reported as an error row, not a crash.
+The children report each measurement, probe and step as a JSON line the moment it is done,
+so a child stopped at its deadline keeps what it learned (a partial bracket: "≥ 124, < 128").
+Budget (--budget-s, the whole run, wall clock): calibration, then every policy still to run
+is given its measurement (the time the earlier ones took) and an equal share of the rest for
+its search; policies run cheapest search first (the planner's largest batch ascending), so a
+search that ends early leaves its time to the costlier ones. What it cuts is in the table.
 
 Predictions (scaling.accounting): peak bytes (training_memory: the largest of the step's
 phases), the calibrated step time (training_time: matmuls / measured matmul rate + attention /
-measured attention rate + memory-bound traffic / measured copy bandwidth) and the book's
-roofline (training_roofline: datasheet peaks, perfect overlap). MFU = model FLOPs / (datasheet
-peak x measured step time), as in docs/benchmarks.md.
+measured attention rate + memory-bound traffic / measured copy bandwidth; offload's host
+transfers / measured host rate, overlapped with the rest as StepTime does, the serial sum
+beside it) and the book's roofline (training_roofline: datasheet peaks, perfect overlap).
+MFU = model FLOPs / (datasheet peak x measured step time), as in docs/benchmarks.md.
 
 Writes bench_remat.md and bench_remat.json into --out (default $OUT if set); with
 --peak-buffers also peak_buffers_<policy>.txt: the buffers live at the step's memory peak,
@@ -49,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +69,9 @@ POLICIES = ("none", "full", "dots", "names", "offload", "selective")
 NAMES = {"names": ("query_proj", "key_proj", "value_proj", "out_proj"),
          "offload": ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up")}
 GiB = 2**30
+T0 = time.time()  # the budget counts from the parent's start
+FINAL_S = 10.0  # kept back from the budget for the predictions and the table, after the last child
+MEASURE_S = 30.0  # a child's start-up + compile + timed steps, until one has been observed
 _ENV = dict(os.environ)  # the children's environment (the parent switches itself to the CPU)
 
 
@@ -182,19 +193,6 @@ def calibrate(args) -> None:
         flops = 3 * acc.attention_flops_per_token(m, t, causal=impl != AttentionImpl.xla) / m.num_layers * bsz * t
         return flops / _timed(lambda: run(q, k, vv, do), 3 if cpu else 10)
 
-    def host():
-        """Device -> pinned host (remat offload's path), one way, as a compiled transfer.
-
-        Inside a jitted step, offload is an XLA copy to the pinned_host memory space. The
-        first version timed an eager `jax.device_put` instead and measured 1.11 GB/s on an
-        H200, while the offload step itself implied ~60 GB/s (docs/benchmarks.md); an eager
-        put takes a slower runtime path, so the transfer is compiled here."""
-        nbytes = (64 << 20) if cpu else (1 << 30)
-        x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-        dst = x.sharding.with_memory_kind("pinned_host")
-        to_host = jax.jit(lambda a: a, out_shardings=dst)
-        return nbytes / _timed(lambda: to_host(x), 3 if cpu else 5)
-
     measure("matmul_square", square)
     measure("matmul", layer_matmuls)
     measure("f32_matmul", head_backward_f32)
@@ -203,16 +201,80 @@ def calibrate(args) -> None:
     if not cpu:
         measure("copy_4gib", copy(4 << 30))
     measure("attention", attention)
-    measure("host", host)
+    measure("host", lambda: host_rate(cpu, out))
+    stats = dev.memory_stats() or {}
+    out["bytes_limit"] = stats.get("bytes_limit") or (args.capacity_gib * GiB if args.capacity_gib else None)
+    out["host_limit"] = None if cpu else host_limit()
     emit("calibrate", **out)
+
+
+def host_rate(cpu: bool, out: dict, *, chunk: int | None = None, sizes: tuple[int, int] | None = None) -> float:
+    """Device -> pinned host -> device inside ONE compiled program, the way remat offload moves
+    its residuals: a scan stacks chunks into host memory (`jax.device_put(x,
+    jax.memory.Space.Host)` inside jit, which is what `save_and_offload_only_these_names`
+    emits), a second scan brings each chunk back (`Space.Device`) and sums it, so the copies
+    are used. Timed at two sizes; the difference divides out the per-call costs (dispatch,
+    the program's host buffer), which a training step does not pay per byte. Returned one
+    way: bytes moved (out + back) / seconds, the mean of the two directions, the unit of
+    `Rates.host` (StepTime charges 2 x the offloaded bytes at it). The sum reads each chunk
+    once from HBM: ~2% of the time at 3 TB/s against a ~55 GB/s link, not subtracted.
+
+    Earlier versions timed `jit(lambda a: a, out_shardings=<pinned_host>)` (and, before that,
+    an eager device_put): 1.1-1.5 GB/s on an H200, where the offload step implied ~60 GB/s;
+    each call returned a freshly allocated pinned host buffer. On the CPU the device_put
+    lowers to nothing (pinned_host is the device's own RAM), so XLA's program has no host
+    memory space: no rate (an error, reported) and the prediction charges no host time."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    chunk = chunk or ((8 << 20) if cpu else (64 << 20))  # bytes per copy (the 1b step offloads 8-128 MiB tensors)
+    sizes = sizes or ((2, 8) if cpu else (4, 16))  # chunks: 16 and 64 MiB on the CPU, 256 MiB and 1 GiB on a GPU
+
+    def roundtrip(x):
+        _, h = lax.scan(lambda c, xi: (c, jax.device_put(xi, jax.memory.Space.Host)), 0, x)
+
+        def back(acc, hi):
+            return acc + jnp.sum(jax.device_put(hi, jax.memory.Space.Device), dtype=jnp.float32), None
+
+        return lax.scan(back, jnp.float32(0), h)[0]
+
+    times = {}
+    for n in sizes:
+        x = jnp.ones((n, chunk // 2), jnp.bfloat16)
+        prog = jax.jit(roundtrip).lower(x).compile()
+        if "S(5)" not in prog.as_text():  # S(5): XLA's host memory space
+            raise RuntimeError("the compiled round trip has no host memory space"
+                               + (" (cpu: pinned_host is the device's own RAM; offload copies nothing)" if cpu else ""))
+        times[n * chunk] = _timed(lambda: prog(x), 3 if cpu else 5)
+    (b1, t1), (b2, t2) = sorted(times.items())
+    out["host_roundtrip_s"] = {str(b): t for b, t in times.items()}
+    out["host_larger_only"] = 2 * b2 / t2  # the larger round trip alone (per-call cost not divided out)
+    if t2 <= t1:
+        raise RuntimeError(f"round trip of {b2} bytes not slower than of {b1} ({t2:.4f} s vs {t1:.4f} s)")
+    return 2 * (b2 - b1) / (t2 - t1)
 
 
 # ------------------------------------------------------------------------ one policy
 
 
-def _xla_bytes(compiled) -> int:
+def _xla_bytes(compiled) -> tuple[int, int]:
+    """Device bytes (temp + args + outputs - aliased) and pinned-host bytes of a compiled step."""
     ma = compiled.memory_analysis()
-    return ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+    dev = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+    host = (ma.host_temp_size_in_bytes + ma.host_argument_size_in_bytes + ma.host_output_size_in_bytes
+            - ma.host_alias_size_in_bytes)
+    return dev, host
+
+
+def host_limit() -> float | None:
+    """Pinned host memory a step may take: 90% of the RAM available now (remat offload's
+    residuals live there; on an accelerator only)."""
+    try:
+        kb = int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1))
+    except (OSError, AttributeError):
+        return None
+    return 0.9 * kb * 1024
 
 
 def peak_buffers(dump_dir: str, top: int = 60) -> str | None:
@@ -252,14 +314,100 @@ def peak_buffers(dump_dir: str, top: int = 60) -> str | None:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------- largest-batch search
+# Pure helpers, shared by the child (which probes) and the parent (which rebuilds the result
+# from the probes a child reported, also from a child killed at its deadline).
+# A probe's usage: its bytes over the limit, device and pinned host (search: host_used), the
+# larger of the two; it fits when <= 1.
+
+
+def usage(dev: float, host: float, limit: float, host_cap: float | None) -> float:
+    r = dev / limit
+    return max(r, host / host_cap) if host_cap and host else r
+
+
+def bracket(points: dict[int, float]) -> tuple[int, int | None]:
+    """(largest batch that fits or 0, smallest that does not or None)."""
+    lo = max((b for b, r in points.items() if r <= 1), default=0)
+    hi = min((b for b, r in points.items() if r > 1), default=None)
+    return lo, hi
+
+
+def settled(lo: int, hi: int | None, max_batch: int) -> bool:
+    """Nothing left to probe: lo fits and lo + 1 does not (hi < lo: not monotone), or lo is the cap."""
+    return (hi is not None and hi <= lo + 1) or (hi is None and lo >= max_batch)
+
+
+def next_probe(points: dict[int, float], max_batch: int, start: int | None = None) -> int | None:
+    """The next batch to probe, None when settled: `start` first (the planner's prediction),
+    then where the line through the two sides of the gap (or the two probes nearest it)
+    crosses the limit, kept inside the gap; bisection where no line can be drawn."""
+    lo, hi = bracket(points)
+    if settled(lo, hi, max_batch):
+        return None
+    upper = hi - 1 if hi is not None else max_batch
+    if start is not None and start not in points and lo < start <= upper:
+        return start
+    if lo in points and hi is not None:
+        (b1, r1), (b2, r2) = (lo, points[lo]), (hi, points[hi])
+    else:
+        anchor = lo if lo in points else hi
+        near = sorted(points, key=lambda b: (abs(b - anchor), b))[:2]
+        (b1, r1), (b2, r2) = sorted((b, points[b]) for b in near) if len(near) == 2 else ((0, 0.0), (0, 0.0))
+    slope = (r2 - r1) / (b2 - b1) if b2 != b1 else 0.0
+    if slope > 0:
+        est = math.floor(b1 + (1 - r1) / slope)
+    else:
+        est = lo * 2 if hi is None else (lo + hi) // 2
+    return min(max(est, lo + 1), upper)
+
+
+def inferred_over(b: int, fast: dict[int, float], tuned: dict[int, float]) -> bool:
+    """Batch b, over the limit with autotuning off, is over it autotuned too: by more than
+    twice the largest autotune difference measured at a batch probed both ways."""
+    both = [x for x in tuned if x in fast]
+    return b in fast and bool(both) and fast[b] - 2 * max(abs(tuned[x] - fast[x]) for x in both) > 1
+
+
+def summarize_search(events: list[dict], max_batch: int, measured_peak: float | None = None) -> dict | None:
+    """The search's result from a child's events (search_start, probe..., step..., search)."""
+    start = next((e for e in events if e["kind"] == "search_start"), None)
+    if start is None:
+        return None
+    limit, cap, b0 = start["limit"], start.get("host_limit"), start["batch"]
+    fast: dict[int, tuple] = {}
+    tuned: dict[int, tuple] = {b0: (start["xla"], start.get("host_used", 0))}  # the measured step's own compile
+    probes = []
+    for e in events:
+        if e["kind"] == "probe":
+            h = e.get("host_used", e.get("host", 0))
+            (tuned if e["tuned"] else fast)[e["batch"]] = (e["xla"], h)
+            probes.append([e["batch"], e["xla"], h, e["tuned"], e["seconds"], e.get("host_source", "xla")])
+    r_fast = {b: usage(d, h, limit, cap) for b, (d, h) in fast.items()}
+    r_tuned = {b: usage(d, h, limit, cap) for b, (d, h) in tuned.items()}
+    lo, hi = bracket({**r_fast, **r_tuned})
+    steps = [e for e in events if e["kind"] == "step"]
+    step = steps[-1] if steps else None
+    if step is None and lo == b0:
+        step = {"batch": b0, "ok": True, "tuned": True, "peak": measured_peak, "measured": True}
+    done = next((e for e in events if e["kind"] == "search"), None)
+    return {
+        "predicted": start.get("predicted"), "limit": limit, "host_limit": cap, "autotune": start.get("autotune", False),
+        "found": lo, "hi": hi, "bracketed": (hi is not None and hi == lo + 1) or (hi is None and lo >= max_batch),
+        "monotone": hi is None or hi > lo,
+        "lo_autotuned": lo in tuned, "hi_autotuned": hi is None or hi in tuned,
+        "hi_inferred": hi is not None and hi not in tuned and inferred_over(hi, r_fast, r_tuned),
+        "probes": probes, "step": step,
+        "stopped": done.get("stopped") if done else "killed at its deadline",
+    }
+
+
 def run_policy(args) -> None:
     """In the child: measure at --batch, then search the largest batch until --deadline."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from scaling import accounting as acc
-    from scaling.train import abstract_state, init_state, make_setup, make_train_step
+    from scaling.train import init_state, make_setup, make_train_step
 
     dump = os.environ.get("BENCH_REMAT_DUMP")
     t_start = time.time()
@@ -279,7 +427,7 @@ def run_policy(args) -> None:
         t0 = time.time()
         compiled = step.lower(state, batch).compile()
         compile_s = time.time() - t0
-        xla = _xla_bytes(compiled)
+        xla, xla_host = _xla_bytes(compiled)
         state, metrics = compiled(state, batch)  # warm-up
         jax.block_until_ready(metrics)
         t0 = time.perf_counter()
@@ -293,7 +441,7 @@ def run_policy(args) -> None:
     stats = dev.memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.capacity_gib * GiB if args.capacity_gib else None)
     emit("measure", policy=args.policy, batch=cfg.train.batch_size, seq=cfg.train.seq_len,
-         peak=stats.get("peak_bytes_in_use"), xla=xla, seconds=seconds, compile_s=compile_s,
+         peak=stats.get("peak_bytes_in_use"), xla=xla, xla_host=xla_host, seconds=seconds, compile_s=compile_s,
          loss=float(metrics["loss"]), bytes_limit=limit, elapsed=time.time() - t_start)
     if dump:
         text = peak_buffers(dump)
@@ -304,83 +452,167 @@ def run_policy(args) -> None:
     if limit is None:
         emit("search", policy=args.policy, skipped="no byte limit (memory_stats has none; pass --capacity-gib)")
         return
-
-    # Largest batch: compile-only probes, bracketed, starting from the planner's prediction.
     del compiled
+    search(args, cfg, setup, step, state, batch_of, dev, limit, xla, xla_host, compile_s, seconds)
+
+
+def search(args, cfg, setup, step, state, batch_of, dev, limit, xla, xla_host, compile_s, seconds) -> None:
+    """Largest batch: compile-only probes (XLA's memory_analysis), each reported as it completes.
+
+    On a GPU the bracketing probes compile with autotuning off (`xla_gpu_autotune_level=0`, a
+    per-compile option): autotuning runs every candidate GEMM / fusion config on real buffers
+    of the probed size, so its cost grows with the batch (a 1b probe: ~8 s at batch 22, ~20 s
+    at 60, ~38 s at 124 with it, in the session-3 run) while the rest of the compile does not.
+    It is not free to ignore: autotuning picks the GEMM algorithm and with it the cuBLAS
+    workspace XLA reserves, and may pick Triton split-K configs with their own f32 partial
+    buffers, so temp bytes can differ. Hence: bracket at autotune level 0, then compile the
+    lower side of the bracket the normal (autotuned) way, which is what a training run
+    compiles, and the upper side too unless the autotune difference just measured cannot
+    bring it under the limit (inferred_over); the bracket moves if they disagree, and both
+    numbers are reported at the same batch. Last, one real step at the batch found (the
+    autotuned executable where there is one). The CPU does no autotuning: its probes are the
+    normal compile. Each probe, step and the end are printed as JSON lines as they happen."""
+    import jax
+    import jax.numpy as jnp
+
+    from scaling import accounting as acc
+    from scaling.train import abstract_state
+
+    gpu = dev.platform == "gpu"
+    cpu = dev.platform == "cpu"
+    cap = None if cpu else host_limit()
+    hw = None if cpu else _hw(dev.device_kind)
+    b0 = cfg.train.batch_size
+
+    def host_used(b: int, h: int) -> tuple[float, str]:
+        """Pinned host bytes the fit is judged on: XLA's where it reports them, else (offload
+        on an accelerator) the accounting's offloaded residuals, so that the search does not
+        end at a batch whose residuals cannot fit in host RAM."""
+        if h or cpu or not cap:
+            return h, "xla"
+        pred = acc.training_memory(cfg, acc.MeshShape(), hw=hw, accelerator=True, batch_size=b).activations.host
+        return (pred, "predicted") if pred else (0, "xla")
+
     abstract = abstract_state(setup)
-    probes: dict[int, int] = {cfg.train.batch_size: xla}
-    compiled_at: dict[int, object] = {}
+    fast: dict[int, float] = {}  # batch -> usage, autotune off (GPU)
+    tuned: dict[int, float] = {b0: usage(xla, host_used(b0, xla_host)[0], limit, cap)}  # the normal compile
+    exes: dict[tuple[int, bool], object] = {}
+    no_autotune = [True] if gpu else []  # emptied if the autotune-off compile option is refused
+    times: dict[bool, list[tuple[int, float]]] = {False: [], True: []}
 
-    def probe(b: int) -> int:
+    def planned() -> int:
+        return args.planned or planner_largest(cfg, hw, not cpu, limit, cap, args.max_batch)
+
+    b_pred = max(1, min(args.max_batch, planned()))
+    h0, src0 = host_used(b0, xla_host)
+    emit("search_start", policy=args.policy, predicted=b_pred, limit=limit, host_limit=cap, batch=b0, xla=xla,
+         host=xla_host, host_used=h0, host_source=src0, autotune=gpu, deadline=args.deadline)
+
+    def view() -> dict[int, float]:
+        return {**fast, **tuned}
+
+    def probe(b: int, tune: bool) -> None:
+        t0 = time.time()
         spec = jax.ShapeDtypeStruct((b, cfg.train.seq_len + 1), jnp.int32, sharding=setup.batch_sharding)
-        c = step.lower(abstract, spec).compile()
-        probes[b] = _xla_bytes(c)
-        compiled_at[b] = c
-        return probes[b]
+        tune = tune or not no_autotune
+        try:
+            c = step.lower(abstract, spec).compile(compiler_options=None if tune else {"xla_gpu_autotune_level": 0})
+        except Exception as e:  # noqa: BLE001 - an XLA without the option: every probe the normal compile
+            if tune:
+                raise
+            no_autotune.clear()
+            emit("note", policy=args.policy, note=f"autotune-off compile failed ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0] if str(e) else ''}"[:200] + "); probes compile normally")
+            return probe(b, True)
+        d, h = _xla_bytes(c)
+        dt = time.time() - t0
+        hu, src = host_used(b, h)
+        (tuned if tune else fast)[b] = usage(d, hu, limit, cap)
+        times[tune].append((b, dt))
+        lo, _ = bracket(view())
+        exes[(b, tune)] = c
+        for key in [k for k in exes if k[0] != lo]:  # keep only the executables at the current answer
+            del exes[key]
+        emit("probe", policy=args.policy, batch=b, tuned=tune, xla=d, host=h, host_used=hu, host_source=src,
+             seconds=dt)
 
-    def predicted_largest() -> int:
-        best = 0
-        for b in range(1, args.max_batch + 1):
-            if acc.training_memory(cfg, acc.MeshShape(), hw=None if dev.platform == "cpu" else _hw(dev.device_kind),
-                                   batch_size=b, accelerator=dev.platform != "cpu").total > limit:
-                break
-            best = b
-        return best
+    def est_fast() -> float:
+        ts = sorted(t for _, t in times[False] or times[True])
+        return ts[len(ts) // 2] if ts else (args.fast_s or compile_s)
 
-    def fits(b):
-        return probes[b] <= limit
+    def est_tuned(b: int) -> float:
+        base = est_fast() if times[False] else min(compile_s, args.fast_s or compile_s)
+        ks = [max(0.0, t - base) / bb for bb, t in times[True] if bb > b0] if gpu else []
+        k = max(ks) if ks else (args.tune_k or max(0.0, compile_s - base) / b0)
+        return base + k * b if gpu else est_fast()
 
-    skipped = None
-    b_pred = predicted_largest()
-    nxt = max(1, min(args.max_batch, b_pred))
-    while True:
-        if time.time() + 1.5 * compile_s > args.deadline:
-            skipped = f"budget: stopped after {len(probes) - 1} probes"
+    def est_step(b: int) -> float:
+        return 1.5 * seconds * b / b0 + 3.0
+
+    def can(est: float) -> bool:
+        return time.time() + est <= args.deadline
+
+    stopped = None
+    # 1. Bracket (GPU: autotune off).
+    while (b := next_probe(view(), args.max_batch, start=b_pred)) is not None:
+        if not can(est_fast() + est_step(b)):
+            stopped = f"budget: bracketing stopped after {len(times[False]) + len(times[True])} probes"
             break
-        if nxt not in probes:
-            probe(nxt)
-        ok = [b for b in probes if fits(b)]
-        bad = [b for b in probes if not fits(b)]
-        lo, hi = (max(ok) if ok else 0), (min(bad) if bad else None)
-        if hi is not None and hi == lo + 1 or (hi is None and lo >= args.max_batch) or hi == 1:
+        probe(b, tune=not gpu)
+    # 2. GPU: both sides of the bracket with the normal (autotuned) compile, moving it if they disagree.
+    # The upper side needs no compile where the autotune difference measured at the lower one
+    # cannot bring it under the limit (inferred_over).
+    while gpu and stopped is None:
+        lo, hi = bracket(view())
+        if lo and lo not in tuned:
+            b = lo
+        elif hi and hi <= args.max_batch and hi not in tuned and not inferred_over(hi, fast, tuned):
+            b = hi
+        else:
+            b = next_probe(view(), args.max_batch)
+        if b is None:
             break
-        # Next: where the line through the two nearest probes crosses the limit, inside (lo, hi).
-        pts = sorted(probes.items(), key=lambda kv: abs(kv[0] - nxt))[:2]
-        (b1, m1), (b2, m2) = sorted(pts)
-        slope = (m2 - m1) / (b2 - b1) if b2 != b1 else 0
-        est = int(b1 + (limit - m1) / slope) if slope > 0 else (lo * 2 or 1)
-        upper = (hi - 1) if hi is not None else args.max_batch
-        nxt = min(max(est, lo + 1), upper)
-        if nxt in probes:  # the estimate sits on a probed point: step towards the gap
-            nxt = lo + 1 if nxt <= lo else nxt - 1
-    ok = [b for b in probes if fits(b)]
-    found = max(ok) if ok else 0
-    result = {"policy": args.policy, "predicted": b_pred, "found": found, "probes": sorted(probes.items()),
-              "bracketed": (found + 1) in probes or found >= args.max_batch, "skipped": skipped}
-    # Confirm with one real step at the batch found (same state; the probe's executable). If
-    # the allocator cannot place it after all (fragmentation), try one batch lower.
-    if found and found != cfg.train.batch_size and time.time() + 10 < args.deadline:
-        for b in (found, found - 1):
-            if b < 1 or (b != found and time.time() + 1.5 * compile_s > args.deadline):
-                break
+        if not can(est_tuned(b) + est_step(lo)):
+            stopped = f"budget: autotuned check stopped after {len(times[True])} compiles (next: {b}, ~{est_tuned(b):.0f} s)"
+            break
+        probe(b, tune=True)
+    # 3. One real step at the batch found (not needed at the measured batch).
+    lo, _ = bracket(view())
+    if lo and lo != b0:
+        def exe_key():
+            return next((k for k in ((lo, True), (lo, False)) if k in exes), None)
+
+        if exe_key() is None and can(est_fast() + est_step(lo)):
+            probe(lo, tune=not gpu)
+        key = exe_key()
+        if key is not None and can(est_step(lo)):
+            c = exes.pop(key)
+            exes.clear()
             try:
-                c = compiled_at.pop(b, None) or probe(b) and compiled_at.pop(b)
-                compiled_at.clear()
-                big = batch_of(b)
-                state, metrics = c(state, big)
+                state, metrics = c(state, batch_of(lo))
                 jax.block_until_ready(metrics)
                 stats = dev.memory_stats() or {}
-                result.update(confirmed=True, peak=stats.get("peak_bytes_in_use"), loss=float(metrics["loss"]))
-                if b != found:
-                    result.update(found=b, note=f"a real step at {found} ran out of memory; {b} ran")
-                break
-            except Exception as e:  # noqa: BLE001 - out of memory at the batch XLA said fits
-                result.update(confirmed=False, error=f"{type(e).__name__}: {str(e).splitlines()[0]}"[:200])
-    elif found == cfg.train.batch_size:
-        result.update(confirmed=True, peak=stats.get("peak_bytes_in_use"))
-    else:
-        result.update(confirmed=None)
-    emit("search", **result)
+                emit("step", policy=args.policy, batch=lo, tuned=key[1], ok=True, peak=stats.get("peak_bytes_in_use"),
+                     loss=float(metrics["loss"]))
+            except Exception as e:  # noqa: BLE001 - out of memory at a batch XLA said fits
+                emit("step", policy=args.policy, batch=lo, tuned=key[1], ok=False,
+                     error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
+        elif stopped is None:
+            stopped = "budget: no time left for the real step"
+    emit("search", policy=args.policy, stopped=stopped)
+
+
+def planner_largest(cfg, hw, accel: bool, limit: float, cap: float | None, max_batch: int) -> int:
+    """The accounting's largest batch under the device limit (and the host one for offload)."""
+    from scaling import accounting as acc
+
+    best = 0
+    for b in range(1, max_batch + 1):
+        mem = acc.training_memory(cfg, acc.MeshShape(), hw=hw, accelerator=accel, batch_size=b)
+        if mem.total > limit or (accel and cap and mem.activations.host > cap):
+            break
+        best = b
+    return best
 
 
 def _hw(kind: str):
@@ -392,22 +624,44 @@ def _hw(kind: str):
 # -------------------------------------------------------------------------- parent
 
 
-def spawn(cmd: list[str], timeout: float, env: dict) -> tuple[list[dict], str]:
-    """Run a child; its JSON lines (even from a child killed at the timeout) and its stderr tail."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+def spawn(cmd: list[str], timeout: float, env: dict, on_event=None) -> tuple[list[dict], str]:
+    """Run a child and collect its JSON lines as they come (so a child killed at `timeout`
+    keeps what it reported); returns them (each with `t`, seconds after the start) and a
+    note: why it was killed, or its stderr's last line."""
+    t0 = time.time()
+    events: list[dict] = []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+        def read():
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    try:
+                        x = json.loads(line)
+                    except json.JSONDecodeError:  # cut off by the kill
+                        continue
+                    x["t"] = time.time() - t0
+                    events.append(x)
+                    if on_event:
+                        on_event(x)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         try:
-            subprocess.run(cmd, stdout=out, stderr=err, text=True, timeout=max(timeout, 1), env=env)
+            proc.wait(timeout=max(timeout, 1))
             note = ""
         except subprocess.TimeoutExpired:
-            note = f"timed out after {timeout:.0f} s"
-        out.seek(0)
+            proc.kill()
+            proc.wait()
+            note = f"killed at its deadline after {timeout:.0f} s"
+        reader.join(10)
         err.seek(0)
-        lines = [json.loads(x) for x in out.read().splitlines() if x.startswith("{")]
         tail = (err.read().strip().splitlines() or [""])[-1][:200]
-    return lines, note or tail
+    return events, note or tail
 
 
-def predictions(args, policy: str, batch: int, cal: dict | None, limit: float | None) -> dict:
+def predictions(args, policy: str, batch: int, cal: dict | None, limit: float | None,
+                cap: float | None = None) -> dict:
     from scaling import accounting as acc
     from scaling.hardware import by_device_kind
 
@@ -426,7 +680,11 @@ def predictions(args, policy: str, batch: int, cal: dict | None, limit: float | 
     if cal and rates.matmul and rates.hbm and (rates.attention or accel is False):
         st = acc.training_time(cfg, mesh, hw, rates=rates, accelerator=accel)
         out.update(seconds=st.seconds, matmul_s=st.matmul_seconds, attention_s=st.attention_seconds,
-                   memory_s=st.memory_seconds, host_s=st.host_seconds, traffic=st.traffic)
+                   memory_s=st.memory_seconds, host_s=st.host_seconds, host_bytes=st.host_bytes, traffic=st.traffic)
+        if st.host_seconds:
+            # StepTime overlaps the host transfers with compute (copy engines: max of the two);
+            # beside it, the same transfers after the compute (no overlap), for the measurement to pick.
+            out["seconds_host_serial"] = max(st.compute_seconds + st.host_seconds, st.comm_seconds)
         # The same with the square 8192^3 matmul's rate for the bf16 matmuls, beside it.
         if cal.get("matmul_square"):
             square = acc.training_time(cfg, mesh, hw, rates=dataclasses.replace(rates, matmul=cal["matmul_square"]),
@@ -436,12 +694,7 @@ def predictions(args, policy: str, batch: int, cal: dict | None, limit: float | 
         roof = acc.training_roofline(cfg, mesh, hw)
         out.update(roofline=roof.step_seconds, model_flops=roof.model_flops, peak_flops=hw.bf16_flops)
     if limit:
-        best = 0
-        for b in range(1, args.max_batch + 1):
-            if acc.training_memory(cfg, mesh, hw=hw, accelerator=accel, batch_size=b).total > limit:
-                break
-            best = b
-        out["largest"] = best
+        out["largest"] = planner_largest(cfg, hw, accel, limit, cap, args.max_batch)
     return out
 
 
@@ -481,6 +734,9 @@ def main() -> int:
     p.add_argument("--child", choices=("calibrate", "policy"), help=argparse.SUPPRESS)
     p.add_argument("--policy", default="none", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=math.inf, help=argparse.SUPPRESS)
+    p.add_argument("--planned", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--fast-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--tune-k", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child == "calibrate":
         calibrate(args)
@@ -493,7 +749,7 @@ def main() -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    start = time.time()
+    start = T0
     end = start + args.budget_s
     env = dict(_ENV)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", args.mem_fraction)
@@ -505,24 +761,83 @@ def main() -> int:
         base.append("--no-search")
     notes: list[str] = []
 
-    lines, why = spawn(base + ["--child", "calibrate"], min(180, end - time.time()), env)
-    cal = next((x for x in lines if x["kind"] == "calibrate"), None)
+    def log(msg: str) -> None:
+        print(f"[{time.time() - start:4.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    events, why = spawn(base + ["--child", "calibrate"], min(180, end - FINAL_S - time.time()), env)
+    cal = next((x for x in events if x["kind"] == "calibrate"), None)
     if cal:
-        print(f"calibrate: {json.dumps(cal)}", file=sys.stderr, flush=True)
+        log(f"calibrate: {json.dumps(cal)}")
     else:
         notes.append(f"calibration failed ({why}): no calibrated prediction")
-        print(notes[-1], file=sys.stderr)
+        log(notes[-1])
 
     policies = [x for x in args.policies.split(",") if x]
-    rows = []
-    for i, policy in enumerate(policies):
-        left = end - time.time()
-        share = left / (len(policies) - i)
-        if left < 20:
+    limit = (cal or {}).get("bytes_limit")
+    cap = (cal or {}).get("host_limit")
+    # The searches' cost grows with the batch they end at (autotuned compiles, the real step), so
+    # run the cheapest first: a search that finishes early leaves its time to the later ones.
+    planned: dict[str, int] = {}
+    if cal and limit and not args.no_search:
+        hw, accel = _hw(cal["device"]), cal.get("backend") != "cpu"
+        for policy in policies:
+            try:
+                planned[policy] = planner_largest(make_config(args.model, policy, args.batch, args.seq), hw, accel,
+                                                  limit, cap, args.max_batch)
+            except Exception as e:  # noqa: BLE001 - the run order is only an optimisation
+                log(f"{policy}: no planner prediction ({type(e).__name__}: {e})")
+    order = sorted(policies, key=lambda p: planned.get(p, 0))
+    log(f"run order (planner's largest batch): {', '.join(f'{p} {planned.get(p, "?")}' for p in order)}")
+
+    def size(x: float) -> str:
+        return f"{x / GiB:.3f} GiB" if x >= GiB else f"{x / 2**20:.2f} MiB"
+
+    def progress(policy):
+        autotune = {}
+
+        def show(x):
+            k = x["kind"]
+            if k == "measure":
+                log(f"{policy}: measured {x['seconds'] * 1e3:.1f} ms/step, XLA {size(x['xla'])} "
+                    f"(compile {x['compile_s']:.1f} s)")
+            elif k == "search_start":
+                autotune["on"] = x.get("autotune")
+                log(f"{policy}: search from the planner's {x['predicted']}, limit {size(x['limit'])}"
+                    + (f", pinned host {size(x['host_limit'])}" if x.get("host_limit") else ""))
+            elif k == "probe":
+                how = ("autotuned" if x["tuned"] else "autotune off") if autotune.get("on") else "compiled"
+                log(f"{policy}: probe {x['batch']} ({how}): {size(x['xla'])}"
+                    + (f" + host {size(x['host'])}" if x.get("host") else "") + f" in {x['seconds']:.1f} s")
+            elif k == "step":
+                log(f"{policy}: real step at {x['batch']}: "
+                    + (f"peak {size(x['peak'])}" if x["ok"] and x.get("peak") else x.get("error", "ran")))
+            elif k in ("search", "error", "note"):
+                log(f"{policy}: {json.dumps({a: b for a, b in x.items() if a not in ('kind', 'policy')})}")
+        return show
+
+    measure_s: list[float] = []  # seconds from a child's start to its measurement, as observed
+    fast_s: list[float] = []  # compile-only probes with autotuning off (the CPU: all probes)
+    tune_k: list[float] = []  # autotuning's seconds per batch element (autotuned probe - median fast probe)
+    rows: dict[str, dict] = {}
+    for i, policy in enumerate(order):
+        now = time.time()
+        left = end - FINAL_S - now
+        pending = len(order) - i
+        est = max(measure_s) + 3 if measure_s else MEASURE_S
+        if left < min(20.0, est):
             notes.append(f"{policy}: not run (budget spent)")
-            rows.append({"policy": policy, "error": "not run: budget spent"})
+            rows[policy] = {"policy": policy, "error": "not run: budget spent"}
             continue
-        cmd = base + ["--child", "policy", "--policy", policy, "--deadline", str(time.time() + share - 5)]
+        # Every policy still to run gets its measurement; the rest is the searches', shared
+        # equally and worked out again before each child (an early finish leaves its share).
+        allowance = min(left, est + max(0.0, left - pending * est) / pending)
+        cmd = base + ["--child", "policy", "--policy", policy, "--deadline", str(now + allowance - 3)]
+        if policy in planned:
+            cmd += ["--planned", str(max(1, planned[policy]))]
+        if fast_s:
+            cmd += ["--fast-s", f"{sorted(fast_s)[len(fast_s) // 2]:.2f}"]
+        if tune_k:
+            cmd += ["--tune-k", f"{sorted(tune_k)[len(tune_k) // 2]:.4f}"]
         child_env = dict(env)
         dump = None
         if args.peak_buffers:
@@ -530,33 +845,96 @@ def main() -> int:
             child_env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=NONE"
                                       " --xla_dump_hlo_module_re=.*jit_step_fn.*").strip()
             child_env["BENCH_REMAT_DUMP"] = dump
+        log(f"{policy}: start, {allowance:.0f} s ({left:.0f} s left for {pending} policies)")
         t0 = time.time()
-        lines, why = spawn(cmd, share + 30, child_env)
+        events, why = spawn(cmd, min(allowance + 10, left), child_env, on_event=progress(policy))
         if dump:
             shutil.rmtree(dump, ignore_errors=True)
-        row = {"policy": policy, "wall_s": time.time() - t0}
-        for x in lines:
+        row = {"policy": policy, "wall_s": time.time() - t0, "allowance_s": allowance}
+        for x in events:
             if x["kind"] in ("measure", "error"):
-                row.update({k: v for k, v in x.items() if k != "kind"})
-            elif x["kind"] == "search":
-                row["search"] = {k: v for k, v in x.items() if k not in ("kind", "policy")}
+                row.update({k: v for k, v in x.items() if k not in ("kind", "t")})
+                if x["kind"] == "measure":
+                    measure_s.append(x["t"])
+            elif x["kind"] == "search" and x.get("skipped"):
+                row["search"] = {"skipped": x["skipped"]}
             elif x["kind"] == "peak_buffers":
                 row["peak_buffers"] = x["text"]
+            elif x["kind"] == "note":
+                notes.append(f"{policy}: {x['note']}")
         if "seconds" not in row and "error" not in row:
             row["error"] = f"no result ({why})"
         if "seconds" in row and "search" not in row and not args.no_search:
-            row["search"] = {"skipped": f"not finished ({why or 'budget'})"}
+            s = summarize_search(events, args.max_batch, row.get("peak"))
+            if s is None:
+                s = {"skipped": f"not started ({why or 'budget'})"}
+            elif s["stopped"] == "killed at its deadline" and why:
+                s["stopped"] = why
+            row["search"] = s
+            fast = [p[4] for p in s.get("probes", []) if not p[3] or not s.get("autotune")]
+            fast_s += fast
+            if fast and s.get("autotune"):
+                med = sorted(fast)[len(fast) // 2]
+                tune_k += [max(0.0, p[4] - med) / p[0] for p in s["probes"] if p[3]]
         s = row.get("search", {})
         if s.get("skipped"):
-            notes.append(f"{policy}: largest-batch search {s['skipped']}")
-        rows.append(row)
-        print(f"{policy}: {json.dumps({k: v for k, v in row.items() if k != 'peak_buffers'})}", file=sys.stderr, flush=True)
+            notes.append(f"{policy}: largest-batch search skipped: {s['skipped']}")
+        elif s.get("stopped"):
+            notes.append(f"{policy}: largest-batch search stopped ({s['stopped']}); what it learned: "
+                         f"{largest_cell(s)}")
+        rows[policy] = row
+        log(f"{policy}: done in {row['wall_s']:.0f} s")
+    rows = [rows[p] for p in policies]
 
     # Predictions, on the CPU.
     for row in rows:
         if "seconds" in row or "error" in row:
-            row["pred"] = predictions(args, row["policy"], args.batch, cal, row.get("bytes_limit"))
+            row["pred"] = predictions(args, row["policy"], args.batch, cal, row.get("bytes_limit") or limit, cap)
+    table = report(args, cal, rows, notes, time.time() - start)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_remat.md").write_text(table + "\n")
+        (out / "bench_remat.json").write_text(json.dumps(
+            {"calibrate": cal, "rows": [{k: v for k, v in r.items() if k != "peak_buffers"} for r in rows],
+             "notes": notes, "argv": sys.argv[1:], "run_order": order, "wall_s": time.time() - start},
+            indent=1, default=str))
+        for r in rows:
+            if r.get("peak_buffers"):
+                (out / f"peak_buffers_{r['policy']}.txt").write_text(r["peak_buffers"] + "\n")
+        log(f"wrote {out / 'bench_remat.md'}")
+    return 0
 
+
+def largest_cell(s: dict) -> str:
+    """The table's 'largest batch (measured)' cell from summarize_search's result."""
+    if s.get("skipped"):
+        return f"skipped: {s['skipped']}"
+    lo, hi = s["found"], s["hi"]
+    text = str(lo) if s["bracketed"] else f"≥ {lo}" + (f", < {hi}" if hi else "")
+    why = []
+    if not s["bracketed"]:
+        why.append("not bracketed" if s.get("monotone", True) else "probes not monotone")
+    if s.get("autotune"):  # which sides of the bracket were compiled the normal (autotuned) way
+        lo_ok, hi_ok = s.get("lo_autotuned"), s.get("hi_autotuned") or s.get("hi_inferred")
+        if hi is None:  # no upper side (yet, or the cap): only the lower one to check
+            hi_ok = lo_ok
+        if not lo_ok and not hi_ok:
+            why.append("autotune-off probes only")
+        elif not lo_ok or not hi_ok:
+            why.append(f"{lo if not lo_ok else hi}: autotune-off probe only")
+    st = s.get("step")
+    if not st:
+        why.append("no real step")
+    elif not st["ok"]:
+        why.append(f"real step failed: {st.get('error', '?')[:80]}")
+    elif st["batch"] != lo:
+        why.append(f"real step ran at {st['batch']}")
+    return text + (f" ({'; '.join(why)})" if why else "")
+
+
+def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: float) -> str:
     seq = next((r["seq"] for r in rows if "seq" in r), args.seq)
     small = all((r.get("xla") or GiB) < GiB for r in rows)  # a CPU smoke run: MiB, not GiB
     unit, ub = ("MiB", 2**20) if small else ("GiB", GiB)
@@ -565,12 +943,16 @@ def main() -> int:
         f"# bench_remat: `{args.model}`, bf16 compute, batch {args.batch} x {seq}, one {dev}",
         "",
         f"{time.strftime('%Y-%m-%d')}, jax {cal['jax'] if cal else '?'}; `python experiments/bench_remat.py "
-        + " ".join(sys.argv[1:]) + f"`; {time.time() - start:.0f} s.",
+        + " ".join(sys.argv[1:]) + f"`; {wall:.0f} s.",
         "",
     ]
     if cal:
         def r(key, unit):
-            return f"**{rate(cal[key], unit)}**" if cal.get(key) else f"n/a ({cal.get(key + '_error', '?')}; table default used)"
+            if cal.get(key):
+                return f"**{rate(cal[key], unit)}**"
+            if key == "host" and cal.get("backend") == "cpu":
+                return f"none ({cal.get('host_error', '?')}; no host time charged)"
+            return f"n/a ({cal.get(key + '_error', '?')}; table default used)"
 
         lines += [
             f"Measured in this run: the layer's bf16 matmuls (forward + backward at {args.batch} x {seq} tokens) "
@@ -579,7 +961,11 @@ def main() -> int:
             f"(x * 2, {cal['copy_bytes'] / GiB:g} GiB, read + write) {r('copy', 'B/s')}"
             + (f" ({rate(cal['copy_4gib'], 'B/s')} at 4 GiB)" if cal.get("copy_4gib") else "")
             + f"; {cal.get('attention_impl', '?')} attention fwd+bwd at the model's shapes {r('attention', 'FLOP/s')} "
-            f"(3 x causal forward FLOPs); device -> pinned host {r('host', 'B/s')}.",
+            f"(3 x causal forward FLOPs); device -> pinned host -> device in one compiled program "
+            f"{r('host', 'B/s')}" + (" one way" if cal.get("host") else "")
+            + (f" ({rate(cal['host_larger_only'], 'B/s')} from the "
+                                     f"{max(int(k) for k in cal['host_roundtrip_s']) / GiB:g} GiB round trip alone)"
+                                     if cal.get("host") and cal.get("host_larger_only") else "") + ".",
             "",
         ]
     lines += [
@@ -606,44 +992,69 @@ def main() -> int:
                  + (f"; host {pr['host_s'] * 1e3:,.1f}" if pr.get("host_s") else "") + ")") if "seconds" in pr else ""
         mfu = (pr["model_flops"] / (pr["peak_flops"] * r["seconds"])) if "model_flops" in pr else None
         s = r.get("search", {})
-        if s.get("found") is not None:
-            conf = {True: "", False: f" (step failed: {s.get('error', '?')})", None: " (not confirmed)"}[s.get("confirmed")]
-            largest = f"{s['found']}{'' if s.get('bracketed') else ' (not bracketed)'}{conf}"
-        else:
-            largest = f"skipped: {s['skipped']}" if s.get("skipped") else "n/a"
+        largest = largest_cell(s) if s else "n/a"
+        st = s.get("step") or {}
+        peak_at = st.get("peak") if st.get("ok") and st.get("batch") == s.get("found") else None
         lines.append(
             f"| {r['policy']} | {fmt(r.get('peak'), 1 / ub)} | {fmt(r['xla'], 1 / ub)} | {fmt(pr.get('memory'), 1 / ub)} | "
             f"{err(pr.get('memory'), meas_mem)} | {pr.get('phase', '')} | {r['seconds'] * 1e3:,.1f} | "
             f"{fmt(pr.get('seconds'), 1e3, ',.1f')}{parts} | {err(pr.get('seconds'), r['seconds'])} | "
             f"{fmt(pr.get('seconds_square'), 1e3, ',.1f')} ({err(pr.get('seconds_square'), r['seconds'])}) | "
             f"{fmt(pr.get('roofline'), 1e3, ',.1f')} | {fmt(mfu, 100, '.1f')}{'%' if mfu else ''} | {largest} | "
-            f"{pr.get('largest', 'n/a')} | {fmt(s.get('peak'), 1 / ub)} |"
+            f"{pr.get('largest', 'n/a')} | {fmt(peak_at, 1 / ub)} |"
         )
-    searched = [r for r in rows if r.get("search", {}).get("probes")]
+    for r in rows:
+        pr = r.get("pred", {})
+        if pr.get("seconds_host_serial") and r.get("seconds"):
+            lines += ["", f"{r['policy']}: {pr['host_bytes'] / 1e9:.2f} GB per step to pinned host and back at the "
+                      f"measured {rate(cal['host'], 'B/s') if cal and cal.get('host') else 'table default rate'}: "
+                      f"{pr['host_s'] * 1e3:,.1f} ms. Predicted step with the transfers overlapping compute "
+                      f"(accounting.StepTime, the table's column): {pr['seconds'] * 1e3:,.1f} ms "
+                      f"({err(pr['seconds'], r['seconds'])}); with them after the compute (no overlap): "
+                      f"{pr['seconds_host_serial'] * 1e3:,.1f} ms ({err(pr['seconds_host_serial'], r['seconds'])}); "
+                      f"measured {r['seconds'] * 1e3:,.1f} ms."]
+    searched = [r for r in rows if r.get("search", {}).get("probes") is not None]
     if searched:
-        lines += ["", f"Largest-batch probes (batch: XLA {unit}; limit "
-                  f"{fmt(searched[0].get('bytes_limit'), 1 / ub)} {unit}: the device's bytes_limit or --capacity-gib):", ""]
+        s0 = searched[0]["search"]
+        lines += ["", f"Largest-batch search (batch: XLA {unit} (compile seconds); limit "
+                  f"{fmt(s0.get('limit'), 1 / ub)} {unit}: the device's bytes_limit or --capacity-gib"
+                  + (f"; pinned host {fmt(s0['host_limit'], 1 / ub)} {unit} (90% of available RAM), held against "
+                     "XLA's host bytes, or the accounting's offloaded residuals where XLA reports none"
+                     if s0.get("host_limit") else "")
+                  + "). Probes are compile-only (memory_analysis)"
+                  + (", bracketed with autotuning off (xla_gpu_autotune_level=0), then the bracket's lower side "
+                     "compiled autotuned (the normal compile) and its upper side too unless the autotune difference "
+                     "measured cannot bring it under the limit" if s0.get("autotune") else "")
+                  + "; then one real step at the batch found.", ""]
         for r in searched:
             s = r["search"]
-            lines.append(f"- {r['policy']}: planner {s['predicted']}; "
-                         + ", ".join(f"{b}: {m / ub:.2f}" for b, m in s["probes"]))
+
+            def probe_text(p, ref=None):
+                b, d, h, _, sec, src = p
+                delta = f", {(d - ref) / 2**20:+,.0f} MiB vs autotune off" if ref is not None else ""
+                host = f" + host {h / ub:.2f}" + (" predicted" if src == "predicted" else "") if h else ""
+                return f"{b}: {d / ub:.2f}{host} ({sec:.0f} s{delta})"
+
+            fast = {p[0]: p[1] for p in s["probes"] if not p[3]}
+            parts = [f"planner {s['predicted']}", f"measured {r['batch']}: {r['xla'] / ub:.2f}"]
+            if s.get("autotune"):
+                parts.append("autotune off: " + (", ".join(probe_text(p) for p in s["probes"] if not p[3]) or "none"))
+                parts.append("autotuned: " + (", ".join(probe_text(p, fast.get(p[0])) for p in s["probes"] if p[3])
+                                              or "none"))
+            else:
+                parts.append("probes: " + (", ".join(probe_text(p) for p in s["probes"]) or "none"))
+            st = s.get("step")
+            if st and not st.get("measured"):
+                kind = "" if not s.get("autotune") else (" (autotuned)" if st.get("tuned") else " (autotune off)")
+                parts.append(f"real step at {st['batch']}{kind}: "
+                             + ((f"peak {fmt(st['peak'], 1 / ub)}" if st.get("peak") else "ran") if st["ok"]
+                                else f"failed: {st.get('error')}"))
+            if s.get("stopped"):
+                parts.append(f"stopped: {s['stopped']}")
+            lines.append(f"- {r['policy']}: " + "; ".join(parts))
     if notes:
         lines += ["", "Skipped or failed:", ""] + [f"- {n}" for n in notes]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_remat.md").write_text(table + "\n")
-        (out / "bench_remat.json").write_text(json.dumps(
-            {"calibrate": cal, "rows": [{k: v for k, v in r.items() if k != "peak_buffers"} for r in rows],
-             "notes": notes, "argv": sys.argv[1:]}, indent=1, default=str))
-        for r in rows:
-            if r.get("peak_buffers"):
-                (out / f"peak_buffers_{r['policy']}.txt").write_text(r["peak_buffers"] + "\n")
-        print(f"wrote {out / 'bench_remat.md'}", file=sys.stderr)
-    return 0
-
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     sys.exit(main())
