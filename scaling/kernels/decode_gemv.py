@@ -127,6 +127,12 @@ def fold_norm(w_dx, scale_d):
     return (_f32(w_dx) * _f32(scale_d)[:, None]).T
 
 
+def _kslice(i, bk: int):
+    """Columns [i * bk, (i + 1) * bk); a traced i is marked a multiple of bk for aligned loads
+    (the prefetch prologue's i = 0 is a Python int, which multiple_of cannot lower)."""
+    return pl.ds(i * bk if isinstance(i, int) else pl.multiple_of(i * bk, bk), bk)
+
+
 def _k_loop(n: int, load, step, init, prefetch: int):
     """carry = step(i, load(i), carry) for i < n. prefetch: tile i + 1 is loaded before tile i's
     step runs (its registers are the loop carry), so its latency hides behind the dot."""
@@ -159,12 +165,12 @@ def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_re
     b = x_ref.shape[0]
 
     def load(i):
-        ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        ks = _kslice(i, bk)
         return w_ref[pl.ds(lo, cols), ks], w_ref[pl.ds(lo + half, cols), ks]
 
     def step(i, tiles, carry):
         acc_lo, acc_hi, ss = carry
-        x = x_ref[:, pl.ds(pl.multiple_of(i * bk, bk), bk)]
+        x = x_ref[:, _kslice(i, bk)]
         acc_lo += _dot_t(x, tiles[0])
         acc_hi += _dot_t(x, tiles[1])
         return acc_lo, acc_hi, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
@@ -251,10 +257,10 @@ def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, pr
     rows = pl.ds(pl.program_id(0) * bn, bn)
 
     def load(i):
-        return w_ref[rows, pl.ds(pl.multiple_of(i * bk, bk), bk)]
+        return w_ref[rows, _kslice(i, bk)]
 
     def step(i, w, acc):
-        return acc + _dot_t(a_ref[:, pl.ds(pl.multiple_of(i * bk, bk), bk)], w)
+        return acc + _dot_t(a_ref[:, _kslice(i, bk)], w)
 
     acc = _k_loop(k // bk, load, step, jnp.zeros((a_ref.shape[0], bn), jnp.float32), prefetch)
     o_ref[:, rows] = (_f32(r_ref[:, rows]) + acc).astype(o_ref.dtype)
@@ -293,12 +299,12 @@ def _swiglu_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, f: int, eps
     b = x_ref.shape[0]
 
     def load(i):
-        ks = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        ks = _kslice(i, bk)
         return w_ref[gate_rows, ks], w_ref[up_rows, ks]
 
     def step(i, tiles, carry):
         acc_g, acc_u, ss = carry
-        x = x_ref[:, pl.ds(pl.multiple_of(i * bk, bk), bk)]
+        x = x_ref[:, _kslice(i, bk)]
         acc_g += _dot_t(x, tiles[0])
         acc_u += _dot_t(x, tiles[1])
         return acc_g, acc_u, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
