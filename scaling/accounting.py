@@ -750,9 +750,13 @@ class StepTime:
     On one GPU the matmuls, the attention core and the memory-bound kernels are separate
     kernels on one stream: they run one after another, so their times add (the roofline's
     max() assumes a perfect overlap that a single stream cannot give). FSDP / data-parallel
-    collectives and host transfers run on their own streams / copy engines and overlap with
-    compute, so they only count when longer than it; tensor-parallel all-reduces sit between
-    a layer's matmuls and add up (multi-device: not yet checked against a measurement).
+    collectives run on their own streams and overlap with compute, so they only count when
+    longer than it; tensor-parallel all-reduces sit between a layer's matmuls and add up
+    (multi-device: not yet checked against a measurement). Remat offload's host transfers
+    add to the compute: on an H200 (1b, batch 4) the offload step measured 314.0 ms against
+    331.8 ms predicted with the transfers after the compute and 211.0 ms with them
+    overlapped (experiments/bench_remat.py, docs/benchmarks.md): the backward waits for
+    each layer's residuals to come back, and the copy engines share HBM with the kernels.
     """
 
     matmul_flops: float  # per device per step: bf16 dense matmuls incl. recomputation (and an XLA core's)
@@ -789,7 +793,7 @@ class StepTime:
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_seconds, self.comm_seconds, self.host_seconds)
+        return max(self.compute_seconds + self.host_seconds, self.comm_seconds)
 
 
 def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, rates: Rates | None = None,

@@ -117,7 +117,7 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         f"{_t(st.memory_seconds)} = {_t(st.compute_seconds)}"
         + (f" (incl. tensor-parallel all-reduces {_t(st.serial_comm_seconds)})" if st.serial_comm_seconds else "")
         + (f"; FSDP/DP comms {_t(st.comm_seconds)} overlapped" if st.comm_seconds else "")
-        + (f"; host offload {_t(st.host_seconds)} overlapped" if st.host_seconds else ""),
+        + (f"; host offload {_t(st.host_seconds)} (added: not overlapped)" if st.host_seconds else ""),
         *[f"    {k:44s} {v / 1e9:8.2f} GB  {_t(v / st.rates.hbm):>10s}" for k, v in st.traffic.items() if v],
         f"  step: {_t(st.seconds)}; predicted MFU {roof.model_flops / (hw.bf16_flops * st.seconds):.1%}; "
         f"{roof.tokens_per_step / st.seconds:,.0f} tokens/s",
