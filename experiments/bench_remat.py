@@ -602,8 +602,30 @@ def search(args, cfg, setup, step, state, batch_of, dev, limit, xla, xla_host, c
                 emit("step", policy=args.policy, batch=lo, tuned=key[1], ok=True, peak=stats.get("peak_bytes_in_use"),
                      loss=float(metrics["loss"]))
             except Exception as e:  # noqa: BLE001 - out of memory at a batch XLA said fits
-                emit("step", policy=args.policy, batch=lo, tuned=key[1], ok=False,
-                     error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200])
+                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                emit("step", policy=args.policy, batch=lo, tuned=key[1], ok=False, error=err)
+                # XLA's pinned-host pool (a BFC allocator that grows in regions and keeps them) can
+                # refuse one buffer that fits its cap on paper: step down until a real step runs.
+                b = lo
+                while "host memory" in err:
+                    b = int(b * 0.92)
+                    if b <= b0 or not can(est_tuned(b) + est_step(b)):
+                        break
+                    if any(x.is_deleted() for x in jax.tree.leaves(state) if hasattr(x, "is_deleted")):
+                        from scaling.train import init_state
+
+                        state = init_state(setup)  # the failed call consumed the donated state
+                    try:
+                        spec = jax.ShapeDtypeStruct((b, cfg.train.seq_len + 1), jnp.int32, sharding=setup.batch_sharding)
+                        state, metrics = step.lower(abstract, spec).compile()(state, batch_of(b))
+                        jax.block_until_ready(metrics)
+                        stats = dev.memory_stats() or {}
+                        emit("step", policy=args.policy, batch=b, tuned=True, ok=True,
+                             peak=stats.get("peak_bytes_in_use"), loss=float(metrics["loss"]), after_host_oom=lo)
+                        break
+                    except Exception as e2:  # noqa: BLE001
+                        err = f"{type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"[:200]
+                        emit("step", policy=args.policy, batch=b, tuned=True, ok=False, error=err)
         elif stopped is None:
             stopped = "budget: no time left for the real step"
     emit("search", policy=args.policy, stopped=stopped)
@@ -936,6 +958,8 @@ def largest_cell(s: dict) -> str:
         why.append("no real step")
     elif not st["ok"]:
         why.append(f"real step failed: {st.get('error', '?')[:80]}")
+    elif st.get("after_host_oom"):
+        why.append(f"a real step at {st['after_host_oom']} ran out of XLA's pinned-host pool; one ran at {st['batch']}")
     elif st["batch"] != lo:
         why.append(f"real step ran at {st['batch']}")
     return text + (f" ({'; '.join(why)})" if why else "")
