@@ -611,10 +611,11 @@ def search(args, cfg, setup, step, state, batch_of, dev, limit, xla, xla_host, c
                     b = int(b * 0.92)
                     if b <= b0 or not can(est_tuned(b) + est_step(b)):
                         break
-                    if any(x.is_deleted() for x in jax.tree.leaves(state) if hasattr(x, "is_deleted")):
-                        from scaling.train import init_state
+                    from scaling.train import init_state
 
-                        state = init_state(setup)  # the failed call consumed the donated state
+                    # A fresh state: the failed call consumed the donated one, and its outputs
+                    # carry the error into any step that takes them.
+                    state = init_state(setup)
                     try:
                         spec = jax.ShapeDtypeStruct((b, cfg.train.seq_len + 1), jnp.int32, sharding=setup.batch_sharding)
                         state, metrics = step.lower(abstract, spec).compile()(state, batch_of(b))
