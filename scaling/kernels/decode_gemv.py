@@ -147,8 +147,24 @@ def _k_loop(n: int, load, step, init, prefetch: int):
     return lax.fori_loop(0, n, body, (load(0), init))[1]
 
 
-def _rsqrt_mean(ss, d: int, eps: float):
-    return lax.rsqrt(ss / d + eps)
+def _norm_matmul_pair(x_ref, w_ref, rows_a, rows_b, n: int, *, bk: int, d: int, eps: float, prefetch: int):
+    """Two blocks of n output features of RMSNorm(x) W (W^T rows rows_a, rows_b; the norm's scale
+    folded in): f32 [B, n] each. The norm's statistic is summed from the x tiles the loop loads."""
+    b = x_ref.shape[0]
+
+    def load(i):
+        ks = _kslice(i, bk)
+        return w_ref[rows_a, ks], w_ref[rows_b, ks]
+
+    def step(i, tiles, carry):
+        acc_a, acc_b, ss = carry
+        x = x_ref[:, _kslice(i, bk)]
+        return acc_a + _dot_t(x, tiles[0]), acc_b + _dot_t(x, tiles[1]), ss + jnp.sum(_f32(x) * _f32(x), axis=1)
+
+    zeros = jnp.zeros((b, n), jnp.float32)
+    acc_a, acc_b, ss = _k_loop(d // bk, load, step, (zeros, zeros, jnp.zeros((b,), jnp.float32)), prefetch)
+    r = lax.rsqrt(ss / d + eps)[:, None]
+    return acc_a * r, acc_b * r
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,22 +179,8 @@ def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_re
     half = h // 2
     lo = head * h + part * cols
     b = x_ref.shape[0]
-
-    def load(i):
-        ks = _kslice(i, bk)
-        return w_ref[pl.ds(lo, cols), ks], w_ref[pl.ds(lo + half, cols), ks]
-
-    def step(i, tiles, carry):
-        acc_lo, acc_hi, ss = carry
-        x = x_ref[:, _kslice(i, bk)]
-        acc_lo += _dot_t(x, tiles[0])
-        acc_hi += _dot_t(x, tiles[1])
-        return acc_lo, acc_hi, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
-
-    zeros = jnp.zeros((b, cols), jnp.float32)
-    acc_lo, acc_hi, ss = _k_loop(d // bk, load, step, (zeros, zeros, jnp.zeros((b,), jnp.float32)), prefetch)
-    r = _rsqrt_mean(ss, d, eps)[:, None]
-    a_lo, a_hi = acc_lo * r, acc_hi * r
+    a_lo, a_hi = _norm_matmul_pair(x_ref, w_ref, pl.ds(lo, cols), pl.ds(lo + half, cols), cols,
+                                   bk=bk, d=d, eps=eps, prefetch=prefetch)
 
     pos = pos_ref[...]  # [B]: where each row's new token goes
     angles = _f32(pos)[:, None] * inv_ref[pl.ds(part * cols, cols)][None, :]
@@ -295,24 +297,8 @@ def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), inte
 
 def _swiglu_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, f: int, eps: float, prefetch: int):
     j = pl.program_id(0)
-    gate_rows, up_rows = pl.ds(j * bn, bn), pl.ds(f + j * bn, bn)
-    b = x_ref.shape[0]
-
-    def load(i):
-        ks = _kslice(i, bk)
-        return w_ref[gate_rows, ks], w_ref[up_rows, ks]
-
-    def step(i, tiles, carry):
-        acc_g, acc_u, ss = carry
-        x = x_ref[:, _kslice(i, bk)]
-        acc_g += _dot_t(x, tiles[0])
-        acc_u += _dot_t(x, tiles[1])
-        return acc_g, acc_u, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
-
-    zeros = jnp.zeros((b, bn), jnp.float32)
-    acc_g, acc_u, ss = _k_loop(d // bk, load, step, (zeros, zeros, jnp.zeros((b,), jnp.float32)), prefetch)
-    r = _rsqrt_mean(ss, d, eps)[:, None]
-    g, u = acc_g * r, acc_u * r
+    gate_rows = pl.ds(j * bn, bn)
+    g, u = _norm_matmul_pair(x_ref, w_ref, gate_rows, pl.ds(f + j * bn, bn), bn, bk=bk, d=d, eps=eps, prefetch=prefetch)
     o_ref[:, gate_rows] = (g * jax.nn.sigmoid(g) * u).astype(o_ref.dtype)
 
 
