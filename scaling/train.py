@@ -14,7 +14,6 @@ import math
 import os
 import signal
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from scaling.model import Transformer, build_model
 from scaling.optim import learning_rate_schedule, make_optimizer
 from scaling.sharding import axes as A
 from scaling.sharding import constrain, get_rule_set, logical_to_spec, make_mesh, use_sharding
+from scaling.sharding.mesh import active
 from scaling.sharding.params import logical_axes, param_shardings
 
 NONFINITE_LOSS, NONFINITE_GRADS = 1, 2
@@ -59,10 +59,9 @@ def chunked_cross_entropy(x_btd: jax.Array, w: jax.Array, targets_bt: jax.Array,
     under the mean) and rounds once. No logits are stored or recomputed, and all three head matmuls run in the
     compute dtype (the one-pass path multiplies its f32 d logits by the head in f32). The loss
     is the one-pass computation in another order (equal to f32 rounding). w is [D, V] ("dv")
-    or [V, D] ("vd", tied embeddings). With the batch sharded over several devices, XLA
-    all-reduces each chunk's dW inside the loop (the whole [D, V] f32 gradient, T / chunk
-    times a step; seen in the compiled HLO): fine on one device, and make_setup warns on a
-    batch-sharded mesh.
+    or [V, D] ("vd", tied embeddings). With the batch split over s devices (the active mesh
+    and rules), each device sums its own rows' dW and the s partials are reduced once after
+    the loop (a plain [D, V] carry made XLA all-reduce it once per chunk).
     """
     return _chunked_nll_sum(x_btd, w, targets_bt, chunk, layout) / targets_bt.size
 
@@ -92,21 +91,48 @@ def _chunked_nll_sum(x_btd, w, targets_bt, chunk, layout):
     return total
 
 
+def _batch_shards(batch: int) -> int:
+    """Devices the batch is split over under the active mesh and rules (1 outside one)."""
+    ctx = active()
+    if ctx is None:
+        return 1
+    mesh, rules = ctx
+    spec = logical_to_spec((A.BATCH,), rules.activations, mesh)
+    axes = spec[0] if spec else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    shards = math.prod(mesh.shape[a] for a in axes)
+    return shards if shards > 1 and batch % shards == 0 else 1
+
+
 def _chunked_nll_fwd(x_btd, w, targets_bt, chunk, layout):
-    dx_spec, dw_spec = ("bcv,dv->bcd", "bcd,bcv->dv") if layout == "dv" else ("bcv,vd->bcd", "bcd,bcv->vd")
+    dx_spec = "bcv,dv->bcd" if layout == "dv" else "bcv,vd->bcd"
+    # dW sums over the batch, which is split over `s` devices. Summed straight into a [D, V]
+    # carry, XLA all-reduces it inside the loop, once per chunk (seen in the compiled HLO).
+    # Instead each device accumulates its own rows' partial dW in an [s, D, V] carry sharded
+    # like the batch (no communication in the loop) and the s partials are summed once after it.
+    s = _batch_shards(x_btd.shape[0])
+    dw_spec = "sbcd,sbcv->sdv" if layout == "dv" else "sbcd,sbcv->svd"
+    dw_axes = (A.BATCH, None, A.ACT_VOCAB) if layout == "dv" else (A.BATCH, A.ACT_VOCAB, None)
+
+    def by_shard(a_bc_):  # [B, c, ...] -> [s, B/s, c, ...], the leading dim on the batch's devices
+        a = a_bc_.reshape(s, a_bc_.shape[0] // s, *a_bc_.shape[1:])
+        return constrain(a, (A.BATCH,) + (None,) * (a.ndim - 1))
 
     def body(carry, i):
-        total, dx_btd, dw = carry
+        total, dx_btd, dw_s = carry
         x_bcd, t_bc, logits, lse_bc, nll = _chunk_nll(x_btd, w, targets_bt, i, chunk, layout)
         onehot = t_bc[..., None] == jax.lax.broadcasted_iota(t_bc.dtype, logits.shape, 2)
         dlogits = (jnp.exp(logits - lse_bc[..., None]) - onehot).astype(x_btd.dtype)
         dx_bcd = jnp.einsum(dx_spec, dlogits, w, preferred_element_type=jnp.float32)
-        dw = dw + jnp.einsum(dw_spec, x_bcd, dlogits, preferred_element_type=jnp.float32)
+        dw_s = dw_s + jnp.einsum(dw_spec, by_shard(x_bcd), by_shard(dlogits), preferred_element_type=jnp.float32)
+        dw_s = constrain(dw_s, dw_axes)
         dx_btd = jax.lax.dynamic_update_slice_in_dim(dx_btd, dx_bcd, i * chunk, axis=1)
-        return (total + nll, dx_btd, dw), None
+        return (total + nll, dx_btd, dw_s), None
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(x_btd.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32))
-    (total, dx_btd, dw), _ = jax.lax.scan(body, init, jnp.arange(x_btd.shape[1] // chunk))
+    dw0 = constrain(jnp.zeros((s, *w.shape), jnp.float32), dw_axes)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(x_btd.shape, jnp.float32), dw0)
+    (total, dx_btd, dw_s), _ = jax.lax.scan(body, init, jnp.arange(x_btd.shape[1] // chunk))
+    dw = jnp.sum(dw_s, axis=0)
     # Empty arrays carry the inputs' dtypes to the backward (residuals must be arrays).
     return total, (dx_btd, dw, jnp.zeros((0,), x_btd.dtype), jnp.zeros((0,), w.dtype))
 
@@ -176,19 +202,6 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         "nonfinite": {"count": replicated, "first_step": replicated, "kind": replicated},
     }
     batch_spec = logical_to_spec((A.BATCH, None), rules.activations, mesh)
-    batch_axes = batch_spec[0] if batch_spec else None
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-    batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
-    if cfg.train.loss_chunk and batch_shards > 1:
-        # Seen in the compiled HLO (fsdp=8, simulated devices): XLA all-reduces the whole
-        # [D, V] head gradient once per chunk, T / loss_chunk times a step instead of once.
-        warnings.warn(
-            f"train.loss_chunk={cfg.train.loss_chunk} with the batch split over {batch_shards} devices: the head "
-            f"gradient is all-reduced once per chunk ({cfg.train.seq_len // cfg.train.loss_chunk} x per step); "
-            "measured faster only on one device (docs/benchmarks.md). Use train.loss_chunk=0 unless you have "
-            "measured it on this mesh.",
-            stacklevel=2,
-        )
     return Setup(cfg, mesh, graphdef, names, abstract_params, tx, state_shardings, NamedSharding(mesh, batch_spec))
 
 
