@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 from scaling import accounting as acc
 from scaling.config import Config, RematPolicyName
@@ -27,6 +28,16 @@ SEARCH_POLICIES = (RematPolicyName.none, RematPolicyName.dots, RematPolicyName.s
 
 def _g(x: float) -> str:
     return f"{x / GiB:,.2f} GiB"
+
+
+# XLA's GPU client allocates pinned host buffers (remat offload) from one BFC pool capped by
+# this variable, default 64 GiB (xla/pjrt/gpu); measured on an H200, a step whose offloaded
+# residuals approach the cap fails even below it (docs/benchmarks.md, remat, third session).
+HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def xla_host_pool_bytes() -> float:
+    return float(os.environ.get(HOST_POOL_ENV) or 64) * 2**30
 
 
 def _t(s: float) -> str:
@@ -84,7 +95,9 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         f"  activations / layer  {_g(act.per_layer)}  (x {m.num_layers} = {_g(act.layers)} saved)",
         f"  transient, loss/head {_g(act.head)}  (final norm, f32 logits + their gradient)",
         f"  transient, layer bwd {_g(act.working_layer)}  (one layer's complete residual set + temporaries)",
-        *( [f"  offloaded to host    {_g(act.host)}"] if act.host else []),
+        *( [f"  offloaded to host    {_g(act.host)}  (per device; XLA's GPU client takes pinned host memory "
+            f"from one pool of {_g(xla_host_pool_bytes())} per process{': OVER IT, the step will fail' if act.host > xla_host_pool_bytes() else ''}; "
+            f"{HOST_POOL_ENV} sets it)"] if act.host else []),
         "  by phase (the transients are live at different times; the peak is the largest):",
         *[f"    {name:20s} {_g(v)}{'  <- peak' if name == mem.peak_phase else ''}" for name, v in mem.phases.items()],
         f"  peak                 {_g(mem.total)}  of {_g(hw.usable_bytes)} usable: "
