@@ -94,7 +94,10 @@ class DecodeLayerImpl(str, enum.Enum):
 
 
 def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: DecodeAttentionImpl) -> DecodeLayerImpl:
-    impl = DecodeLayerImpl(impl)
+    try:
+        impl = DecodeLayerImpl(impl)
+    except ValueError:
+        raise ValueError(f"layers={impl!r}: allowed {[x.value for x in DecodeLayerImpl]}") from None
     ok = decode_gemv.supported(cfg.hidden_size, cfg.mlp_dim, cfg.num_heads, cfg.resolved_head_dim)
     if impl == DecodeLayerImpl.pallas:
         if not ok:
@@ -121,7 +124,10 @@ DECODE_ATTENTION = {DecodeAttentionImpl.xla: _xla_decode, DecodeAttentionImpl.pa
 
 
 def resolve_decode_impl(impl: DecodeAttentionImpl | str, cfg: ModelConfig) -> DecodeAttentionImpl:
-    impl = DecodeAttentionImpl(impl)
+    try:
+        impl = DecodeAttentionImpl(impl)
+    except ValueError:
+        raise ValueError(f"attention={impl!r}: allowed {[x.value for x in DecodeAttentionImpl]}") from None
     fused_ok = fused_supported(cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim)
     if impl == DecodeAttentionImpl.fused and not fused_ok:
         raise ValueError(f"attention='fused' needs a power-of-two group size (num_heads / num_kv_heads = "

@@ -114,5 +114,10 @@ def test_decoder_with_pallas_layers_equals_xla():
     out = dec.generate(prompts, 6)
     assert out.tokens == ref.tokens
     np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"layers='gpu': allowed \['xla', 'pallas', 'auto'\]"):
+        decode.Decoder(model, layers="gpu")
+    with pytest.raises(ValueError, match="unknown kernel 'mlp'"):
+        g.LayerBlocks.parse("mlp=256/16/1/4/4")
+    assert g.LayerBlocks.parse("down=512/32/1/8/3/1").down == g.GemvBlocks(512, 32, 1, 8, 3, 1)
     with pytest.raises(ValueError, match="layers='pallas'"):
         decode.Decoder(build_model(dataclasses.replace(cfg, head_dim=16, hidden_size=64)), layers="pallas")
