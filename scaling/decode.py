@@ -93,17 +93,20 @@ class DecodeLayerImpl(str, enum.Enum):
     auto = "auto"
 
 
-def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: DecodeAttentionImpl) -> DecodeLayerImpl:
+def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: DecodeAttentionImpl,
+                       blocks: decode_gemv.LayerBlocks | None = None) -> DecodeLayerImpl:
     try:
         impl = DecodeLayerImpl(impl)
     except ValueError:
         raise ValueError(f"layers={impl!r}: allowed {[x.value for x in DecodeLayerImpl]}") from None
-    ok = decode_gemv.supported(cfg.hidden_size, cfg.mlp_dim, cfg.num_heads, cfg.resolved_head_dim)
+    ok = decode_gemv.supported(cfg.hidden_size, cfg.mlp_dim, cfg.num_heads, cfg.resolved_head_dim, blocks)
     if impl == DecodeLayerImpl.pallas:
         if not ok:
-            raise ValueError(f"layers='pallas' needs head_dim / 4 a power of two >= 16 and hidden, mlp_dim, "
-                             f"num_heads * head_dim multiples of 16 (head_dim {cfg.resolved_head_dim}, hidden "
-                             f"{cfg.hidden_size}, mlp_dim {cfg.mlp_dim}); use 'xla'")
+            parts = (blocks or decode_gemv.LayerBlocks()).qkv.rope_parts
+            raise ValueError(f"layers='pallas' needs head_dim / 2 / rope_parts ({parts}) a power of two >= 16 and "
+                             f"hidden, mlp_dim, num_heads * head_dim multiples of 16 and of the kernels' block_n "
+                             f"(head_dim {cfg.resolved_head_dim}, hidden {cfg.hidden_size}, mlp_dim {cfg.mlp_dim}); "
+                             "use 'xla' or other gemv_blocks")
         if attn == DecodeAttentionImpl.fused:
             raise ValueError("layers='pallas' writes the cache itself; combine it with attention 'pallas' or 'xla', not 'fused'")
         return impl
@@ -490,7 +493,7 @@ class Decoder:
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")
         self.chunk = chunk
-        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl)
+        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks)
         self.gemv_blocks = gemv_blocks
         if min_batch is None:
             if self.layer_impl == DecodeLayerImpl.pallas:

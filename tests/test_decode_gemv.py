@@ -119,5 +119,8 @@ def test_decoder_with_pallas_layers_equals_xla():
     with pytest.raises(ValueError, match="unknown kernel 'mlp'"):
         g.LayerBlocks.parse("mlp=256/16/1/4/4")
     assert g.LayerBlocks.parse("down=512/32/1/8/3/1").down == g.GemvBlocks(512, 32, 1, 8, 3, 1)
-    with pytest.raises(ValueError, match="layers='pallas'"):
-        decode.Decoder(build_model(dataclasses.replace(cfg, head_dim=16, hidden_size=64)), layers="pallas")
+    small_heads = build_model(dataclasses.replace(cfg, head_dim=32))
+    with pytest.raises(ValueError, match="layers='pallas'"):  # 32 / 2 / 2 default rope_parts = 8 < 16
+        decode.Decoder(small_heads, layers="pallas")
+    one_part = g.LayerBlocks(qkv=g.GemvBlocks(rope_parts=1))
+    assert decode.Decoder(small_heads, layers="pallas", gemv_blocks=one_part).layer_impl == decode.DecodeLayerImpl.pallas

@@ -363,10 +363,14 @@ def gate_up_swiglu_reference(x_bd, wgu_xd, *, eps: float):
     return (jax.nn.silu(y[:, :f]) * y[:, f:]).astype(x_bd.dtype)
 
 
-def supported(hidden: int, mlp_dim: int, num_heads: int, head_dim: int, blocks: GemvBlocks = GemvBlocks()) -> bool:
-    """Whether a model's shapes tile: head_dim / 2 / rope_parts a power of two >= 16, and the
-    output dims multiples of block_n, every reduction dim a multiple of 16."""
-    cols = head_dim // 2 // blocks.rope_parts
+def supported(hidden: int, mlp_dim: int, num_heads: int, head_dim: int, blocks: LayerBlocks | None = None) -> bool:
+    """Whether a model's shapes tile with these blocks: head_dim / 2 / qkv.rope_parts a power of
+    two >= 16, every output dim a multiple of its kernel's block_n, every reduction dim a
+    multiple of 16."""
+    blocks = blocks or LayerBlocks()
+    parts = blocks.qkv.rope_parts
+    cols = head_dim // 2 // parts
     dims_ok = all(x % MIN_ROWS == 0 for x in (hidden, mlp_dim, num_heads * head_dim))
-    return (head_dim % (2 * blocks.rope_parts) == 0 and cols >= MIN_ROWS and cols & (cols - 1) == 0 and dims_ok
-            and hidden % blocks.block_n == 0 and mlp_dim % blocks.block_n == 0)
+    return (head_dim % (2 * parts) == 0 and cols >= MIN_ROWS and cols & (cols - 1) == 0 and dims_ok
+            and hidden % blocks.out.block_n == 0 and hidden % blocks.down.block_n == 0
+            and mlp_dim % blocks.gate_up.block_n == 0)
