@@ -1,0 +1,532 @@
+"""Flash attention BACKWARD pass for Hopper GPUs, written with Pallas' Mosaic GPU backend.
+
+The companion of `flash_attention_mgpu.py` (the forward): it consumes the forward's output O
+and its log2-domain log-sum-exp L [B, H, T] and returns dQ, dK, dV. The algorithm is
+FlashAttention-2's Algorithm 2 (Dao 2023, arXiv:2307.08691): P is recomputed from L, so
+nothing of size T x S is ever stored. The backward runs as two kernels plus one XLA reduction:
+
+  delta = rowsum(dO * O)            [B, H, T] f32, a fused XLA reduction (memory bound, small)
+  dK/dV kernel                      grid (S / (2 * block_kv_dkv), KV, B)
+  dQ kernel                         grid (T / (2 * block_q_dq), H, B)
+
+dK/dV kernel, one CTA per K/V tile of one KV head. Three warpgroups:
+  * two consumers, each owning `block_kv_dkv` key rows: K and V stay in shared memory, dK and
+    dV accumulate in registers (the f32 wgmma accumulator) across the whole loop;
+  * one producer that streams (Q, dO, L, delta) tiles of every query head of the KV head's GQA
+    group into a `stages_dkv`-deep shared-memory ring by TMA. Both consumers read every slot,
+    so each Q/dO tile fetched serves 2 * block_kv_dkv keys, and the GQA sum over the group
+    happens in the accumulators (nothing is repeated or materialised per query head).
+  Per ring slot a consumer issues two wgmmas with shared-memory operands, Sᵀ = K Qᵀ and
+  dPᵀ = V dOᵀ, waits once, computes Pᵀ = exp2(Sᵀ c − L) and dSᵀ = Pᵀ ∘ (dPᵀ − delta) on the
+  accumulator fragments, and issues dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ and dSᵀ as register A
+  operands (the transposed formulation of FlashAttention-2/3, which keeps dK/dV as
+  row-major accumulators; Shah et al. 2024 use the same layout in FlashAttention-3).
+
+dQ kernel, one CTA per pair of 64-row query tiles of one head (token pairing, as the forward's
+MHA path): the consumers keep Q, dO, L and delta on chip, the producer streams K/V tiles (the
+same ring as the forward), and per tile a consumer computes S = Q Kᵀ and dP = dO Vᵀ (two
+shared-memory wgmmas, one wait), dS = P ∘ (dP − delta), and dQ += dS K (register A).
+
+Why a separate dQ kernel rather than FlashAttention-3's in-kernel dQ (dS K accumulated into an
+f32 dQ in HBM with atomic TMA reduce-adds): it is deterministic, it needs no f32 dQ buffer, and
+jax 0.11.2's GPU interpret mode (our CPU tests) does not implement TMA reductions. It costs two
+recomputed matmuls per tile pair (7 instead of 5).
+
+Causal: a K/V tile skips every q tile entirely above the diagonal (the producer starts at the
+first q tile that can see it); only tiles crossing the diagonal build the mask. The dQ kernel
+skips K/V tiles past the diagonal the same way. Causal CTAs of the dQ kernel run longest-first.
+
+Limits (refused by `unsupported_reason`; `flash_attention` then uses the Triton backward):
+bf16 / f16; head dim 64 or 128 (at D=256 the two f32 accumulators dK, dV of one 64-row tile
+alone need 256 registers per thread); no segment ids; T a multiple of 2 * block_q_dq and of
+block_q_dkv, S a multiple of 2 * block_kv_dkv and of block_kv_dq; causal needs T == S.
+
+Interpret mode (CPU tests): as in the forward (`_Geometry.in_place`), jax 0.11.2's interpreter
+runs neither `pl.run_state` nor a wgmma with a register A operand, so the two register-A
+products are `jnp.dot`s of the same operands there; the TMA ring, barriers, shared-memory
+wgmmas, masking and stores are the code the GPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from scaling.kernels.flash_attention_mgpu import DTYPES, LOG2_E
+
+HEAD_DIMS = (64, 128)
+CONSUMERS = 2  # compute warpgroups per CTA; the producer is warpgroup CONSUMERS
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBwdConfig:
+    """Tiling of the Mosaic backward.
+
+    block_q_dkv: query rows per ring slot of the dK/dV kernel (N of Sᵀ = K Qᵀ, K of dV += Pᵀ dO).
+    block_kv_dkv: key rows per consumer of the dK/dV kernel (M of all its matmuls; 64 or 128).
+      A CTA covers 2 * block_kv_dkv keys.
+    stages_dkv: depth of the (Q, dO, L, delta) ring, >= 2.
+    block_q_dq: query rows per consumer of the dQ kernel (64: one wgmma row block). A CTA
+      covers 2 * block_q_dq queries.
+    block_kv_dq: keys per ring slot of the dQ kernel (N of S = Q Kᵀ, K of dQ += dS K).
+    stages_dq: depth of the K/V ring of the dQ kernel, >= 2.
+    """
+
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 64
+    stages_dkv: int = 2
+    block_q_dq: int = 64
+    block_kv_dq: int = 64
+    stages_dq: int = 2
+
+
+DEFAULT_CONFIGS = {
+    64: MosaicBwdConfig(),
+    128: MosaicBwdConfig(),
+}
+
+
+def default_config(head_dim: int) -> MosaicBwdConfig:
+    return DEFAULT_CONFIGS[head_dim]
+
+
+def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool,
+                       config: MosaicBwdConfig | None = None) -> str | None:
+    """Why the Mosaic backward cannot take this call (None when it can)."""
+    b, t, h, d = q_shape
+    _, s, kv, _ = k_shape
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the Mosaic backward supports bfloat16 and float16)"
+    if d not in HEAD_DIMS:
+        return f"head dim {d} (the Mosaic backward supports {HEAD_DIMS})"
+    if segmented:
+        return "segment ids (not implemented in the Mosaic backward)"
+    if h % kv:
+        return f"{h=} not a multiple of {kv=}"
+    if causal and t != s:
+        return f"causal with q length {t} != kv length {s}"
+    cfg = config or default_config(d)
+    for length, name, multiple in ((t, "q length", CONSUMERS * cfg.block_q_dq), (t, "q length", cfg.block_q_dkv),
+                                   (s, "kv length", CONSUMERS * cfg.block_kv_dkv), (s, "kv length", cfg.block_kv_dq)):
+        if length % multiple:
+            return f"{name} {length} is not a multiple of {multiple} (Mosaic backward tiles {cfg})"
+    return None
+
+
+def _validate_config(cfg: MosaicBwdConfig):
+    if not isinstance(cfg, MosaicBwdConfig):
+        raise TypeError(f"Mosaic backward config must be a MosaicBwdConfig, got {type(cfg).__name__}")
+    if cfg.block_q_dq != 64:
+        raise ValueError(f"MosaicBwdConfig.block_q_dq={cfg.block_q_dq} must be 64 (one wgmma row block)")
+    if cfg.block_kv_dkv not in (64, 128):
+        raise ValueError(f"MosaicBwdConfig.block_kv_dkv={cfg.block_kv_dkv} must be 64 or 128")
+    for name in ("block_q_dkv", "block_kv_dq"):
+        size = getattr(cfg, name)
+        if size % 64 or not 64 <= size <= 256:
+            raise ValueError(f"MosaicBwdConfig.{name}={size} must be 64, 128, 192 or 256")
+    for name in ("stages_dkv", "stages_dq"):
+        stages = getattr(cfg, name)
+        if not isinstance(stages, int) or stages < 2:
+            raise ValueError(f"MosaicBwdConfig.{name}={stages!r} must be an int >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    batch: int
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    sm_scale: float
+    cfg: MosaicBwdConfig
+    in_place: bool = True  # False under interpret mode: register-A products as jnp.dot (docstring)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def scale_log2(self) -> float:  # logits times this are log2-domain exponents, like L
+        return self.sm_scale * LOG2_E
+
+
+def _bcast(x, shape, dim: int):
+    """A [n] row/column statistic broadcast over a [m, n] or [n, m] tile along `dim`."""
+    return lax.broadcast_in_dim(x, shape, [dim])
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _two_scores(a1, b1, a2, b2, shape):
+    """(a1 @ b1, a2 @ b2) as f32 wgmmas with shared-memory operands, issued together, one wait."""
+
+    def issue(acc1, acc2):
+        plgpu.wgmma(acc1, a1, b1)
+        plgpu.wgmma(acc2, a2, b2)
+        return acc1[...], acc2[...]
+
+    return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _accumulate(geo: _Geometry, accs, lhs, rhs_refs):
+    """acc_i += lhs_i @ rhs_i for each i, lhs in registers (16-bit), rhs in shared memory."""
+    if geo.in_place:  # the accumulators are the wgmma accumulators; run_state waits for them
+        def issue(acc_refs):
+            for acc_ref, a, b in zip(acc_refs, lhs, rhs_refs):
+                plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+    return tuple(acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+                 for acc, a, b in zip(accs, lhs, rhs_refs))
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+# ----------------------------------------------------------------------------------------------
+# dK / dV.
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
+                k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free, *, geo: _Geometry):
+    """One CTA: 2 * block_kv_dkv keys of one KV head. q/do [B, T, H, D], k/v [B, S, KV, D],
+    lse/delta [B, H, T] f32, dk/dv [B, S, KV, D]."""
+    cfg = geo.cfg
+    bq, bkv, stages = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.stages_dkv
+    wg = lax.axis_index("wg")
+    b = lax.axis_index("b")
+    kv_head = lax.axis_index("h")
+    cta_s0 = lax.axis_index("s") * (CONSUMERS * bkv)
+    num_q = geo.q_len // bq
+    # Causal: q tiles wholly above this CTA's first key see none of its keys (FA2 section 3.1.1).
+    first = lax.div(cta_s0, bq) if geo.causal else 0
+    per_head = num_q - first  # ring steps per query head of the group (>= 1)
+    total = geo.group * per_head
+
+    def wait_slot(slot):
+        for bar in (q_full, do_full, lse_full, delta_full):
+            plgpu.barrier_wait(bar.at[slot])
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(240, action="increase")
+        s0 = cta_s0 + wg * bkv
+        my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+        rows = (b, pl.ds(s0, bkv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_full.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_full.at[wg])
+        plgpu.barrier_wait(k_full.at[wg])
+        plgpu.barrier_wait(v_full.at[wg])
+
+        def step(i, carry, *, base, masked):
+            dk, dv = carry
+            slot = lax.rem(base + i, stages)
+            wait_slot(slot)
+            q_s, do_s = q_ring.at[slot], do_ring.at[slot]
+            st, dpt = _two_scores(my_k, q_s.T, my_v, do_s.T, (bkv, bq))  # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
+            lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            x = st * geo.scale_log2 - _bcast(lse, st.shape, 1)
+            if masked:  # key s0 + r is visible to query i * bq + c when i * bq + c >= s0 + r
+                visible = _iota(st.shape, 1) + (i * bq - s0) >= _iota(st.shape, 0)
+                x = jnp.where(visible, x, -jnp.inf)
+            pt = jnp.exp2(x)  # Pᵀ recomputed from L (FA2 Algorithm 2, line 13)
+            dst = pt * (dpt - _bcast(delta, st.shape, 1))  # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+            dtype = q_ring.dtype
+            dv, dk = _accumulate(geo, (dv, dk), (pt.astype(dtype), dst.astype(dtype)), (do_s, q_s))
+            plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
+            return dk, dv
+
+        def skip(i, carry, *, base):  # a slot the partner consumer needs but this one does not
+            slot = lax.rem(base + i, stages)
+            wait_slot(slot)
+            plgpu.barrier_arrive(slot_free.at[slot])
+            return carry
+
+        def head(g, carry):  # one query head of the group: its q tiles first .. num_q - 1
+            base = g * per_head - first  # ring step of q tile i is base + i
+            part = lambda fn, **kw: functools.partial(fn, base=base, **kw)
+            if not geo.causal:
+                return lax.fori_loop(0, num_q, part(step, masked=False), carry)
+            skip_end = lax.div(s0, bq)  # first q tile holding a query >= s0
+            mask_end = jnp.minimum(lax.div(s0 + bkv - 1 + bq - 1, bq), num_q)  # first with t0 >= s0 + bkv - 1
+            carry = lax.fori_loop(first, skip_end, part(skip), carry)
+            carry = lax.fori_loop(skip_end, mask_end, part(step, masked=True), carry)
+            return lax.fori_loop(mask_end, num_q, part(step, masked=False), carry)
+
+        dk, dv = lax.fori_loop(0, geo.group, head, (_zeros((bkv, geo.head_dim)), _zeros((bkv, geo.head_dim))))
+        my_k[...] = (dk * geo.sm_scale).astype(my_k.dtype)  # K, V are dead: stage the outputs
+        my_v[...] = dv.astype(my_v.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(24, action="decrease")
+
+        def fetch(j, slot):
+            head = kv_head * geo.group + lax.div(j, per_head)
+            t = pl.ds((first + lax.rem(j, per_head)) * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, t, head], q_ring.at[slot], q_full.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, head, t], lse_ring.at[slot], lse_full.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, t, head], do_ring.at[slot], do_full.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, head, t], delta_ring.at[slot], delta_full.at[slot])
+
+        _produce(fetch, slot_free, total, stages)
+
+
+def _produce(fetch, free, total, stages: int):
+    """The producer's ring protocol: fill, refill each slot once both consumers released it,
+    then observe the last releases (so every barrier phase is waited on exactly once)."""
+    for j in range(stages):
+        @pl.when(j < total)
+        def _():
+            fetch(j, j)
+
+    @pl.loop(stages, jnp.maximum(total, stages))
+    def _refill(j):
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(free.at[slot])
+        fetch(j, slot)
+
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _drain(j):
+        plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+
+
+def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
+    cfg = geo.cfg
+    d, dtype = geo.head_dim, q.dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    stages = cfg.stages_dkv
+    scratch = (
+        plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, d), dtype, transforms=tiled),  # K
+        plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, d), dtype, transforms=tiled),  # V
+        plgpu.SMEM((stages, cfg.block_q_dkv, d), dtype, transforms=tiled),  # Q ring
+        plgpu.SMEM((stages, cfg.block_q_dkv, d), dtype, transforms=tiled),  # dO ring
+        plgpu.SMEM((stages, cfg.block_q_dkv), jnp.float32),  # L ring
+        plgpu.SMEM((stages, cfg.block_q_dkv), jnp.float32),  # delta ring
+        plgpu.Barrier(num_barriers=CONSUMERS),  # k_full
+        plgpu.Barrier(num_barriers=CONSUMERS),  # v_full
+        plgpu.Barrier(num_barriers=stages),  # q_full
+        plgpu.Barrier(num_barriers=stages),  # do_full
+        plgpu.Barrier(num_barriers=stages),  # lse_full
+        plgpu.Barrier(num_barriers=stages),  # delta_full
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # slot_free
+    )
+    out = jax.ShapeDtypeStruct(k.shape, dtype)
+    return plgpu.kernel(
+        functools.partial(_dkv_kernel, geo=geo),
+        out_type=(out, out),
+        scratch_types=scratch,
+        grid=(geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), geo.kv_heads, geo.batch),
+        grid_names=("s", "h", "b"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q, k, v, do, lse, delta)
+
+
+# ----------------------------------------------------------------------------------------------
+# dQ.
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring,
+               q_full, do_full, lse_full, delta_full, k_full, v_full, k_free, v_free, *, geo: _Geometry):
+    """One CTA: 2 * 64 queries of one head. Refs as in `_dkv_kernel`; dq [B, T, H, D]."""
+    cfg = geo.cfg
+    bq, bkv, stages = cfg.block_q_dq, cfg.block_kv_dq, cfg.stages_dq
+    wg = lax.axis_index("wg")
+    b = lax.axis_index("b")
+    head = lax.axis_index("h")
+    kv_head = lax.div(head, geo.group)
+    num_tiles = geo.q_len // (CONSUMERS * bq)
+    # Heavy causal tiles (high token index) first: the last CTAs to start are the short ones.
+    tile = num_tiles - 1 - lax.axis_index("t") if geo.causal else lax.axis_index("t")
+    cta_q0 = tile * (CONSUMERS * bq)
+
+    def kv_steps(q_end):  # K/V tiles that rows < q_end can see
+        return lax.div(q_end + bkv - 1, bkv) if geo.causal else geo.kv_len // bkv
+
+    cta_steps = kv_steps(cta_q0 + CONSUMERS * bq)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        q0 = cta_q0 + wg * bq
+        rows = (b, pl.ds(q0, bq), head)
+        my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, q_full.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, do_full.at[wg])
+        stats = (b, head, pl.ds(q0, bq))
+        plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_full.at[wg])
+        plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_full.at[wg])
+        for bar in (q_full, do_full, lse_full, delta_full):
+            plgpu.barrier_wait(bar.at[wg])
+        lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        my_steps = kv_steps(q0 + bq)
+        unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps  # tiles wholly at or below the diagonal
+
+        def step(j, dq, *, masked):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_full.at[slot])
+            plgpu.barrier_wait(v_full.at[slot])
+            k_s, v_s = k_ring.at[slot], v_ring.at[slot]
+            s, dp = _two_scores(my_q, k_s.T, my_do, v_s.T, (bq, bkv))  # S = Q Kᵀ, dP = dO Vᵀ
+            plgpu.barrier_arrive(v_free.at[slot])
+            x = s * geo.scale_log2 - _bcast(lse, s.shape, 0)
+            if masked:  # row q0 + r sees key j * bkv + c when j * bkv + c <= q0 + r
+                visible = _iota(s.shape, 0) + (q0 - j * bkv) >= _iota(s.shape, 1)
+                x = jnp.where(visible, x, -jnp.inf)
+            p = jnp.exp2(x)
+            ds = p * (dp - _bcast(delta, s.shape, 0))  # dS = P ∘ (dP − delta)
+            (dq,) = _accumulate(geo, (dq,), (ds.astype(q_smem.dtype),), (k_s,))  # dQ += dS K
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        dq = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), _zeros((bq, geo.head_dim)))
+        if geo.causal:
+            dq = lax.fori_loop(unmasked_steps, my_steps, functools.partial(step, masked=True), dq)
+
+            @pl.loop(my_steps, cta_steps)  # the partner's extra tile: wait and release it
+            def _skip(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_full.at[slot])
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+
+        my_q[...] = (dq * geo.sm_scale).astype(my_q.dtype)  # Q is dead: stage dQ there
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def fetch(j, slot):
+            rows = (b, pl.ds(j * bkv, bkv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[slot], k_full.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[slot], v_full.at[slot])
+
+        for j in range(stages):  # fill the ring
+            @pl.when(j < cta_steps)
+            def _():
+                fetch(j, j)
+
+        @pl.loop(stages, jnp.maximum(cta_steps, stages))
+        def _refill(j):  # K and V slots are released separately: V first (after dP)
+            slot = lax.rem(j, stages)
+            rows = (b, pl.ds(j * bkv, bkv), kv_head)
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[slot], v_full.at[slot])
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[slot], k_full.at[slot])
+
+        @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
+        def _drain(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.barrier_wait(k_free.at[slot])
+
+
+def _dq_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
+    cfg = geo.cfg
+    d, dtype = geo.head_dim, q.dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    stages = cfg.stages_dq
+    scratch = (
+        plgpu.SMEM((CONSUMERS, cfg.block_q_dq, d), dtype, transforms=tiled),  # Q
+        plgpu.SMEM((CONSUMERS, cfg.block_q_dq, d), dtype, transforms=tiled),  # dO
+        plgpu.SMEM((CONSUMERS, cfg.block_q_dq), jnp.float32),  # L
+        plgpu.SMEM((CONSUMERS, cfg.block_q_dq), jnp.float32),  # delta
+        plgpu.SMEM((stages, cfg.block_kv_dq, d), dtype, transforms=tiled),  # K ring
+        plgpu.SMEM((stages, cfg.block_kv_dq, d), dtype, transforms=tiled),  # V ring
+        plgpu.Barrier(num_barriers=CONSUMERS),  # q_full
+        plgpu.Barrier(num_barriers=CONSUMERS),  # do_full
+        plgpu.Barrier(num_barriers=CONSUMERS),  # lse_full
+        plgpu.Barrier(num_barriers=CONSUMERS),  # delta_full
+        plgpu.Barrier(num_barriers=stages),  # k_full
+        plgpu.Barrier(num_barriers=stages),  # v_full
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # k_free
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
+    )
+    return plgpu.kernel(
+        functools.partial(_dq_kernel, geo=geo),
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=scratch,
+        grid=(geo.q_len // (CONSUMERS * cfg.block_q_dq), geo.heads, geo.batch),
+        grid_names=("t", "h", "b"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q, k, v, do, lse, delta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point.
+
+
+@functools.partial(jax.jit, static_argnames=("geo", "interpret"))
+def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: bool):
+    # delta_i = rowsum(dO_i ∘ O_i) (FA2 Algorithm 2, line 4): one fused XLA reduction, [B, H, T].
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
+    dq = _dq_call(q, k, v, do, lse, delta, geo, interpret)
+    return dq, dk, dv
+
+
+def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float | None = None,
+                    config: MosaicBwdConfig | None = None, interpret: bool = False):
+    """(dq, dk, dv) of softmax(q kᵀ · sm_scale + mask) v, given the forward's o and lse.
+
+    q, o, do: [B, T, H, D]; k, v: [B, S, KV, D] (H % KV == 0); lse: [B, H, T] f32, log2 domain,
+    as returned by `flash_attention_mgpu.mosaic_forward`. Gradients come back in the input dtype
+    (dK, dV summed over each GQA group in f32 before the single rounding).
+    Raises ValueError (TypeError for a wrong config type) before any kernel runs for what this
+    backward does not support (see `unsupported_reason`).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {getattr(x, 'shape', None)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k and v must be [B, S, KV, D] matching q [B, T, H, D]: {q.shape=}, {k.shape=}, {v.shape=}")
+    if o.shape != q.shape or do.shape != q.shape:
+        raise ValueError(f"o and do must have q's shape {q.shape}, got {o.shape=}, {do.shape=}")
+    if not q.dtype == k.dtype == v.dtype == o.dtype == do.dtype:
+        raise ValueError(f"q, k, v, o, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, {do.dtype}")
+    b, t, h, d = q.shape
+    if lse.shape != (b, h, t) or lse.dtype != jnp.float32:
+        raise ValueError(f"lse must be float32 [B, H, T]={(b, h, t)}, got {lse.dtype} {lse.shape}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"Mosaic flash attention backward does not support head dim {d} (only {HEAD_DIMS})")
+    cfg = config if config is not None else default_config(d)
+    _validate_config(cfg)
+    reason = unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False, config=cfg)
+    if reason is not None:
+        raise ValueError(f"Mosaic flash attention backward does not support this call: {reason}")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    geo = _Geometry(batch=b, q_len=t, kv_len=k.shape[1], heads=h, kv_heads=k.shape[2], head_dim=d,
+                    causal=bool(causal), sm_scale=scale, cfg=cfg, in_place=not interpret)
+    return _backward(q, k, v, o, lse, do, geo, bool(interpret))
