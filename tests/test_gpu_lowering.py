@@ -7,6 +7,8 @@ lowering, which rejects some programs that interpret mode accepts (a scalar pred
 target; that runs the whole Pallas -> Triton IR lowering (PTX compilation still needs a GPU).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -61,18 +63,39 @@ def test_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal):
     assert text.count(TRITON_CALL) >= 3  # forward, dK/dV, dQ
 
 
-def test_decode_layer_kernels_lower_for_hopper(as_h100):
-    """scaling.kernels.decode_gemv at the 1b shapes (batch 16, head_dim 64, GQA 4)."""
+@pytest.mark.parametrize("b", [16, 1, 8])
+def test_decode_layer_kernels_lower_for_hopper(as_h100, b):
+    """scaling.kernels.decode_gemv at the 1b shapes (head_dim 64, GQA 4): batch 16 on the
+    tensor cores, 1 and 8 on the vector path with its default blocks."""
     from scaling.kernels import decode_gemv as g
 
-    b, d, n, kv, h, f, s = 16, 2048, 32, 8, 64, 8192, 384
-    text = lower_for_cuda(lambda *a: g.qkv_rope(*a, num_heads=n, eps=1e-5),
+    d, n, kv, h, f, s, v = 2048, 32, 8, 64, 8192, 384, 32000
+    lb = g.default_blocks(b, h)
+    text = lower_for_cuda(lambda *a: g.qkv_rope(*a, num_heads=n, eps=1e-5, blocks=lb.qkv),
                           sds((b, d)), sds(((n + 2 * kv) * h, d)), sds((h // 2,), jnp.float32), sds((b,), jnp.int32),
                           sds((b, s, kv, h)), sds((b, s, kv, h)))
     assert text.count(TRITON_CALL) == 1
+    assert lower_for_cuda(lambda x, w: g.norm_matmul(x, w, eps=1e-5, blocks=lb.head),
+                          sds((b, d)), sds((v, d))).count(TRITON_CALL) == 1
     prefetch = g.GemvBlocks(block_k=512, block_n=32, prefetch=1, num_stages=1)
-    for blocks in (g.GemvBlocks(), prefetch):
+    for blocks in ((lb.down, prefetch) if b >= 16 else (lb.down, dataclasses.replace(lb.down, prefetch=1))):
         assert lower_for_cuda(lambda a, w, r: g.matmul_residual(a, w, r, blocks=blocks),
                               sds((b, f)), sds((d, f)), sds((b, d))).count(TRITON_CALL) == 1
         assert lower_for_cuda(lambda x, w: g.gate_up_swiglu(x, w, eps=1e-5, blocks=blocks),
                               sds((b, d)), sds((2 * f, d))).count(TRITON_CALL) == 1
+
+
+MOSAIC_CALL = "mosaic_gpu_v2"
+
+
+@pytest.mark.parametrize("causal, kv", [(True, 8), (False, 2)])
+def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal, kv):
+    """backend="mosaic": the Mosaic GPU forward, dK/dV and dQ kernels go through Pallas' Mosaic
+    GPU lowering (with the register-A wgmmas interpret mode cannot run) for the "cuda" platform."""
+    q, kvs = sds((1, 256, 8, 128)), sds((1, 256, kv, 128))
+
+    def loss(q, k, v):
+        return flash_attention(q, k, v, causal=causal, backend="mosaic").astype(jnp.float32).sum()
+
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kvs, kvs)
+    assert text.count(MOSAIC_CALL) == 3 and TRITON_CALL not in text  # forward, dK/dV, dQ

@@ -36,6 +36,8 @@ inside the dK/dV kernel with f32 atomics (fewer matmuls, but slower on an H200: 
 
 Backend: Pallas' Triton lowering (`plgpu.CompilerParams`), which jax 0.11 marks deprecated in
 favour of Mosaic GPU; on a CPU backend the same kernels run in Pallas interpret mode.
+`backend="mosaic"` swaps in the Hopper kernels of `flash_attention_mgpu.py` (forward) and
+`flash_attention_mgpu_bwd.py` (backward) for the calls they support.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from scaling.kernels import flash_attention_mgpu as mgpu
+from scaling.kernels import flash_attention_mgpu_bwd as mgpu_bwd
 from scaling.kernels.reference import SegmentIds, split_segment_ids
 
 # Finite: the running max of a fully masked row stays this value instead of -inf.
@@ -172,7 +175,9 @@ class _Plan:
     dq: _Tiles
     fused_dq: bool
     interpret: bool
-    mosaic: mgpu.MosaicConfig | None = None  # forward by the Mosaic GPU kernel (backward unchanged)
+    mosaic: mgpu.MosaicConfig | None = None  # forward by the Mosaic GPU kernel
+    # Backward by the Mosaic GPU kernels (only together with `mosaic`: they read its lse layout).
+    mosaic_bwd: mgpu_bwd.MosaicBwdConfig | None = None
 
     @property
     def chunks(self) -> int:  # programs per KV head (> 1 only when G has an odd factor)
@@ -553,6 +558,8 @@ def _mosaic_forward(q, k, v, plan: _Plan):
     """
     o, lse = mgpu.mosaic_forward(q, k, v, causal=plan.causal, sm_scale=plan.sm_scale,
                                  config=plan.mosaic, interpret=plan.interpret)
+    if plan.mosaic_bwd is not None:  # the Mosaic backward reads lse [B, H, T] as it is
+        return o, lse
     b, hp, fold = plan.batch, plan.head_programs, plan.fold
     lse = lse.reshape(b, hp, fold, plan.q_len).transpose(0, 1, 3, 2)
     if plan.q_pad != plan.q_len:
@@ -594,6 +601,9 @@ def _forward(q, k, v, seg, plan: _Plan):
 
 @functools.partial(jax.jit, static_argnames="plan")
 def _backward(q, k, v, seg, o, lse, do, plan: _Plan):
+    if plan.mosaic_bwd is not None:
+        return mgpu_bwd.mosaic_backward(q, k, v, o, lse, do, causal=plan.causal, sm_scale=plan.sm_scale,
+                                        config=plan.mosaic_bwd, interpret=plan.interpret)
     b, hp, fold = plan.batch, plan.head_programs, plan.fold
     # D_i = rowsum(dO_i ∘ O_i): one cheap fused XLA reduction, laid out like lse.
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, T, H]
@@ -774,6 +784,8 @@ def flash_attention(
     interpret: bool = False,
     backend: str = "triton",
     mosaic_config: mgpu.MosaicConfig | None = None,
+    mosaic_backward: bool = True,
+    mosaic_bwd_config: mgpu_bwd.MosaicBwdConfig | None = None,
 ) -> jax.Array:
     """softmax(q kᵀ · sm_scale + mask) v with FlashAttention-2 Pallas kernels; differentiable.
 
@@ -786,18 +798,31 @@ def flash_attention(
     block_sizes: tiles and launch parameters; default: the tuned `BLOCK_SIZE_TABLE` entry.
     interpret: run the kernels in Pallas interpret mode. On a CPU backend interpret mode is
       used automatically (the Triton kernels need a GPU), so the same code runs everywhere.
-    backend: which kernel runs the FORWARD pass (the backward is always the Triton-lowered
-      Pallas pair dK/dV + dQ). "triton" (default): `_fwd_kernel`. "mosaic": the Hopper
-      kernel of `flash_attention_mgpu.py` (wgmma, TMA ring, warp specialisation) when it
-      supports the call, otherwise the Triton forward (it refuses segment ids, f32, head
-      dims other than 64/128/256 and lengths that are not multiples of its tiles; see
-      `flash_attention_mgpu.unsupported_reason`). "auto": "mosaic" on an sm_90 GPU, else
-      "triton". On a CPU backend "mosaic" runs Pallas' GPU interpret mode (slow; for tests).
+    backend: which kernels run. "triton" (default): the Triton-lowered Pallas kernels
+      (`_fwd_kernel`, then the dK/dV + dQ pair). "mosaic": the Hopper forward of
+      `flash_attention_mgpu.py` (wgmma, TMA ring, warp specialisation) when it supports the
+      call, otherwise the Triton forward (it refuses segment ids, f32, head dims other than
+      64/128/256 and lengths that are not multiples of its tiles; see
+      `flash_attention_mgpu.unsupported_reason`); with the Mosaic forward, also the Hopper
+      backward of `flash_attention_mgpu_bwd.py` when it supports the call (head dims 64/128,
+      lengths multiples of 128 by default; see `flash_attention_mgpu_bwd.unsupported_reason`),
+      otherwise the Triton backward. "auto": "mosaic" on an sm_90 GPU, else "triton". On a
+      CPU backend "mosaic" runs Pallas' GPU interpret mode (slow; for tests).
     mosaic_config: tiles of the Mosaic forward; default per head dim (`mgpu.DEFAULT_CONFIGS`).
+    mosaic_backward: False keeps the Triton backward behind the Mosaic forward (a switch for
+      comparisons and a fallback; no effect with backend="triton").
+    mosaic_bwd_config: tiles of the Mosaic backward; default per head dim
+      (`mgpu_bwd.DEFAULT_CONFIGS`).
 
     Returns [B, T, H, D] in q's dtype. The backward pass saves only q, k, v, the output and the
     per-row log-sum-exp, and recomputes the probabilities in two Pallas kernels (dK/dV, dQ).
     """
+    if not isinstance(mosaic_backward, bool):
+        raise TypeError(f"mosaic_backward must be True or False, got {mosaic_backward!r}")
+    if mosaic_bwd_config is not None and not isinstance(mosaic_bwd_config, mgpu_bwd.MosaicBwdConfig):
+        raise TypeError(f"mosaic_bwd_config must be a MosaicBwdConfig or None, got {type(mosaic_bwd_config).__name__}")
+    if mosaic_bwd_config is not None:
+        mgpu_bwd.validate_config(mosaic_bwd_config)
     _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes)
     seg = split_segment_ids(segment_ids)
     if seg is not None:
@@ -810,6 +835,9 @@ def flash_attention(
                       blocks=blocks, interpret=interpret)
     if _use_mosaic(backend, q, k, causal=bool(causal), segmented=seg is not None, config=mosaic_config):
         plan = dataclasses.replace(plan, mosaic=mosaic_config or mgpu.default_config(d))
+        if mosaic_backward and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal),
+                                                           segmented=False, config=mosaic_bwd_config) is None:
+            plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d))
     return _flash(q, k, v, seg, plan)
 
 

@@ -120,7 +120,7 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
     return None
 
 
-def _validate_config(cfg: MosaicBwdConfig):
+def validate_config(cfg: MosaicBwdConfig):
     if not isinstance(cfg, MosaicBwdConfig):
         raise TypeError(f"Mosaic backward config must be a MosaicBwdConfig, got {type(cfg).__name__}")
     if cfg.block_q_dq != 64:
@@ -522,7 +522,7 @@ def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float
     if d not in HEAD_DIMS:
         raise ValueError(f"Mosaic flash attention backward does not support head dim {d} (only {HEAD_DIMS})")
     cfg = config if config is not None else default_config(d)
-    _validate_config(cfg)
+    validate_config(cfg)
     reason = unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False, config=cfg)
     if reason is not None:
         raise ValueError(f"Mosaic flash attention backward does not support this call: {reason}")

@@ -1,0 +1,173 @@
+"""Mosaic GPU flash attention backward (scaling/kernels/flash_attention_mgpu_bwd.py).
+
+CPU: the kernels run under Pallas' GPU interpret mode (jax 0.11.2), which simulates the
+warpgroups, shared memory, TMA copies and barriers and checks barrier phases. As for the
+forward (see tests/test_flash_attention_mgpu.py), the two products with a register A operand
+(dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K) are `jnp.dot`s there; the shared-memory wgmmas
+(Sᵀ, dPᵀ, S, dP), the rings, masking and stores are the GPU code. The GPU-only test (skipped
+off-GPU; on a GPU machine: `JAX_PLATFORMS=cuda python -m pytest tests/test_flash_attention_mgpu_bwd.py
+-k hopper`) covers the in-place wgmma path. Fresh random inputs each run (FLASH_SEED=<seed> to
+reproduce); interpret mode is slow, so the shapes are small.
+
+Tolerances (relative L2 error against the f32 reference's gradients): bf16 1.5e-2, f16 2e-3
+(seen: ~2.5e-3 bf16 on the CPU; the inputs are rounded to the dtype, P and dS are rounded to it
+before their matmuls, as in every flash kernel).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scaling.kernels import attention_reference, flash_attention
+from scaling.kernels.flash_attention_mgpu import MosaicConfig, mosaic_forward
+from scaling.kernels.flash_attention_mgpu_bwd import MosaicBwdConfig, mosaic_backward, unsupported_reason
+
+fa = importlib.import_module("scaling.kernels.flash_attention")
+TOL = {jnp.bfloat16: 1.5e-2, jnp.float16: 2e-3}
+ON_HOPPER = jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+def _seed() -> int:
+    return int(os.environ.get("FLASH_SEED", np.random.SeedSequence().entropy % 2**32))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, b, t, s, h, kv, d, dtype):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+                 ((b, t, h, d), (b, s, kv, d), (b, s, kv, d), (b, t, h, d)))
+
+
+def _ref_grads(q, k, v, do, causal):
+    f32 = lambda x: x.astype(jnp.float32)
+    _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal), f32(q), f32(k), f32(v))
+    return vjp(f32(do))
+
+
+def _check(seed, dtype, grads, ref):
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert a.dtype == dtype and a.shape == r.shape, (name, a.dtype, a.shape, r.shape)
+        err = _rel(a, r)
+        assert np.isfinite(err) and err < TOL[dtype], f"{name} rel err {err:.2e} (seed {seed})"
+
+
+CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
+    (1, 256, 256, 2, 2, 64, True, jnp.bfloat16, None,
+     "causal MHA D=64: two K/V CTAs, the upper consumer skips, masked diagonal, dQ skip slots"),
+    (1, 128, 128, 4, 1, 128, True, jnp.float16, None,
+     "causal GQA 4 D=128 f16: dK/dV summed over the group inside the kernel"),
+    (1, 128, 256, 3, 1, 64, False, jnp.bfloat16,
+     MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, stages_dkv=3, stages_dq=3),
+     "non-causal GQA 3, T != S, wide tiles, 3-stage rings deeper than the step counts"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[-1].split(":")[0] for c in CASES])
+def test_backward_matches_reference_interpret(case):
+    b, t, s, h, kv, d, causal, dtype, cfg, _ = case
+    seed = _seed()
+    q, k, v, do = _inputs(seed, b, t, s, h, kv, d, dtype)
+    o, lse = mosaic_forward(q, k, v, causal=causal, config=MosaicConfig(block_kv=64), interpret=True)
+    grads = mosaic_backward(q, k, v, o, lse, do, causal=causal, config=cfg, interpret=True)
+    _check(seed, dtype, grads, _ref_grads(q, k, v, do, causal))
+
+
+def test_flash_attention_dispatches_mosaic_backward_interpret(monkeypatch):
+    """backend="mosaic": Mosaic forward and backward through the custom_vjp (GQA 2, causal)."""
+    calls = []
+    real = fa.mgpu_bwd.mosaic_backward
+    monkeypatch.setattr(fa.mgpu_bwd, "mosaic_backward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    seed = _seed()
+    b, t, h, kv, d, dtype = 1, 128, 4, 2, 64, jnp.bfloat16
+    q, k, v, do = _inputs(seed, b, t, t, h, kv, d, dtype)
+    bwd_cfg = MosaicBwdConfig(stages_dkv=3)
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic",
+                                           mosaic_config=MosaicConfig(block_kv=64), mosaic_bwd_config=bwd_cfg)
+    _, vjp = jax.vjp(ours, q, k, v)
+    grads = vjp(do)
+    assert calls and calls[0]["config"] == bwd_cfg, "the Mosaic backward was not used"
+    _check(seed, dtype, grads, _ref_grads(q, k, v, do, True))
+
+
+def test_backward_switch_and_fallback(monkeypatch):
+    """mosaic_backward=False, or a shape the Mosaic backward refuses, keeps the Triton backward."""
+    monkeypatch.setattr(fa.mgpu_bwd, "mosaic_backward", lambda *a, **kw: pytest.fail("Mosaic backward used"))
+    x = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    plans = []
+    monkeypatch.setattr(fa, "_flash", lambda q, k, v, seg, plan: plans.append(plan) or q)
+    flash_attention(x, x, x, backend="mosaic", mosaic_backward=False)
+    flash_attention(x, x, x, backend="mosaic", mosaic_bwd_config=MosaicBwdConfig(block_kv_dkv=128))  # S=128 < 2*128
+    flash_attention(x, x, x, backend="mosaic")
+    assert [p.mosaic is not None for p in plans] == [True, True, True]
+    assert [p.mosaic_bwd is not None for p in plans] == [False, False, True]
+    with pytest.raises(TypeError, match="mosaic_bwd_config"):
+        flash_attention(x, x, x, backend="mosaic", mosaic_bwd_config={"stages_dq": 3})
+    with pytest.raises(ValueError, match="stages_dq"):
+        flash_attention(x, x, x, backend="mosaic", mosaic_bwd_config=MosaicBwdConfig(stages_dq=1))
+    with pytest.raises(TypeError, match="mosaic_backward"):
+        flash_attention(x, x, x, backend="mosaic", mosaic_backward="yes")
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(segmented=True), "segment ids"),
+    (dict(dtype=jnp.float32), "dtype float32"),
+    (dict(d=256), "head dim 256"),
+    (dict(t=192, s=192), "q length 192"),
+    (dict(t=256, s=320, causal=False), "kv length 320"),
+    (dict(t=256, s=512, causal=True), "causal with q length"),
+])
+def test_unsupported_reasons(kwargs, reason):
+    args = dict(t=256, s=256, h=4, kv=2, d=128, dtype=jnp.bfloat16, causal=True, segmented=False)
+    args.update(kwargs)
+    got = unsupported_reason((1, args["t"], args["h"], args["d"]), (1, args["s"], args["kv"], args["d"]),
+                             args["dtype"], causal=args["causal"], segmented=args["segmented"])
+    assert got is not None and reason in got, got
+    assert unsupported_reason((1, 256, 4, 128), (1, 256, 2, 128), jnp.bfloat16, causal=True, segmented=False) is None
+
+
+def test_mosaic_backward_raises_before_running():
+    x = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        mosaic_backward(x, x, x, x, lse.astype(jnp.bfloat16), x)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        mosaic_backward(x, x, x, x, lse[:, :1], x)
+    with pytest.raises(ValueError, match="o and do"):
+        mosaic_backward(x, x, x, x[:, :64], lse, x)
+    with pytest.raises(ValueError, match="share a dtype"):
+        mosaic_backward(x, x, x, x, lse, x.astype(jnp.float16))
+    with pytest.raises(ValueError, match="4-D"):
+        mosaic_backward(x[0], x, x, x, lse, x)
+    with pytest.raises(ValueError, match="head dim 96"):
+        y = jnp.zeros((1, 128, 2, 96), jnp.bfloat16)
+        mosaic_backward(y, y, y, y, lse, y)
+    with pytest.raises(ValueError, match="block_q_dq"):
+        mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(block_q_dq=128))
+    with pytest.raises(ValueError, match="block_kv_dkv"):
+        mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(block_kv_dkv=96))
+    with pytest.raises(TypeError, match="MosaicBwdConfig"):
+        mosaic_backward(x, x, x, x, lse, x, config=MosaicConfig())
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (the in-place wgmma path)")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("h, kv, d, dtype", [(8, 8, 128, jnp.bfloat16), (8, 2, 128, jnp.bfloat16),
+                                             (6, 2, 64, jnp.float16), (4, 1, 64, jnp.bfloat16)])
+def test_backward_on_hopper(causal, h, kv, d, dtype):
+    seed = _seed()
+    q, k, v, do = _inputs(seed, 2, 512, 512, h, kv, d, dtype)
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic")
+    grads = jax.jit(lambda q, k, v, do: jax.vjp(ours, q, k, v)[1](do))(q, k, v, do)
+    with jax.default_matmul_precision("highest"):
+        ref = _ref_grads(q, k, v, do, causal)
+    _check(seed, dtype, grads, ref)
