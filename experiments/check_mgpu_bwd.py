@@ -1,0 +1,187 @@
+"""GPU check and timing of the Mosaic GPU backward (scaling/kernels/flash_attention_mgpu_bwd.py).
+
+    PYTHONPATH=.:experiments python3 experiments/check_mgpu_bwd.py [--time-only] [--variants ...]
+
+1. Correctness: gradients of flash_attention(backend="mosaic") (Mosaic forward + Mosaic
+   backward) against the f32 reference's on fresh random inputs, at shapes the CPU tests
+   cannot afford; asserts the Mosaic backward was selected for each.
+2. Timing per shape (B, T, H, KV, D, causal): cuDNN, Triton (ours), Mosaic fwd + Triton bwd and
+   Mosaic fwd + Mosaic bwd per backward tile variant, forward+backward TFLOP/s (3.5x the forward
+   FLOPs, bench_attention.py's convention) and the ratio to cuDNN from the same run; then the
+   backward alone split into its parts (delta, dK/dV kernel, dQ kernel) for each variant, so
+   the slow part is visible. Writes $OUT/check_mgpu_bwd.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_attention import flops_fwd, header, make_inputs, rel_err, time_fn
+from scaling.kernels import attention_reference, flash_attention
+from scaling.kernels import flash_attention_mgpu_bwd as bwd
+from scaling.kernels.flash_attention_mgpu import mosaic_forward
+
+VARIANTS = {
+    "d": bwd.MosaicBwdConfig(),
+    "dkv3": bwd.MosaicBwdConfig(stages_dkv=3),
+    "dq128": bwd.MosaicBwdConfig(block_kv_dq=128),
+    "dkv3-dq128": bwd.MosaicBwdConfig(stages_dkv=3, block_kv_dq=128),
+    "dq128s3": bwd.MosaicBwdConfig(block_kv_dq=128, stages_dq=3),
+    # D=64 only (register budget): 128 keys per consumer, or 128-row q slots.
+    "kv128": bwd.MosaicBwdConfig(block_kv_dkv=128, block_kv_dq=128),
+    "q128": bwd.MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128),
+}
+
+
+def check(cases):
+    out = []
+    for b, t, s, h, kv, d, causal, dtype in cases:
+        rec = dict(B=b, T=t, S=s, H=h, KV=kv, D=d, causal=causal, dtype=jnp.dtype(dtype).name)
+        try:
+            why = bwd.unsupported_reason((b, t, h, d), (b, s, kv, d), dtype, causal=causal, segmented=False)
+            assert why is None, why
+            rng = np.random.default_rng()
+            q, k, v, do = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+                           ((b, t, h, d), (b, s, kv, d), (b, s, kv, d), (b, t, h, d)))
+            ours = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic")
+            o, g = jax.jit(lambda q, k, v, do: (ours(q, k, v), jax.vjp(ours, q, k, v)[1](do)))(q, k, v, do)
+            f32 = lambda x: x.astype(jnp.float32)
+            ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)
+            with jax.default_matmul_precision("highest"):
+                o_r, vjp_r = jax.vjp(ref, f32(q), f32(k), f32(v))
+                g_r = vjp_r(f32(do))
+            rec["err_out"] = rel_err(o, o_r)
+            rec["err_dq"], rec["err_dk"], rec["err_dv"] = (rel_err(a, r) for a, r in zip(g, g_r))
+            rec["nan"] = bool(any(np.isnan(np.asarray(x, np.float32)).any() for x in (o, *g)))
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            traceback.print_exc()
+        print("check", json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
+
+
+def _row(name, shape, **kw):
+    b, t, h, kv, d, causal = shape
+    return dict(impl=name, B=b, T=t, H=h, KV=kv, D=d, causal=causal, **kw)
+
+
+def timing(shape, variants, reps):
+    b, t, h, kv, d, causal = shape
+    q, k, v, do = make_inputs(b, t, h, kv, d)
+    f = flops_fwd(b, t, h, d, causal)
+    impls = {
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
+        "triton": lambda q, k, v: flash_attention(q, k, v, causal=causal),
+        "mosaic+triton_bwd": lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic",
+                                                            mosaic_backward=False),
+    }
+    for name, cfg in variants.items():
+        impls[f"mosaic+mbwd-{name}"] = (lambda cfg: lambda q, k, v: flash_attention(
+            q, k, v, causal=causal, backend="mosaic", mosaic_bwd_config=cfg))(cfg)
+    rows, g_ref = [], None
+    for name, fn in impls.items():
+        row = _row(name, shape)
+        try:
+            jb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+            g = jb(q, k, v, do)
+            if g_ref is None:
+                g_ref = g
+            else:
+                row["err_grad_vs_cudnn"] = max(rel_err(a, r) for a, r in zip(g, g_ref))
+            sec = time_fn(jb, q, k, v, do, reps=reps)
+            row.update(ms_fwdbwd=sec * 1e3, tflops_fwdbwd=3.5 * f / sec / 1e12)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        print("time", json.dumps(row), flush=True)
+        rows.append(row)
+    base = rows[0].get("tflops_fwdbwd")
+    for r in rows:
+        if base and "tflops_fwdbwd" in r:
+            r["vs_cudnn_fwdbwd"] = r["tflops_fwdbwd"] / base
+    # The backward alone and its parts (same inputs; o and lse from the Mosaic forward).
+    o, lse = jax.jit(lambda q, k, v: mosaic_forward(q, k, v, causal=causal))(q, k, v)
+    delta_fn = jax.jit(lambda o, do: jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)))
+    delta = delta_fn(o, do)
+    row = _row("delta (XLA)", shape)
+    row["ms"] = time_fn(delta_fn, o, do, reps=reps) * 1e3
+    print("part", json.dumps(row), flush=True)
+    rows.append(row)
+    for name, cfg in variants.items():
+        geo = bwd._Geometry(batch=b, q_len=t, kv_len=t, heads=h, kv_heads=kv, head_dim=d, causal=causal,
+                            sm_scale=1 / math.sqrt(d), cfg=cfg)
+        parts = {
+            "bwd": jax.jit(lambda q, k, v, o, lse, do, cfg=cfg: bwd.mosaic_backward(
+                q, k, v, o, lse, do, causal=causal, config=cfg)),
+            "dkv": jax.jit(lambda q, k, v, o, lse, do, geo=geo: bwd._dkv_call(q, k, v, do, lse, delta, geo, False)),
+            "dq": jax.jit(lambda q, k, v, o, lse, do, geo=geo: bwd._dq_call(q, k, v, do, lse, delta, geo, False)),
+        }
+        row = _row(f"mbwd-{name} parts", shape)
+        for part, fn in parts.items():
+            try:
+                sec = time_fn(fn, q, k, v, o, lse, do, reps=reps)
+                # FLOPs: dK/dV 4 matmuls, dQ 3 (each 2·B·H·T²·D, halved when causal).
+                pf = {"bwd": 2.5 * f, "dkv": 2.0 * f, "dq": 1.5 * f}[part]
+                row[f"ms_{part}"] = sec * 1e3
+                row[f"tflops_{part}"] = pf / sec / 1e12
+            except Exception as e:
+                row[f"error_{part}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print("part", json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--time-only", action="store_true")
+    p.add_argument("--variants", default="d,dkv3,dq128,dkv3-dq128")
+    p.add_argument("--shapes", default="4,4096,32,32,128,1;4,4096,32,32,128,0;4,4096,32,8,128,1;4,4096,32,32,64,1")
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args()
+    print(header(), flush=True)
+    checks = []
+    if not args.time_only:
+        bf, f16 = jnp.bfloat16, jnp.float16
+        checks = check([
+            (2, 1024, 1024, 8, 8, 128, True, bf),
+            (2, 1024, 1024, 8, 8, 128, False, bf),
+            (1, 512, 512, 8, 2, 128, True, bf),  # GQA 4
+            (1, 384, 640, 6, 2, 64, False, f16),  # GQA 3, T != S
+            (1, 1024, 1024, 4, 4, 64, True, bf),
+            (1, 768, 768, 12, 4, 128, True, f16),
+        ])
+    rows = []
+    for shape in args.shapes.split(";"):
+        b, t, h, kv, d, c = (int(x) for x in shape.split(","))
+        names = [n for n in args.variants.split(",") if n]
+        variants = {n: VARIANTS[n] for n in names
+                    if bwd.unsupported_reason((b, t, h, d), (b, t, kv, d), jnp.bfloat16, causal=bool(c),
+                                              segmented=False, config=VARIANTS[n]) is None
+                    and (d == 64 or VARIANTS[n].block_kv_dkv == 64 and VARIANTS[n].block_q_dkv == 64)}
+        rows += timing((b, t, h, kv, d, bool(c)), variants, args.reps)
+    print(header())
+    for r in checks:
+        print("check", {k: (f"{x:.1e}" if isinstance(x, float) else x) for k, x in r.items()})
+    for r in rows:
+        if "ms_fwdbwd" in r or "error" in r:
+            print(f"{r['impl']:30s} T{r['T']} H{r['H']} KV{r['KV']} D{r['D']} causal={r['causal']!s:5s} "
+                  f"fwd+bwd {r.get('tflops_fwdbwd', float('nan')):6.0f} x{r.get('vs_cudnn_fwdbwd', float('nan')):.2f} "
+                  f"err {r.get('err_grad_vs_cudnn', float('nan')):.1e} {r.get('error', '')[:150]}")
+        else:
+            print(f"{r['impl']:30s} " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in r.items() if k.startswith(("ms", "tflops", "error"))))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "check_mgpu_bwd.json"), "w") as fh:
+            json.dump(dict(header=header(), checks=checks, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
