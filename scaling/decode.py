@@ -66,11 +66,12 @@ DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
 # 1b decode step from 1.29 to 0.90 ms on an H200 (experiments/decode_variants.py,
 # docs/decoding.md). The cost: 8x the KV cache of a batch-1 call.
 GPU_MIN_BATCH = 8
-# The Pallas layer kernels (scaling.kernels.decode_gemv) dot on the tensor cores with the batch
-# as M, whose smallest Triton tile is 16 rows; above PALLAS_MAX_BATCH rows a step is a real
-# gemm and XLA's are the better kernels.
-PALLAS_MIN_BATCH = decode_gemv.MIN_ROWS
+# The Pallas layer kernels (scaling.kernels.decode_gemv) take any power-of-two batch (CUDA-core
+# products below 16 rows, tensor-core dots from 16), so they need no padding rows; above
+# PALLAS_MAX_BATCH rows a step is a real gemm and XLA's are the better kernels.
+PALLAS_MIN_BATCH = 1
 PALLAS_MAX_BATCH = 64
+HEAD_ROWS = 256  # the Pallas layout pads the head's rows to a multiple of this (any block_n <= 256)
 
 
 class DecodeAttentionImpl(str, enum.Enum):
@@ -85,28 +86,36 @@ class DecodeAttentionImpl(str, enum.Enum):
 class DecodeLayerImpl(str, enum.Enum):
     xla = "xla"  # XLA's gemms and fusions (~15 kernels per layer)
     # scaling.kernels.decode_gemv: RMSNorm, RoPE, the cache write, SwiGLU and the residual adds
-    # folded into the four weight reads (4 kernels + attention per layer); batches 16-64
+    # folded into the four weight reads (4 kernels + attention per layer), and the output head
+    # with the final norm; batches up to PALLAS_MAX_BATCH
     pallas = "pallas"
-    # xla: on an H200 the Pallas layers cut a 1b step from 240 to 126 kernels but their
-    # projections reach 18-60% of the copy bandwidth against XLA's 45-86%: 1.25 vs 0.91 ms
-    # per step (docs/decoding.md). They stay opt-in until they beat XLA.
-    auto = "auto"
+    auto = "auto"  # xla (see resolve_layer_impl)
+
+
+def layer_blocks(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> decode_gemv.LayerBlocks:
+    """The Pallas layer kernels' tiles for a step of `batch` rows: the given ones, else the defaults."""
+    return blocks or decode_gemv.default_blocks(batch, cfg.resolved_head_dim)
+
+
+def pallas_layers_reason(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> str | None:
+    """Why a step of `batch` rows cannot run the Pallas layer kernels (None: it can)."""
+    if batch > PALLAS_MAX_BATCH:
+        return f"batch {batch} > {PALLAS_MAX_BATCH} (a real gemm: XLA's kernels are the better ones)"
+    return decode_gemv.unsupported_reason(cfg.hidden_size, cfg.mlp_dim, cfg.num_heads, cfg.resolved_head_dim,
+                                          _round_up(cfg.vocab_size, HEAD_ROWS), batch, layer_blocks(cfg, batch, blocks))
 
 
 def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: DecodeAttentionImpl,
-                       blocks: decode_gemv.LayerBlocks | None = None) -> DecodeLayerImpl:
+                       blocks: decode_gemv.LayerBlocks | None = None, min_batch: int = 1) -> DecodeLayerImpl:
     try:
         impl = DecodeLayerImpl(impl)
     except ValueError:
         raise ValueError(f"layers={impl!r}: allowed {[x.value for x in DecodeLayerImpl]}") from None
-    ok = decode_gemv.supported(cfg.hidden_size, cfg.mlp_dim, cfg.num_heads, cfg.resolved_head_dim, blocks)
     if impl == DecodeLayerImpl.pallas:
-        if not ok:
-            parts = (blocks or decode_gemv.LayerBlocks()).qkv.rope_parts
-            raise ValueError(f"layers='pallas' needs head_dim / 2 / rope_parts ({parts}) a power of two >= 16 and "
-                             f"hidden, mlp_dim, num_heads * head_dim multiples of 16 and of the kernels' block_n "
-                             f"(head_dim {cfg.resolved_head_dim}, hidden {cfg.hidden_size}, mlp_dim {cfg.mlp_dim}); "
-                             "use 'xla' or other gemv_blocks")
+        reason = pallas_layers_reason(cfg, min_batch, blocks)
+        if reason:
+            raise ValueError(f"layers='pallas' cannot run this model at batch {min_batch}: {reason}; "
+                             "use layers='xla' or other gemv_blocks")
         if attn == DecodeAttentionImpl.fused:
             raise ValueError("layers='pallas' writes the cache itself; combine it with attention 'pallas' or 'xla', not 'fused'")
         return impl
@@ -187,13 +196,16 @@ def prepare_weights(model: Transformer, dtype, *, rows: bool = False) -> dict:
                     "wdown_fd": m["down_fd"][i].astype(dtype),
                 }
             )
-        out = {
-            "layers": tuple(per_layer),
-            "embed_vd": p["embed"]["table_vd"].astype(dtype),
-            "final_norm": p["final_norm"]["scale"],
-        }
+        out = {"layers": tuple(per_layer), "embed_vd": p["embed"]["table_vd"].astype(dtype)}
+        head_dv = p["embed"]["table_vd"].T if cfg.tie_embeddings else p["head_dv"]
+        if rows:  # the final norm's scale folded into an output-major copy of the head, its rows
+            # zero-padded to whole blocks (the logits are sliced back to the vocabulary)
+            head_xd = decode_gemv.fold_norm(head_dv, p["final_norm"]["scale"]).astype(dtype)
+            out["head_xd"] = jnp.pad(head_xd, ((0, _round_up(cfg.vocab_size, HEAD_ROWS) - cfg.vocab_size), (0, 0)))
+            return out
+        out["final_norm"] = p["final_norm"]["scale"]
         if not cfg.tie_embeddings:
-            out["head_dv"] = p["head_dv"].astype(dtype)
+            out["head_dv"] = head_dv.astype(dtype)
         return out
 
     return relayout(params)
@@ -203,7 +215,7 @@ def weight_bytes_per_step(weights: dict) -> int:
     """Bytes of weights one decode step reads: everything except the embedding table
     (one row per token), unless the table is also the tied output head."""
     total = sum(x.nbytes for x in jax.tree.leaves(weights))
-    if "head_dv" in weights:
+    if "head_dv" in weights or "head_xd" in weights:
         total -= weights["embed_vd"].nbytes
     return total
 
@@ -260,6 +272,10 @@ def _mlp(w, x_btd, cfg: ModelConfig):
 
 def _head(weights, x_bd, cfg: ModelConfig):
     """Final norm and output head on one position per row: logits [B, V] f32."""
+    if "head_xd" in weights:  # prepare_weights(rows=True): the norm's scale is in the matrix
+        x_bd = _rms_norm(x_bd, None, cfg.norm_eps)
+        w = weights["head_xd"][: cfg.vocab_size]
+        return jnp.einsum("bd,vd->bv", x_bd, w, preferred_element_type=jnp.float32)
     x_bd = _rms_norm(x_bd, weights["final_norm"], cfg.norm_eps)
     w = weights["embed_vd"].T if cfg.tie_embeddings else weights["head_dv"]
     return jnp.einsum("bd,dv->bv", x_bd, w, preferred_element_type=jnp.float32)
@@ -298,7 +314,7 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     lengths_b = write_b + 1
     if layer_impl == DecodeLayerImpl.pallas:
         return _pallas_step(weights, cache, tokens_b, write_b, cfg=cfg, attn_impl=attn_impl, inv_freq=inv_freq,
-                            blocks=blocks or decode_gemv.LayerBlocks())
+                            blocks=layer_blocks(cfg, b, blocks))
     fused = attn_impl == DecodeAttentionImpl.fused
     if fused:  # RoPE at each row's position, once per step for every layer
         angles_bf = write_b[:, None].astype(jnp.float32) * inv_freq
@@ -342,7 +358,8 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
         x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down)
         ks.append(ck)
         vs.append(cv)
-    return _head(weights, x, cfg), {"k": tuple(ks), "v": tuple(vs)}
+    logits = decode_gemv.norm_matmul(x, weights["head_xd"], eps=eps, blocks=blocks.head)
+    return logits[:, : cfg.vocab_size], {"k": tuple(ks), "v": tuple(vs)}
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -493,23 +510,21 @@ class Decoder:
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")
         self.chunk = chunk
-        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks)
-        self.gemv_blocks = gemv_blocks
-        if min_batch is None:
-            if self.layer_impl == DecodeLayerImpl.pallas:
-                min_batch = PALLAS_MIN_BATCH
-            else:
-                min_batch = GPU_MIN_BATCH if jax.default_backend() == "gpu" else 1
-        if min_batch < 1 or min_batch & (min_batch - 1):
+        if min_batch is not None and (min_batch < 1 or min_batch & (min_batch - 1)):
             raise ValueError(f"{min_batch=} must be a power of two >= 1")
+        pallas = getattr(layers, "value", layers) == DecodeLayerImpl.pallas.value
+        if min_batch is None:
+            min_batch = PALLAS_MIN_BATCH if pallas else (GPU_MIN_BATCH if jax.default_backend() == "gpu" else 1)
         self.min_batch = min_batch
+        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, min_batch)
+        self.gemv_blocks = gemv_blocks
         if max_len is not None and max_len < 1:
             raise ValueError(f"{max_len=} must be >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.layer_impl == DecodeLayerImpl.pallas)
 
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
-        if self.layer_impl == DecodeLayerImpl.pallas and PALLAS_MIN_BATCH <= batch <= PALLAS_MAX_BATCH:
+        if self.layer_impl == DecodeLayerImpl.pallas and pallas_layers_reason(self.cfg, batch, self.gemv_blocks) is None:
             return DecodeLayerImpl.pallas
         return DecodeLayerImpl.xla
 

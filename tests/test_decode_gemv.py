@@ -36,9 +36,11 @@ def rng(request):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("n,kv,h,parts", [(4, 2, 64, 2), (2, 2, 32, 1), (8, 1, 64, 1)])
-def test_qkv_rope_matches_reference(rng, dtype, n, kv, h, parts):
-    b, d, s = 16, int(rng.choice([64, 128, 192])), int(rng.choice([8, 24]))
+@pytest.mark.parametrize("b,n,kv,h,parts", [(16, 4, 2, 64, 2), (16, 2, 2, 32, 1), (16, 8, 1, 64, 1),
+                                            (1, 4, 2, 64, 8), (4, 2, 1, 32, 2)])
+def test_qkv_rope_matches_reference(rng, dtype, b, n, kv, h, parts):
+    """b >= 16: tensor-core dots; b < 16: the vector path (CUDA-core products, small blocks)."""
+    d, s = int(rng.choice([64, 128, 192])), int(rng.choice([8, 24]))
     x = jnp.asarray(rng.normal(size=(b, d)) * 3, dtype)
     w = jnp.asarray(rng.normal(size=((n + 2 * kv) * h, d)) / np.sqrt(d), dtype)
     cfg = ModelConfig(vocab_size=8, hidden_size=n * h, num_layers=1, num_heads=n, num_kv_heads=kv,
@@ -62,13 +64,17 @@ def test_qkv_rope_matches_reference(rng, dtype, n, kv, h, parts):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matmul_residual_and_swiglu_match_reference(rng, dtype):
-    b = int(rng.choice([16, 32]))
+@pytest.mark.parametrize("path", ["tensor_cores", "vector"])
+def test_matmul_residual_swiglu_and_head_match_reference(rng, dtype, path):
+    if path == "tensor_cores":
+        b, bn = int(rng.choice([16, 32])), 16
+    else:
+        b, bn = int(rng.choice([1, 2, 8])), int(rng.choice([1, 4, 8]))
     d, k = int(rng.choice([32, 96])), int(rng.choice([48, 256, 176]))
     a = jnp.asarray(rng.normal(size=(b, k)), dtype)
     w = jnp.asarray(rng.normal(size=(d, k)) / np.sqrt(k), dtype)
     r = jnp.asarray(rng.normal(size=(b, d)), dtype)
-    blocks = g.GemvBlocks(block_k=int(rng.choice([32, 64])), block_n=16, prefetch=int(rng.integers(0, 2)))
+    blocks = g.GemvBlocks(block_k=int(rng.choice([32, 64])), block_n=bn, prefetch=int(rng.integers(0, 2)))
     assert rel(g.matmul_residual(a, w, r, blocks=blocks), g.matmul_residual_reference(a, w, r)) < TOL[dtype]
     f = int(rng.choice([32, 80]))
     x = jnp.asarray(rng.normal(size=(b, d)) * 2, dtype)
@@ -76,6 +82,9 @@ def test_matmul_residual_and_swiglu_match_reference(rng, dtype):
     out = g.gate_up_swiglu(x, wgu, eps=1e-6, blocks=blocks)
     assert out.shape == (b, f)
     assert rel(out, g.gate_up_swiglu_reference(x, wgu, eps=1e-6)) < TOL[dtype]
+    logits = g.norm_matmul(x, wgu, eps=1e-6, blocks=blocks)  # the output head: f32 logits
+    assert logits.shape == (b, 2 * f) and logits.dtype == jnp.float32
+    assert rel(logits, g.norm_matmul_reference(x, wgu, eps=1e-6)) < TOL[dtype]
 
 
 def test_fold_norm_is_rmsnorm_then_matmul(rng):
@@ -91,11 +100,13 @@ def test_fold_norm_is_rmsnorm_then_matmul(rng):
 
 
 def test_errors_name_the_shape():
-    x = jnp.zeros((8, 64), jnp.float32)
-    with pytest.raises(ValueError, match="power of two >= 16"):
+    x = jnp.zeros((12, 64), jnp.float32)
+    with pytest.raises(ValueError, match="batch 12 must be a power of two"):
         g.gate_up_swiglu(x, jnp.zeros((64, 64)), eps=1e-5)
-    with pytest.raises(ValueError, match="multiple of block_n"):
+    with pytest.raises(ValueError, match="multiple of block_n=16, a power of two >= 16 at batch 16"):
         g.matmul_residual(jnp.zeros((16, 64)), jnp.zeros((40, 64)), jnp.zeros((16, 40)))
+    with pytest.raises(ValueError, match="block_n=4, a power of two >= 16 at batch 16"):  # too small for a dot
+        g.matmul_residual(jnp.zeros((16, 64)), jnp.zeros((32, 64)), jnp.zeros((16, 32)), blocks=g.GemvBlocks(block_n=4))
     with pytest.raises(ValueError, match="rope_parts"):
         g.qkv_rope(jnp.zeros((16, 64)), jnp.zeros((6 * 16, 64)), jnp.zeros((8,)), jnp.zeros((16,), jnp.int32),
                    jnp.zeros((16, 8, 2, 16)), jnp.zeros((16, 8, 2, 16)), num_heads=2, eps=1e-5)
@@ -120,7 +131,9 @@ def test_decoder_with_pallas_layers_equals_xla():
         g.LayerBlocks.parse("mlp=256/16/1/4/4")
     assert g.LayerBlocks.parse("down=512/32/1/8/3/1").down == g.GemvBlocks(512, 32, 1, 8, 3, 1)
     small_heads = build_model(dataclasses.replace(cfg, head_dim=32))
-    with pytest.raises(ValueError, match="layers='pallas'"):  # 32 / 2 / 2 default rope_parts = 8 < 16
-        decode.Decoder(small_heads, layers="pallas")
+    # 16 rows take the tensor cores: 32 / 2 / 2 default rope_parts = 8 < 16 columns per dot
+    with pytest.raises(ValueError, match="layers='pallas' cannot run this model at batch 16: head_dim 32"):
+        decode.Decoder(small_heads, layers="pallas", min_batch=16)
     one_part = g.LayerBlocks(qkv=g.GemvBlocks(rope_parts=1))
-    assert decode.Decoder(small_heads, layers="pallas", gemv_blocks=one_part).layer_impl == decode.DecodeLayerImpl.pallas
+    assert decode.Decoder(small_heads, layers="pallas", min_batch=16, gemv_blocks=one_part).layer_impl == "pallas"
+    assert decode.Decoder(small_heads, layers="pallas").layer_impl == "pallas"  # the vector path at batch 1-8

@@ -22,6 +22,15 @@ block of output features, loops over D in tiles [BN, BK] (software-pipelined by 
 and dots them with the x tile [B, BK] on the tensor cores (B >= 16 rows: the smallest M of
 a Triton dot; the decoder pads the batch to 16).
 
+Two ways to do the products, chosen by the batch (static): B >= 16 rows dot [B, BK] x tiles
+with [BN, BK] weight tiles on the tensor cores (the smallest M of a Triton dot is 16). Fewer
+rows (decoding at batch 1-8) take a vector path: products on the CUDA cores, accumulated
+element-wise as [B, BN, BK] f32 and summed once after the loop (the layout of Inductor's GEMV
+reductions that gpt-fast relies on). It needs no padding rows, and small BN gives the
+thousands of small programs that keep every SM's loads in flight (a memory-bound kernel
+hides latency by occupancy; a few large programs that stream one tile sequence each do not:
+docs/decoding.md measured 18-60% of the copy bandwidth for those).
+
 Each kernel has a pure-jnp reference below (`*_reference`), the tests' oracle; on a CPU
 backend the kernels run in Pallas interpret mode.
 """
@@ -67,6 +76,7 @@ class LayerBlocks:
     out: GemvBlocks = GemvBlocks()
     gate_up: GemvBlocks = GemvBlocks()
     down: GemvBlocks = GemvBlocks()
+    head: GemvBlocks = GemvBlocks(block_n=64)
 
     @classmethod
     def parse(cls, spec: str) -> "LayerBlocks":
@@ -95,13 +105,37 @@ def _dot_t(a, b):
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
-def _block_k(k: int, want: int) -> int:
-    """The largest power of two <= want dividing k (the loop has no masked tail)."""
+def _tensor_cores(b: int) -> bool:
+    """Whether B rows take the tensor-core dot (else the CUDA-core vector path)."""
+    return b >= MIN_ROWS
+
+
+def _acc_init(b: int, n: int, bk: int):
+    shape = (b, n) if _tensor_cores(b) else (b, n, bk)
+    return jnp.zeros(shape, jnp.float32)
+
+
+def _acc_add(acc, x, w):
+    """acc + x [B, BK] . w [BN, BK]^T: a tensor-core dot into [B, BN], or element-wise products
+    into [B, BN, BK] (reduced once by _acc_done, not per tile: no shuffles inside the loop)."""
+    if _tensor_cores(x.shape[0]):
+        return acc + _dot_t(x, w)
+    return acc + _f32(x)[:, None, :] * _f32(w)[None, :, :]
+
+
+def _acc_done(acc):
+    return acc if acc.ndim == 2 else jnp.sum(acc, axis=2)
+
+
+def _block_k(k: int, want: int, b: int = MIN_ROWS) -> int:
+    """The largest power of two <= want dividing k (the loop has no masked tail); at least 16
+    on the tensor-core path (the dot's K), at least 1 on the vector path."""
+    floor = MIN_ROWS if _tensor_cores(b) else 1
     bk = want
-    while bk >= MIN_ROWS and k % bk:
+    while bk >= floor and k % bk:
         bk //= 2
-    if bk < MIN_ROWS:
-        raise ValueError(f"reduction dim {k} has no power-of-two tile >= {MIN_ROWS} dividing it")
+    if bk < floor:
+        raise ValueError(f"reduction dim {k} has no power-of-two tile >= {floor} dividing it")
     return bk
 
 
@@ -113,13 +147,29 @@ def _params(blocks: GemvBlocks, interpret: bool):
     return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
+def _name(base: str, blocks: GemvBlocks) -> str:
+    """Kernel name with its tiles, so a profile tells tile choices apart."""
+    return f"{base}_k{blocks.block_k}_n{blocks.block_n}_p{blocks.rope_parts}_w{blocks.num_warps}_s{blocks.num_stages}"
+
+
 def _interpret(interpret: bool) -> bool:
     return bool(interpret) or jax.default_backend() == "cpu"
 
 
+def _min_n(b: int) -> int:
+    """The smallest output block: a dot's N on the tensor-core path, one feature otherwise."""
+    return MIN_ROWS if _tensor_cores(b) else 1
+
+
+def _check_block_n(dim: int, bn: int, b: int, what: str) -> int:
+    if bn < _min_n(b) or bn & (bn - 1) or dim % bn:
+        raise ValueError(f"{what} {dim} must be a multiple of block_n={bn}, a power of two >= {_min_n(b)} at batch {b}")
+    return bn
+
+
 def _check_rows(b: int) -> None:
-    if b < MIN_ROWS or b & (b - 1):
-        raise ValueError(f"batch {b} must be a power of two >= {MIN_ROWS} (Triton dot tiles); pad the rows")
+    if b < 1 or b & (b - 1):
+        raise ValueError(f"batch {b} must be a power of two (Triton block shapes); pad the rows")
 
 
 def fold_norm(w_dx, scale_d):
@@ -159,12 +209,12 @@ def _norm_matmul_pair(x_ref, w_ref, rows_a, rows_b, n: int, *, bk: int, d: int, 
     def step(i, tiles, carry):
         acc_a, acc_b, ss = carry
         x = x_ref[:, _kslice(i, bk)]
-        return acc_a + _dot_t(x, tiles[0]), acc_b + _dot_t(x, tiles[1]), ss + jnp.sum(_f32(x) * _f32(x), axis=1)
+        return _acc_add(acc_a, x, tiles[0]), _acc_add(acc_b, x, tiles[1]), ss + jnp.sum(_f32(x) * _f32(x), axis=1)
 
-    zeros = jnp.zeros((b, n), jnp.float32)
+    zeros = _acc_init(b, n, bk)
     acc_a, acc_b, ss = _k_loop(d // bk, load, step, (zeros, zeros, jnp.zeros((b,), jnp.float32)), prefetch)
     r = lax.rsqrt(ss / d + eps)[:, None]
-    return acc_a * r, acc_b * r
+    return _acc_done(acc_a) * r, _acc_done(acc_b) * r
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,9 +280,10 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
     _check_rows(b)
     parts = blocks.rope_parts
     cols = h // 2 // parts
-    if h % (2 * parts) or cols < MIN_ROWS or cols & (cols - 1):
-        raise ValueError(f"head_dim {h} / 2 / rope_parts {parts} = {cols} must be a power of two >= {MIN_ROWS}")
-    bk = _block_k(d, blocks.block_k)
+    if h % (2 * parts) or cols < _min_n(b) or cols & (cols - 1):
+        raise ValueError(f"head_dim {h} / 2 / rope_parts {parts} = {cols} must be a power of two >= {_min_n(b)} "
+                         f"at batch {b}")
+    bk = _block_k(d, blocks.block_k, b)
     interpret = _interpret(interpret)
     kernel = functools.partial(_qkv_kernel, n=n, kv=kv, h=h, cols=cols, bk=bk, d=d, eps=eps, prefetch=blocks.prefetch)
     q, k_out, v_out = pl.pallas_call(
@@ -246,7 +297,7 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
         input_output_aliases={4: 1, 5: 2},
         compiler_params=_params(blocks, interpret),
         interpret=interpret,
-        name="decode_qkv_rope",
+        name=_name("decode_qkv_rope", blocks),
     )(pos_b.astype(jnp.int32), inv_freq.astype(jnp.float32), x_bd, wqkv_xd, k_bskh, v_bskh)
     return q, k_out, v_out
 
@@ -262,10 +313,10 @@ def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, pr
         return w_ref[rows, _kslice(i, bk)]
 
     def step(i, w, acc):
-        return acc + _dot_t(a_ref[:, _kslice(i, bk)], w)
+        return _acc_add(acc, a_ref[:, _kslice(i, bk)], w)
 
-    acc = _k_loop(k // bk, load, step, jnp.zeros((a_ref.shape[0], bn), jnp.float32), prefetch)
-    o_ref[:, rows] = (_f32(r_ref[:, rows]) + acc).astype(o_ref.dtype)
+    acc = _k_loop(k // bk, load, step, _acc_init(a_ref.shape[0], bn, bk), prefetch)
+    o_ref[:, rows] = (_f32(r_ref[:, rows]) + _acc_done(acc)).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -276,10 +327,8 @@ def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), inte
     if w_dk.shape != (d, k) or r_bd.shape != (b, d):
         raise ValueError(f"shapes disagree: a {a_bk.shape}, w {w_dk.shape} (want [D, {k}]), r {r_bd.shape}")
     _check_rows(b)
-    bn = blocks.block_n
-    if d % bn:
-        raise ValueError(f"output dim {d} must be a multiple of block_n={bn}")
-    bk = _block_k(k, blocks.block_k)
+    bn = _check_block_n(d, blocks.block_n, b, "output dim")
+    bk = _block_k(k, blocks.block_k, b)
     interpret = _interpret(interpret)
     return pl.pallas_call(
         functools.partial(_residual_kernel, bn=bn, bk=bk, k=k, prefetch=blocks.prefetch),
@@ -287,7 +336,7 @@ def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), inte
         out_shape=jax.ShapeDtypeStruct((b, d), r_bd.dtype),
         compiler_params=_params(blocks, interpret),
         interpret=interpret,
-        name="decode_matmul_residual",
+        name=_name("decode_matmul_residual", blocks),
     )(a_bk.astype(w_dk.dtype), w_dk, r_bd)
 
 
@@ -312,10 +361,8 @@ def gate_up_swiglu(x_bd, wgu_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(
         raise ValueError(f"wgu {wgu_xd.shape} must be [2F, D={d}]")
     f = two_f // 2
     _check_rows(b)
-    bn = blocks.block_n
-    if f % bn:
-        raise ValueError(f"mlp dim {f} must be a multiple of block_n={bn}")
-    bk = _block_k(d, blocks.block_k)
+    bn = _check_block_n(f, blocks.block_n, b, "mlp dim")
+    bk = _block_k(d, blocks.block_k, b)
     interpret = _interpret(interpret)
     return pl.pallas_call(
         functools.partial(_swiglu_kernel, bn=bn, bk=bk, d=d, f=f, eps=eps, prefetch=blocks.prefetch),
@@ -323,8 +370,50 @@ def gate_up_swiglu(x_bd, wgu_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(
         out_shape=jax.ShapeDtypeStruct((b, f), x_bd.dtype),
         compiler_params=_params(blocks, interpret),
         interpret=interpret,
-        name="decode_gate_up_swiglu",
+        name=_name("decode_gate_up_swiglu", blocks),
     )(x_bd, wgu_xd)
+
+
+# ----------------------------------------------------------------------------------------------
+# norm_matmul (the output head)
+
+
+def _head_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, eps: float, prefetch: int):
+    rows = pl.ds(pl.program_id(0) * bn, bn)
+    b = x_ref.shape[0]
+
+    def load(i):
+        return w_ref[rows, _kslice(i, bk)]
+
+    def step(i, w, carry):
+        acc, ss = carry
+        x = x_ref[:, _kslice(i, bk)]
+        return _acc_add(acc, x, w), ss + jnp.sum(_f32(x) * _f32(x), axis=1)
+
+    acc, ss = _k_loop(d // bk, load, step, (_acc_init(b, bn, bk), jnp.zeros((b,), jnp.float32)), prefetch)
+    o_ref[:, rows] = _acc_done(acc) * lax.rsqrt(ss / d + eps)[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
+def norm_matmul(x_bd, w_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(), interpret: bool = False):
+    """RMSNorm(x) W in f32 (the output head's logits): x [B, D]; w [X, D] = fold_norm(W, norm
+    scale). Returns [B, X] f32."""
+    b, d = x_bd.shape
+    x_out = w_xd.shape[0]
+    if w_xd.shape != (x_out, d):
+        raise ValueError(f"w {w_xd.shape} must be [X, D={d}]")
+    _check_rows(b)
+    bn = _check_block_n(x_out, blocks.block_n, b, "output dim")
+    bk = _block_k(d, blocks.block_k, b)
+    interpret = _interpret(interpret)
+    return pl.pallas_call(
+        functools.partial(_head_kernel, bn=bn, bk=bk, d=d, eps=eps, prefetch=blocks.prefetch),
+        grid=(x_out // bn,),
+        out_shape=jax.ShapeDtypeStruct((b, x_out), jnp.float32),
+        compiler_params=_params(blocks, interpret),
+        interpret=interpret,
+        name=_name("decode_norm_matmul", blocks),
+    )(x_bd.astype(w_xd.dtype), w_xd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,20 +446,43 @@ def matmul_residual_reference(a_bk, w_dk, r_bd):
     return (_f32(r_bd) + jnp.dot(_f32(a_bk), _f32(w_dk).T, precision=lax.Precision.HIGHEST)).astype(r_bd.dtype)
 
 
+def norm_matmul_reference(x_bd, w_xd, *, eps: float):
+    return jnp.dot(_norm_ref(x_bd, eps), _f32(w_xd).T, precision=lax.Precision.HIGHEST)
+
+
 def gate_up_swiglu_reference(x_bd, wgu_xd, *, eps: float):
     f = wgu_xd.shape[0] // 2
     y = jnp.dot(_norm_ref(x_bd, eps), _f32(wgu_xd).T, precision=lax.Precision.HIGHEST)
     return (jax.nn.silu(y[:, :f]) * y[:, f:]).astype(x_bd.dtype)
 
 
-def supported(hidden: int, mlp_dim: int, num_heads: int, head_dim: int, blocks: LayerBlocks | None = None) -> bool:
-    """Whether a model's shapes tile with these blocks: head_dim / 2 / qkv.rope_parts a power of
-    two >= 16, every output dim a multiple of its kernel's block_n, every reduction dim a
-    multiple of 16."""
-    blocks = blocks or LayerBlocks()
+# The vector path's first guess (batch 1-8): small output blocks, so that a projection is
+# hundreds to thousands of programs (docs/decoding.md has the sweep that chose them).
+VECTOR_GEMV = GemvBlocks(block_k=1024, block_n=4, rope_parts=0, num_warps=4, num_stages=2)
+
+
+def default_blocks(batch: int, head_dim: int) -> LayerBlocks:
+    """Tiles for a decode step of `batch` rows: the tensor-core defaults from 16 rows, else
+    the vector path's (qkv: 4 RoPE pairs per program)."""
+    if _tensor_cores(batch):
+        return LayerBlocks()
+    qkv = dataclasses.replace(VECTOR_GEMV, rope_parts=max(1, head_dim // 2 // VECTOR_GEMV.block_n))
+    return LayerBlocks(qkv=qkv, out=VECTOR_GEMV, gate_up=VECTOR_GEMV, down=VECTOR_GEMV,
+                       head=dataclasses.replace(VECTOR_GEMV, block_n=8))
+
+
+def unsupported_reason(hidden: int, mlp_dim: int, num_heads: int, head_dim: int, vocab: int, batch: int,
+                       blocks: LayerBlocks) -> str | None:
+    """Why a model's shapes do not tile with these blocks at `batch` rows (None: they do)."""
     parts = blocks.qkv.rope_parts
-    cols = head_dim // 2 // parts
-    dims_ok = all(x % MIN_ROWS == 0 for x in (hidden, mlp_dim, num_heads * head_dim))
-    return (head_dim % (2 * parts) == 0 and cols >= MIN_ROWS and cols & (cols - 1) == 0 and dims_ok
-            and hidden % blocks.out.block_n == 0 and hidden % blocks.down.block_n == 0
-            and mlp_dim % blocks.gate_up.block_n == 0)
+    cols = head_dim // 2 // max(parts, 1)
+    if parts < 1 or head_dim % (2 * parts) or cols < _min_n(batch) or cols & (cols - 1):
+        return f"head_dim {head_dim} / 2 / qkv rope_parts {parts} must be a power of two >= {_min_n(batch)}"
+    for name, dim, reduce_dim in (("out", hidden, num_heads * head_dim), ("down", hidden, mlp_dim),
+                                  ("gate_up", mlp_dim, hidden), ("head", vocab, hidden)):
+        bn = getattr(blocks, name).block_n
+        if bn < _min_n(batch) or bn & (bn - 1) or dim % bn:
+            return f"{name}: output dim {dim} is not a multiple of block_n {bn} (a power of two >= {_min_n(batch)})"
+        if reduce_dim % (MIN_ROWS if _tensor_cores(batch) else 1):
+            return f"{name}: reduction dim {reduce_dim} is not a multiple of {MIN_ROWS}"
+    return None
