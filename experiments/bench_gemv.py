@@ -34,6 +34,9 @@ sys.path.insert(0, str(ROOT / "experiments"))
 VECTOR_TILES = [(1, 2048, 4, 1), (2, 1024, 4, 2), (2, 2048, 4, 1), (4, 512, 4, 2), (4, 1024, 4, 2),
                 (4, 1024, 8, 2), (4, 2048, 8, 1), (8, 512, 4, 2), (8, 1024, 8, 2), (8, 256, 4, 3),
                 (16, 256, 4, 3), (16, 512, 8, 2)]
+# 4-8 rows: the [B, BN, BK] accumulator is B times larger, so smaller BN * BK
+VECTOR_TILES_WIDE = [(1, 1024, 4, 1), (2, 512, 4, 2), (2, 1024, 8, 1), (4, 256, 4, 2), (4, 512, 8, 2),
+                     (4, 256, 8, 3), (8, 128, 4, 2), (8, 256, 8, 2), (16, 128, 8, 2), (16, 64, 4, 3)]
 TC_TILES = [(16, 256, 4, 4), (16, 512, 4, 3), (32, 512, 4, 3), (32, 256, 8, 4), (64, 512, 8, 3)]
 KERNELS = ("qkv", "out", "gate_up", "down", "head")
 
@@ -152,7 +155,7 @@ def sweep(cfg, model: str, batch: int, args, bw: float) -> list[dict]:
     rows = []
     key = jax.random.key(0)
     h, kv = cfg.resolved_head_dim, cfg.num_kv_heads
-    tiles = TC_TILES if batch >= 16 else VECTOR_TILES
+    tiles = TC_TILES if batch >= 16 else VECTOR_TILES if batch <= 2 else VECTOR_TILES_WIDE
     for kernel in args.kernels.split(","):
         x_out, k_in = shapes(cfg)[kernel]
         wbytes = x_out * k_in * 2

@@ -466,9 +466,10 @@ def default_blocks(batch: int, head_dim: int) -> LayerBlocks:
     the vector path's (qkv: 4 RoPE pairs per program)."""
     if _tensor_cores(batch):
         return LayerBlocks()
-    qkv = dataclasses.replace(VECTOR_GEMV, rope_parts=max(1, head_dim // 2 // VECTOR_GEMV.block_n))
-    return LayerBlocks(qkv=qkv, out=VECTOR_GEMV, gate_up=VECTOR_GEMV, down=VECTOR_GEMV,
-                       head=dataclasses.replace(VECTOR_GEMV, block_n=8))
+    # The [B, BN, BK] f32 accumulator lives in registers: shrink BK as the batch grows.
+    base = dataclasses.replace(VECTOR_GEMV, block_k=max(128, VECTOR_GEMV.block_k * 2 // max(batch, 2)))
+    qkv = dataclasses.replace(base, rope_parts=max(1, head_dim // 2 // base.block_n))
+    return LayerBlocks(qkv=qkv, out=base, gate_up=base, down=base, head=dataclasses.replace(base, block_n=8))
 
 
 def unsupported_reason(hidden: int, mlp_dim: int, num_heads: int, head_dim: int, vocab: int, batch: int,
