@@ -9,9 +9,10 @@
 
 Implementations: `ours` = our Pallas kernels with the Triton forward (backend="triton"),
 `mosaic` = flash_attention(backend="mosaic"): the Mosaic GPU (Hopper) forward of
-flash_attention_mgpu.py with the same Triton backward (a shape the Mosaic kernel does not
-support falls back to the Triton forward; the row's note says so), `cudnn` and `xla` via
-jax.nn.dot_product_attention.
+flash_attention_mgpu.py and the Mosaic GPU backward of flash_attention_mgpu_bwd.py (a shape
+either kernel does not support falls back to the Triton kernel for that pass; the row's note
+says so), `mosaic_tbwd` = the Mosaic forward with the Triton backward (mosaic_backward=False),
+`cudnn` and `xla` via jax.nn.dot_product_attention.
 
 FLOPs (FlashAttention-2 paper convention): forward 4·B·H·T²·D, halved when causal; backward
 2.5× the forward, so forward+backward counts 3.5× the forward. TFLOP/s = FLOPs / median time.
@@ -38,6 +39,7 @@ import numpy as np
 
 from scaling.kernels import BlockSizes, attention_reference, flash_attention
 from scaling.kernels import flash_attention_mgpu as mgpu
+from scaling.kernels import flash_attention_mgpu_bwd as mgpu_bwd
 
 fa = importlib.import_module("scaling.kernels.flash_attention")  # the module (the package exports the function)
 
@@ -90,8 +92,9 @@ def impl_fn(name: str, causal: bool, block_sizes: BlockSizes | None = None):
     """attention(q, k, v) for one implementation."""
     if name == "ours":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes)
-    if name == "mosaic":
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, backend="mosaic")
+    if name in ("mosaic", "mosaic_tbwd"):
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, backend="mosaic",
+                                               mosaic_backward=name == "mosaic")
     if name in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=name)
     raise ValueError(f"unknown implementation {name!r}")
@@ -120,10 +123,14 @@ def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
             rows.append(row)
             continue
         try:
-            if name == "mosaic" and (why := mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal,
-                                                                    segmented=False)):
-                row["note"] = f"Triton forward (Mosaic refuses: {why})"
-            fwd, fwdbwd = fwd_and_fwdbwd(impl_fn(name, causal, block_sizes if name in ("ours", "mosaic") else None))
+            if name.startswith("mosaic") and (why := mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal,
+                                                                             segmented=False)):
+                row["note"] = f"Triton forward and backward (Mosaic refuses: {why})"
+            elif name == "mosaic" and (why := mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal,
+                                                                          segmented=False)):
+                row["note"] = f"Triton backward (Mosaic backward refuses: {why})"
+            fwd, fwdbwd = fwd_and_fwdbwd(impl_fn(name, causal, block_sizes if name in ("ours", "mosaic", "mosaic_tbwd")
+                                                 else None))
             outs[name] = (fwd(q, k, v), fwdbwd(q, k, v, do))
             if name != "cudnn" and "cudnn" in outs:
                 o_ref, g_ref = outs["cudnn"]
@@ -226,9 +233,10 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="T in {1k, 4k}, causal, D=128 only")
     p.add_argument("--shape", action="append", help="B,T,H,KV,D instead of the sweep (repeatable)")
     p.add_argument("--head-dims", default="128,64", help="head dims of the sweep")
+    p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384", help="sequence lengths of the sweep")
     p.add_argument("--out-name", default="bench_attention", help="file name (no suffix) under $OUT")
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    p.add_argument("--impls", default="cudnn,ours,xla", help="comma list of cudnn, ours, mosaic, xla")
+    p.add_argument("--impls", default="cudnn,ours,xla", help="comma list of cudnn, ours, mosaic, mosaic_tbwd, xla")
     p.add_argument("--check", nargs="?", const="all", help="run the GPU correctness suite first (or cases i,j)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", help="JSON of BlockSizes fields for ours (default: the tuned table)")
@@ -253,7 +261,7 @@ def main(argv=None):
         causals = [True] if args.causal == "both" else causals
     else:
         shapes = [(TOKENS // t, t, HEADS, HEADS, int(d)) for d in args.head_dims.split(",")
-                  for t in (1024, 2048, 4096, 8192, 16384)]
+                  for t in (int(x) for x in args.seq_lens.split(","))]
     rows = []
     for b, t, h, kv, d in shapes:
         for causal in causals:
