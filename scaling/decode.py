@@ -51,6 +51,7 @@ from scaling.kernels import decode_gemv
 from scaling.kernels.decode_attention import (
     decode_attention,
     decode_attention_fused,
+    decode_attention_grouped,
     decode_attention_reference,
     fused_supported,
     prime_lowering,
@@ -71,6 +72,10 @@ GPU_MIN_BATCH = 8
 # PALLAS_MAX_BATCH rows a step is a real gemm and XLA's are the better kernels.
 PALLAS_MIN_BATCH = 1
 PALLAS_MAX_BATCH = 64
+# layers="auto" on the GPU: the Pallas layers' vector path up to this many rows. On an H100 the
+# 1b step at batch 1 took 0.948 ms against 1.090 ms for XLA's layers padded to 8 rows; at 8 rows
+# its CUDA-core products are 2-3x slower than XLA's gemms (docs/decoding.md).
+AUTO_PALLAS_MAX_BATCH = 2
 HEAD_ROWS = 256  # the Pallas layout pads the head's rows to a multiple of this (any block_n <= 256)
 
 
@@ -89,7 +94,7 @@ class DecodeLayerImpl(str, enum.Enum):
     # folded into the four weight reads (4 kernels + attention per layer), and the output head
     # with the final norm; batches up to PALLAS_MAX_BATCH
     pallas = "pallas"
-    auto = "auto"  # xla (see resolve_layer_impl)
+    auto = "auto"  # on the GPU pallas for small batches (AUTO_PALLAS_MAX_BATCH), else xla
 
 
 def layer_blocks(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> decode_gemv.LayerBlocks:
@@ -119,8 +124,6 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
         if attn == DecodeAttentionImpl.fused:
             raise ValueError("layers='pallas' writes the cache itself; combine it with attention 'pallas' or 'xla', not 'fused'")
         return impl
-    if impl == DecodeLayerImpl.auto:
-        return DecodeLayerImpl.xla
     return impl
 
 
@@ -350,9 +353,14 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
     ks, vs = [], []
     for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
+        # The flash-decoding kernel takes q in its own tile layout, written so by qkv_rope.
+        grouped = attn_impl == DecodeAttentionImpl.pallas and cfg.num_heads // cfg.num_kv_heads <= decode_gemv.MIN_ROWS
         q, ck, cv = decode_gemv.qkv_rope(x, w["wqkv_xd"], inv_freq, write_b, ck, cv, num_heads=cfg.num_heads, eps=eps,
-                                         blocks=blocks.qkv)
-        attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
+                                         blocks=blocks.qkv, q_layout="groups" if grouped else "heads")
+        if grouped:
+            attn = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads)
+        else:
+            attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
         x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out)
         h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
         x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down)
@@ -476,11 +484,15 @@ class Decoder:
     max_batch: the most prompts one call may take (rows are padded to a power of two).
     max_len: cache length (prompt + new tokens); None sizes it per call.
     min_batch: rows are padded up to at least this many (padding rows start finished and
-        attend to one position), so small batches take the matmul path of larger ones.
-        None: PALLAS_MIN_BATCH with the Pallas layers, else GPU_MIN_BATCH on GPU, 1 elsewhere.
-    layers: the decode step's layer implementation (DecodeLayerImpl); batch buckets outside
-        [PALLAS_MIN_BATCH, PALLAS_MAX_BATCH] run the XLA path on the same weights.
-    gemv_blocks: the Pallas layer kernels' tiles (decode_gemv.LayerBlocks; None: defaults).
+        attend to one position). None: steps on the XLA layers pad to GPU_MIN_BATCH on the
+        GPU (so small batches take the gemm path of larger ones), steps on the Pallas layers
+        are not padded.
+    layers: the decode step's layer implementation (DecodeLayerImpl). "pallas": batch buckets
+        up to PALLAS_MAX_BATCH that the kernels tile run them, the others XLA, on the same
+        weights. "auto": on the GPU the Pallas layers for buckets up to AUTO_PALLAS_MAX_BATCH
+        (where they are measured faster), XLA above; XLA on other backends.
+    gemv_blocks: the Pallas layer kernels' tiles (decode_gemv.LayerBlocks; None: defaults
+        per batch, decode_gemv.default_blocks).
     """
 
     def __init__(
@@ -512,21 +524,32 @@ class Decoder:
         self.chunk = chunk
         if min_batch is not None and (min_batch < 1 or min_batch & (min_batch - 1)):
             raise ValueError(f"{min_batch=} must be a power of two >= 1")
-        pallas = getattr(layers, "value", layers) == DecodeLayerImpl.pallas.value
-        if min_batch is None:
-            min_batch = PALLAS_MIN_BATCH if pallas else (GPU_MIN_BATCH if jax.default_backend() == "gpu" else 1)
-        self.min_batch = min_batch
-        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, min_batch)
+        gpu = jax.default_backend() == "gpu"
+        self.min_batch = min_batch if min_batch is not None else (GPU_MIN_BATCH if gpu else 1)  # XLA steps
+        self.pallas_min_batch = min_batch if min_batch is not None else PALLAS_MIN_BATCH
+        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, self.pallas_min_batch)
+        if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):
+            self.layer_impl = DecodeLayerImpl.xla
+        self.pallas_max_batch = {DecodeLayerImpl.pallas: PALLAS_MAX_BATCH,
+                                 DecodeLayerImpl.auto: AUTO_PALLAS_MAX_BATCH}.get(self.layer_impl, 0)
         self.gemv_blocks = gemv_blocks
         if max_len is not None and max_len < 1:
             raise ValueError(f"{max_len=} must be >= 1")
-        self.weights = prepare_weights(model, self.dtype, rows=self.layer_impl == DecodeLayerImpl.pallas)
+        self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0)
 
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
-        if self.layer_impl == DecodeLayerImpl.pallas and pallas_layers_reason(self.cfg, batch, self.gemv_blocks) is None:
+        if batch <= self.pallas_max_batch and pallas_layers_reason(self.cfg, batch, self.gemv_blocks) is None:
             return DecodeLayerImpl.pallas
         return DecodeLayerImpl.xla
+
+    def bucket(self, n_rows: int) -> int:
+        """The batch a call of n_rows prompts runs at: a power of two, padded to the minimum of
+        the layer implementation that batch runs (the Pallas layers need no padding rows)."""
+        b = max(_next_pow2(n_rows), self.pallas_min_batch)
+        if self._step_layers(b) == DecodeLayerImpl.pallas:
+            return b
+        return max(_next_pow2(n_rows), self.min_batch)
 
     # ---------------------------------------------------------------- validation
 
@@ -581,7 +604,7 @@ class Decoder:
         max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p, max_len if max_len is not None else self.max_len)
         cfg = self.cfg
         n_rows = len(prompts)
-        b = max(_next_pow2(n_rows), self.min_batch)
+        b = self.bucket(n_rows)
         s = _round_up(max_len, KV_BLOCK)
         longest = max(len(p) for p in prompts)
         t = min(max(MIN_PROMPT_BUCKET, _next_pow2(longest)), s)

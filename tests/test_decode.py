@@ -17,6 +17,7 @@ from scaling.kernels.decode_attention import (
     DecodeBlockSizes,
     decode_attention,
     decode_attention_fused,
+    decode_attention_grouped,
     decode_attention_reference,
 )
 from scaling.model import build_model
@@ -163,6 +164,13 @@ def test_decode_kernel_interpret_matches_reference():
     v2 = v.at[0, 16:].set(jnp.nan)
     out2 = decode_attention(q, k2, v2, lengths, blocks=blocks, interpret=True).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(out2[0]), np.asarray(out[0]))
+    # q in the kernel's own tile layout [B, K, 16, H]: rows past the group are never used (NaN here).
+    g = n // kh
+    q_grouped = jnp.full((b, kh, 16, h), jnp.nan, dtype).at[:, :, :g].set(q.reshape(b, kh, g, h))
+    out3 = decode_attention_grouped(q_grouped, k, v, lengths, num_heads=n, blocks=blocks, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out3, np.float32), np.asarray(out))
+    with pytest.raises(ValueError, match=r"must be \[B, K, 16, H\]"):
+        decode_attention_grouped(q.reshape(b, kh, g, h), k, v, lengths, num_heads=n)
 
 
 @pytest.mark.parametrize("n,kh,h,dtype,tol", [(8, 2, 32, jnp.float32, 1e-5), (4, 4, 16, jnp.float32, 1e-5),

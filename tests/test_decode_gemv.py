@@ -56,6 +56,12 @@ def test_qkv_rope_matches_reference(rng, dtype, b, n, kv, h, parts):
     assert q.shape == (b, n, h) and q.dtype == x.dtype
     assert rel(q, ref_q) < tol
     assert rel(k_out, ref_k) < tol and rel(v_out, ref_v) < tol
+    if n % kv == 0:  # the flash-decoding kernel's tile layout: rows [0, G) of [B, K, 16, H]
+        qg, _, _ = g.qkv_rope(x, w, inv_freq, pos, kc.copy(), vc.copy(), num_heads=n, eps=1e-5, blocks=blocks,
+                              q_layout="groups")
+        assert qg.shape == (b, kv, 16, h)
+        np.testing.assert_array_equal(np.asarray(qg[:, :, : n // kv], np.float32),
+                                      np.asarray(q, np.float32).reshape(b, kv, n // kv, h))
     # Everything but the written slots is untouched, bit for bit.
     untouched = np.ones((b, s), bool)
     untouched[np.arange(b), np.asarray(pos)] = False
@@ -114,17 +120,20 @@ def test_errors_name_the_shape():
 
 def test_decoder_with_pallas_layers_equals_xla():
     """The whole decode loop on the Pallas layers (f32, interpret mode): same tokens and
-    log-probs as the XLA layers, ragged prompts, GQA 2, head_dim 64."""
+    log-probs as the XLA layers, ragged prompts, GQA 2, head_dim 64; the vector path (3 rows,
+    no padding rows), with the XLA and the flash-decoding attention."""
     cfg = ModelConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                       mlp_dim=96, init_std=0.3, compute_dtype=DType.float32)
     model = build_model(cfg, seed=3)
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]
     ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="xla").generate(prompts, 6)
     dec = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas")
-    assert dec.min_batch == decode.PALLAS_MIN_BATCH
+    assert dec.bucket(3) == 4 and dec._step_layers(4) == decode.DecodeLayerImpl.pallas
     out = dec.generate(prompts, 6)
     assert out.tokens == ref.tokens
     np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=2e-5, rtol=0)
+    flash = decode.Decoder(model, max_len=32, attention="pallas", chunk=4, layers="pallas").generate(prompts[:1], 4)
+    assert flash.tokens == [t[:4] for t in ref.tokens[:1]]
     with pytest.raises(ValueError, match=r"layers='gpu': allowed \['xla', 'pallas', 'auto'\]"):
         decode.Decoder(model, layers="gpu")
     with pytest.raises(ValueError, match="unknown kernel 'mlp'"):
@@ -137,3 +146,23 @@ def test_decoder_with_pallas_layers_equals_xla():
     one_part = g.LayerBlocks(qkv=g.GemvBlocks(rope_parts=1))
     assert decode.Decoder(small_heads, layers="pallas", min_batch=16, gemv_blocks=one_part).layer_impl == "pallas"
     assert decode.Decoder(small_heads, layers="pallas").layer_impl == "pallas"  # the vector path at batch 1-8
+
+
+def test_auto_layers_on_gpu_pick_pallas_for_small_batches(monkeypatch):
+    """layers="auto" on a GPU backend: unpadded Pallas steps up to AUTO_PALLAS_MAX_BATCH rows,
+    XLA steps padded to GPU_MIN_BATCH above; on the CPU, XLA everywhere (nothing runs here)."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                      mlp_dim=96, compute_dtype=DType.float32)
+    model = build_model(cfg, seed=0)
+    cpu = decode.Decoder(model, attention="xla")
+    assert cpu.layer_impl == decode.DecodeLayerImpl.xla and cpu.bucket(1) == 1
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    dec = decode.Decoder(model, attention="xla")
+    top = decode.AUTO_PALLAS_MAX_BATCH
+    assert dec.bucket(1) == 1 and dec._step_layers(1) == decode.DecodeLayerImpl.pallas
+    assert dec.bucket(top) == top and dec._step_layers(top) == decode.DecodeLayerImpl.pallas
+    assert dec.bucket(top + 1) == max(2 * top, decode.GPU_MIN_BATCH)
+    assert dec._step_layers(dec.bucket(top + 1)) == decode.DecodeLayerImpl.xla
+    assert "head_xd" in dec.weights and "final_norm" not in dec.weights  # one (row) layout for both paths
+    xla = decode.Decoder(model, attention="xla", layers="xla")
+    assert xla.bucket(1) == decode.GPU_MIN_BATCH and "head_xd" not in xla.weights

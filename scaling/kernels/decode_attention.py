@@ -193,14 +193,36 @@ def decode_attention(q_bnh, k_bskh, v_bskh, lengths_b, *, blocks: DecodeBlockSiz
     g = n // kh
     if g > MIN_ROWS:
         raise ValueError(f"group size {g=} (query heads per KV head) above {MIN_ROWS} is not supported")
-    interpret = bool(interpret) or jax.default_backend() == "cpu"
-    plan = _plan(b, kh, s, blocks)
     q_bkgh = q_bnh.reshape(b, kh, g, h)
     q_bkgh = jnp.pad(q_bkgh, ((0, 0), (0, 0), (0, MIN_ROWS - g), (0, 0))).astype(k_bskh.dtype)
+    return _grouped(q_bkgh, k_bskh, v_bskh, lengths_b, g, blocks, interpret).astype(q_bnh.dtype)
+
+
+def _grouped(q_bkgh, k_bskh, v_bskh, lengths_b, g: int, blocks: DecodeBlockSizes, interpret: bool):
+    b, kh, _, h = q_bkgh.shape
+    interpret = bool(interpret) or jax.default_backend() == "cpu"
+    plan = _plan(b, kh, k_bskh.shape[1], blocks)
     o, m, l = _partials(q_bkgh, k_bskh, v_bskh, lengths_b.astype(jnp.int32), plan=plan, blocks=blocks,
                         sm_scale=1.0 / math.sqrt(h), interpret=interpret)
     out = _combine(o, m, l)[:, :, :g]  # [B, K, G, H]
-    return out.reshape(b, n, h).astype(q_bnh.dtype)
+    return out.reshape(b, kh * g, h)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "blocks", "interpret"))
+def decode_attention_grouped(q_bkgh, k_bskh, v_bskh, lengths_b, *, num_heads: int,
+                             blocks: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False):
+    """decode_attention with q already in the kernel's layout: [B, K, 16, H], the G = N / K query
+    heads of each KV head in rows [0, G) (what decode_gemv.qkv_rope(q_layout="groups") writes;
+    rows [G, 16) are never read into the result, so they may hold anything). Saves the pad
+    kernel of decode_attention. Returns [B, N, H] in q's dtype."""
+    b, kh, rows, h = q_bkgh.shape
+    if rows != MIN_ROWS or num_heads % kh or num_heads // kh > MIN_ROWS:
+        raise ValueError(f"q {q_bkgh.shape} must be [B, K, {MIN_ROWS}, H] with num_heads={num_heads} a multiple of K "
+                         f"and at most {MIN_ROWS} per KV head")
+    if k_bskh.shape[0] != b or k_bskh.shape[2:] != (kh, h) or v_bskh.shape != k_bskh.shape:
+        raise ValueError(f"shapes disagree: q {q_bkgh.shape}, k {k_bskh.shape}, v {v_bskh.shape}")
+    return _grouped(q_bkgh.astype(k_bskh.dtype), k_bskh, v_bskh, lengths_b, num_heads // kh, blocks,
+                    interpret).astype(q_bkgh.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

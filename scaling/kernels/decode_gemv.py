@@ -222,7 +222,7 @@ def _norm_matmul_pair(x_ref, w_ref, rows_a, rows_b, n: int, *, bk: int, d: int, 
 
 
 def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
-                n: int, kv: int, h: int, cols: int, bk: int, d: int, eps: float, prefetch: int):
+                n: int, kv: int, h: int, cols: int, bk: int, d: int, eps: float, prefetch: int, grouped: bool):
     """Program (head, part): output columns [part*cols, +cols) and [h/2 + part*cols, +cols) of
     one head (the RoPE pairs), for every row. Heads [0, n) are q, [n, n+kv) k, then v."""
     head, part = pl.program_id(0), pl.program_id(1)
@@ -244,8 +244,13 @@ def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_re
 
     @pl.when(head < n)
     def _q():
-        q_ref[:, head, c_lo] = out_lo.astype(q_ref.dtype)
-        q_ref[:, head, c_hi] = out_hi.astype(q_ref.dtype)
+        if grouped:  # [B, K, 16, H]: query head `head` is row head % G of KV head head // G
+            g = n // kv
+            q_ref[:, head // g, head % g, c_lo] = out_lo.astype(q_ref.dtype)
+            q_ref[:, head // g, head % g, c_hi] = out_hi.astype(q_ref.dtype)
+        else:
+            q_ref[:, head, c_lo] = out_lo.astype(q_ref.dtype)
+            q_ref[:, head, c_hi] = out_hi.astype(q_ref.dtype)
 
     rows = lax.broadcasted_iota(jnp.int32, (b,), 0)
 
@@ -260,19 +265,30 @@ def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_re
         v_ref[rows, pos, head - n - kv, c_hi] = out_hi.astype(v_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "blocks", "interpret"),
+Q_LAYOUTS = ("heads", "groups")
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "blocks", "q_layout", "interpret"),
                    donate_argnames=("k_bskh", "v_bskh"))
 def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, eps: float,
-             blocks: GemvBlocks = GemvBlocks(), interpret: bool = False):
+             blocks: GemvBlocks = GemvBlocks(), q_layout: str = "heads", interpret: bool = False):
     """RMSNorm(x) Wqkv, RoPE at pos on q and k, k/v written into the caches at pos.
 
     x [B, D]; wqkv [(N + 2K) H, D] = fold_norm(Wqkv, norm scale) in the compute dtype;
     inv_freq [H/2] f32 (layers.rope_frequencies); pos [B] int32 (< S); caches [B, S, K, H]
-    (donated, updated in place). Returns (q [B, N, H], k cache, v cache).
+    (donated, updated in place). Returns (q, k cache, v cache) with q [B, N, H]
+    (q_layout="heads") or [B, K, 16, H] (q_layout="groups": the flash-decoding kernel's tile,
+    each KV head's G query heads in rows [0, G), rows [G, 16) unwritten; for
+    decode_attention.decode_attention_grouped).
     """
     b, d = x_bd.shape
     _, s, kv, h = k_bskh.shape
     n = num_heads
+    if q_layout not in Q_LAYOUTS:
+        raise ValueError(f"q_layout={q_layout!r}: allowed {Q_LAYOUTS}")
+    grouped = q_layout == "groups"
+    if grouped and (n % kv or n // kv > MIN_ROWS):
+        raise ValueError(f"q_layout='groups' needs num_heads {n} a multiple of the KV heads {kv}, at most {MIN_ROWS} per KV head")
     if wqkv_xd.shape != ((n + 2 * kv) * h, d):
         raise ValueError(f"wqkv {wqkv_xd.shape} must be [(N + 2K) H, D] = {((n + 2 * kv) * h, d)}")
     if k_bskh.shape[0] != b or v_bskh.shape != k_bskh.shape:
@@ -285,12 +301,13 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
                          f"at batch {b}")
     bk = _block_k(d, blocks.block_k, b)
     interpret = _interpret(interpret)
-    kernel = functools.partial(_qkv_kernel, n=n, kv=kv, h=h, cols=cols, bk=bk, d=d, eps=eps, prefetch=blocks.prefetch)
+    kernel = functools.partial(_qkv_kernel, n=n, kv=kv, h=h, cols=cols, bk=bk, d=d, eps=eps, prefetch=blocks.prefetch,
+                               grouped=grouped)
     q, k_out, v_out = pl.pallas_call(
         kernel,
         grid=(n + 2 * kv, parts),
         out_shape=[
-            jax.ShapeDtypeStruct((b, n, h), x_bd.dtype),
+            jax.ShapeDtypeStruct((b, kv, MIN_ROWS, h) if grouped else (b, n, h), x_bd.dtype),
             jax.ShapeDtypeStruct(k_bskh.shape, k_bskh.dtype),
             jax.ShapeDtypeStruct(v_bskh.shape, v_bskh.dtype),
         ],
@@ -456,20 +473,32 @@ def gate_up_swiglu_reference(x_bd, wgu_xd, *, eps: float):
     return (jax.nn.silu(y[:, :f]) * y[:, f:]).astype(x_bd.dtype)
 
 
-# The vector path's first guess (batch 1-8): small output blocks, so that a projection is
-# hundreds to thousands of programs (docs/decoding.md has the sweep that chose them).
-VECTOR_GEMV = GemvBlocks(block_k=1024, block_n=4, rope_parts=0, num_warps=4, num_stages=2)
+# The vector path's tiles, from experiments/bench_gemv.py on an H100 (1b shapes, batch 1;
+# docs/decoding.md): two output features (qkv: two RoPE pairs) per program, so a projection is
+# 768-8192 programs; the whole 2048-wide reduction in one or two tiles.
+VECTOR_GEMV = LayerBlocks(
+    qkv=GemvBlocks(block_k=1024, block_n=2, rope_parts=0, num_warps=4, num_stages=2),
+    out=GemvBlocks(block_k=2048, block_n=2, rope_parts=0, num_warps=4, num_stages=1),
+    gate_up=GemvBlocks(block_k=2048, block_n=2, rope_parts=0, num_warps=4, num_stages=1),
+    down=GemvBlocks(block_k=1024, block_n=2, rope_parts=0, num_warps=4, num_stages=2),
+    head=GemvBlocks(block_k=2048, block_n=4, rope_parts=0, num_warps=8, num_stages=1),
+)
 
 
 def default_blocks(batch: int, head_dim: int) -> LayerBlocks:
     """Tiles for a decode step of `batch` rows: the tensor-core defaults from 16 rows, else
-    the vector path's (qkv: 4 RoPE pairs per program)."""
+    the vector path's (qkv: rope_parts set so that a program owns block_n RoPE pairs)."""
     if _tensor_cores(batch):
         return LayerBlocks()
     # The [B, BN, BK] f32 accumulator lives in registers: shrink BK as the batch grows.
-    base = dataclasses.replace(VECTOR_GEMV, block_k=max(128, VECTOR_GEMV.block_k * 2 // max(batch, 2)))
-    qkv = dataclasses.replace(base, rope_parts=max(1, head_dim // 2 // base.block_n))
-    return LayerBlocks(qkv=qkv, out=base, gate_up=base, down=base, head=dataclasses.replace(base, block_n=8))
+    shrink = max(batch, 2) // 2
+
+    def scaled(g: GemvBlocks) -> GemvBlocks:
+        return dataclasses.replace(g, block_k=max(128, g.block_k // shrink))
+
+    v = VECTOR_GEMV
+    qkv = dataclasses.replace(scaled(v.qkv), rope_parts=max(1, head_dim // 2 // v.qkv.block_n))
+    return LayerBlocks(qkv=qkv, out=scaled(v.out), gate_up=scaled(v.gate_up), down=scaled(v.down), head=scaled(v.head))
 
 
 def unsupported_reason(hidden: int, mlp_dim: int, num_heads: int, head_dim: int, vocab: int, batch: int,
