@@ -72,10 +72,11 @@ GPU_MIN_BATCH = 8
 # PALLAS_MAX_BATCH rows a step is a real gemm and XLA's are the better kernels.
 PALLAS_MIN_BATCH = 1
 PALLAS_MAX_BATCH = 64
-# layers="auto" on the GPU: the Pallas layers' vector path up to this many rows. On an H100 the
-# 1b step at batch 1 took 0.948 ms against 1.090 ms for XLA's layers padded to 8 rows; at 8 rows
-# its CUDA-core products are 2-3x slower than XLA's gemms (docs/decoding.md).
-AUTO_PALLAS_MAX_BATCH = 2
+# layers="auto" on the GPU: the Pallas layers' vector path up to this many rows. On an H100
+# (docs/decoding.md) a 1b step at batch 1 took 0.935 ms against 1.095 ms for XLA's layers padded
+# to 8 rows, and the llama2_7b 5.20 against 5.41 ms; at 2 rows it was 2% slower than XLA's
+# (1.117 vs 1.096 ms), at 4 rows 1.6x slower: its CUDA-core products grow with the rows.
+AUTO_PALLAS_MAX_BATCH = 1
 HEAD_ROWS = 256  # the Pallas layout pads the head's rows to a multiple of this (any block_n <= 256)
 
 

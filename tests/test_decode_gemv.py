@@ -105,6 +105,17 @@ def test_fold_norm_is_rmsnorm_then_matmul(rng):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+def test_k_plan_keeps_wide_tiles_with_a_power_of_two_tail():
+    assert g._k_plan(11008, 1024) == (1024, 10, ((10240, 512), (10752, 256)))  # llama2_7b's mlp dim
+    assert g._k_plan(2048, 1024) == (1024, 2, ())
+    assert g._k_plan(48, 256) == (32, 1, ((32, 16),))
+    for k, want in [(176, 64), (4096 + 48, 512), (16, 16)]:
+        bk, full, tail = g._k_plan(k, want)
+        assert full * bk + sum(w for _, w in tail) == k and all(w >= 16 and w & (w - 1) == 0 for _, w in tail)
+    with pytest.raises(ValueError, match="reduction dim 40 must be a multiple of 16"):
+        g._k_plan(40, 16)
+
+
 def test_errors_name_the_shape():
     x = jnp.zeros((12, 64), jnp.float32)
     with pytest.raises(ValueError, match="batch 12 must be a power of two"):

@@ -83,6 +83,9 @@ def test_decode_layer_kernels_lower_for_hopper(as_h100, b):
                               sds((b, f)), sds((d, f)), sds((b, d))).count(TRITON_CALL) == 1
         assert lower_for_cuda(lambda x, w: g.gate_up_swiglu(x, w, eps=1e-5, blocks=blocks),
                               sds((b, d)), sds((2 * f, d))).count(TRITON_CALL) == 1
+    # llama2_7b's down projection: a reduction of 11008 = 10 x 1024 + 512 + 256 (tail pieces)
+    assert lower_for_cuda(lambda a, w, r: g.matmul_residual(a, w, r, blocks=lb.down),
+                          sds((b, 11008)), sds((4096, 11008)), sds((b, 4096))).count(TRITON_CALL) == 1
 
 
 MOSAIC_CALL = "mosaic_gpu_v2"

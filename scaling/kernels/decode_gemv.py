@@ -127,16 +127,27 @@ def _acc_done(acc):
     return acc if acc.ndim == 2 else jnp.sum(acc, axis=2)
 
 
-def _block_k(k: int, want: int, b: int = MIN_ROWS) -> int:
-    """The largest power of two <= want dividing k (the loop has no masked tail); at least 16
-    on the tensor-core path (the dot's K), at least 1 on the vector path."""
-    floor = MIN_ROWS if _tensor_cores(b) else 1
+def _k_plan(k: int, want: int, b: int = MIN_ROWS) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """How a reduction of length k is tiled: (bk, full tiles, tail pieces (start, width)).
+    bk = want (a power of two) or the largest power of two <= k; the remainder k mod bk is cut
+    into power-of-two pieces (Triton block shapes), so k = 11008 (llama2_7b's mlp dim) keeps
+    1024-wide tiles (10 of them, then 512 + 256) instead of 43 tiles of 256. k must be a
+    multiple of 16 (the smallest piece: a tensor-core dot's K, and 32 bytes of bf16)."""
+    if k % MIN_ROWS or want < MIN_ROWS or want & (want - 1):
+        raise ValueError(f"reduction dim {k} must be a multiple of {MIN_ROWS} and block_k={want} a power of two "
+                         f">= {MIN_ROWS}")
     bk = want
-    while bk >= floor and k % bk:
+    while bk > k:
         bk //= 2
-    if bk < floor:
-        raise ValueError(f"reduction dim {k} has no power-of-two tile >= {floor} dividing it")
-    return bk
+    full = k // bk
+    pieces, start, rest = [], full * bk, k - full * bk
+    width = bk // 2
+    while rest:
+        if rest >= width:
+            pieces.append((start, width))
+            start, rest = start + width, rest - width
+        width //= 2
+    return bk, full, tuple(pieces)
 
 
 def _params(blocks: GemvBlocks, interpret: bool):
@@ -197,24 +208,35 @@ def _k_loop(n: int, load, step, init, prefetch: int):
     return lax.fori_loop(0, n, body, (load(0), init))[1]
 
 
-def _norm_matmul_pair(x_ref, w_ref, rows_a, rows_b, n: int, *, bk: int, d: int, eps: float, prefetch: int):
-    """Two blocks of n output features of RMSNorm(x) W (W^T rows rows_a, rows_b; the norm's scale
-    folded in): f32 [B, n] each. The norm's statistic is summed from the x tiles the loop loads."""
+def _matmul_rows(x_ref, w_ref, row_blocks, n: int, *, k: int, bk: int, prefetch: int, norm_eps: float | None):
+    """x W^T for blocks of n rows of W^T ([B, n] f32 each), over the whole reduction k: full
+    tiles of bk in a loop, then the _k_plan tail pieces. norm_eps: RMSNorm x first (the norm's
+    scale folded into W), its statistic summed from the same x tiles the products load."""
     b = x_ref.shape[0]
+    _, full, tail = _k_plan(k, bk, b)
 
     def load(i):
         ks = _kslice(i, bk)
-        return w_ref[rows_a, ks], w_ref[rows_b, ks]
+        return tuple(w_ref[rows, ks] for rows in row_blocks)
 
     def step(i, tiles, carry):
-        acc_a, acc_b, ss = carry
+        accs, ss = carry
         x = x_ref[:, _kslice(i, bk)]
-        return _acc_add(acc_a, x, tiles[0]), _acc_add(acc_b, x, tiles[1]), ss + jnp.sum(_f32(x) * _f32(x), axis=1)
+        accs = tuple(_acc_add(a, x, w) for a, w in zip(accs, tiles))
+        return accs, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
 
-    zeros = _acc_init(b, n, bk)
-    acc_a, acc_b, ss = _k_loop(d // bk, load, step, (zeros, zeros, jnp.zeros((b,), jnp.float32)), prefetch)
-    r = lax.rsqrt(ss / d + eps)[:, None]
-    return _acc_done(acc_a) * r, _acc_done(acc_b) * r
+    init = (tuple(_acc_init(b, n, bk) for _ in row_blocks), jnp.zeros((b,), jnp.float32))
+    accs, ss = _k_loop(full, load, step, init, prefetch) if full else init
+    outs = [_acc_done(a) for a in accs]
+    for start, width in tail:  # static pieces: each reduced on its own
+        x = x_ref[:, pl.ds(start, width)]
+        outs = [o + _acc_done(_acc_add(_acc_init(b, n, width), x, w_ref[rows, pl.ds(start, width)]))
+                for o, rows in zip(outs, row_blocks)]
+        ss = ss + jnp.sum(_f32(x) * _f32(x), axis=1)
+    if norm_eps is None:
+        return outs
+    r = lax.rsqrt(ss / k + norm_eps)[:, None]
+    return [o * r for o in outs]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,8 +251,8 @@ def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_re
     half = h // 2
     lo = head * h + part * cols
     b = x_ref.shape[0]
-    a_lo, a_hi = _norm_matmul_pair(x_ref, w_ref, pl.ds(lo, cols), pl.ds(lo + half, cols), cols,
-                                   bk=bk, d=d, eps=eps, prefetch=prefetch)
+    a_lo, a_hi = _matmul_rows(x_ref, w_ref, (pl.ds(lo, cols), pl.ds(lo + half, cols)), cols,
+                              k=d, bk=bk, prefetch=prefetch, norm_eps=eps)
 
     pos = pos_ref[...]  # [B]: where each row's new token goes
     angles = _f32(pos)[:, None] * inv_ref[pl.ds(part * cols, cols)][None, :]
@@ -299,7 +321,7 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
     if h % (2 * parts) or cols < _min_n(b) or cols & (cols - 1):
         raise ValueError(f"head_dim {h} / 2 / rope_parts {parts} = {cols} must be a power of two >= {_min_n(b)} "
                          f"at batch {b}")
-    bk = _block_k(d, blocks.block_k, b)
+    bk = _k_plan(d, blocks.block_k, b)[0]
     interpret = _interpret(interpret)
     kernel = functools.partial(_qkv_kernel, n=n, kv=kv, h=h, cols=cols, bk=bk, d=d, eps=eps, prefetch=blocks.prefetch,
                                grouped=grouped)
@@ -325,15 +347,8 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
 
 def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, prefetch: int):
     rows = pl.ds(pl.program_id(0) * bn, bn)
-
-    def load(i):
-        return w_ref[rows, _kslice(i, bk)]
-
-    def step(i, w, acc):
-        return _acc_add(acc, a_ref[:, _kslice(i, bk)], w)
-
-    acc = _k_loop(k // bk, load, step, _acc_init(a_ref.shape[0], bn, bk), prefetch)
-    o_ref[:, rows] = (_f32(r_ref[:, rows]) + _acc_done(acc)).astype(o_ref.dtype)
+    (acc,) = _matmul_rows(a_ref, w_ref, (rows,), bn, k=k, bk=bk, prefetch=prefetch, norm_eps=None)
+    o_ref[:, rows] = (_f32(r_ref[:, rows]) + acc).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -345,7 +360,7 @@ def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), inte
         raise ValueError(f"shapes disagree: a {a_bk.shape}, w {w_dk.shape} (want [D, {k}]), r {r_bd.shape}")
     _check_rows(b)
     bn = _check_block_n(d, blocks.block_n, b, "output dim")
-    bk = _block_k(k, blocks.block_k, b)
+    bk = _k_plan(k, blocks.block_k, b)[0]
     interpret = _interpret(interpret)
     return pl.pallas_call(
         functools.partial(_residual_kernel, bn=bn, bk=bk, k=k, prefetch=blocks.prefetch),
@@ -364,7 +379,7 @@ def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), inte
 def _swiglu_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, f: int, eps: float, prefetch: int):
     j = pl.program_id(0)
     gate_rows = pl.ds(j * bn, bn)
-    g, u = _norm_matmul_pair(x_ref, w_ref, gate_rows, pl.ds(f + j * bn, bn), bn, bk=bk, d=d, eps=eps, prefetch=prefetch)
+    g, u = _matmul_rows(x_ref, w_ref, (gate_rows, pl.ds(f + j * bn, bn)), bn, k=d, bk=bk, prefetch=prefetch, norm_eps=eps)
     o_ref[:, gate_rows] = (g * jax.nn.sigmoid(g) * u).astype(o_ref.dtype)
 
 
@@ -379,7 +394,7 @@ def gate_up_swiglu(x_bd, wgu_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(
     f = two_f // 2
     _check_rows(b)
     bn = _check_block_n(f, blocks.block_n, b, "mlp dim")
-    bk = _block_k(d, blocks.block_k, b)
+    bk = _k_plan(d, blocks.block_k, b)[0]
     interpret = _interpret(interpret)
     return pl.pallas_call(
         functools.partial(_swiglu_kernel, bn=bn, bk=bk, d=d, f=f, eps=eps, prefetch=blocks.prefetch),
@@ -397,18 +412,8 @@ def gate_up_swiglu(x_bd, wgu_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(
 
 def _head_kernel(x_ref, w_ref, o_ref, *, bn: int, bk: int, d: int, eps: float, prefetch: int):
     rows = pl.ds(pl.program_id(0) * bn, bn)
-    b = x_ref.shape[0]
-
-    def load(i):
-        return w_ref[rows, _kslice(i, bk)]
-
-    def step(i, w, carry):
-        acc, ss = carry
-        x = x_ref[:, _kslice(i, bk)]
-        return _acc_add(acc, x, w), ss + jnp.sum(_f32(x) * _f32(x), axis=1)
-
-    acc, ss = _k_loop(d // bk, load, step, (_acc_init(b, bn, bk), jnp.zeros((b,), jnp.float32)), prefetch)
-    o_ref[:, rows] = _acc_done(acc) * lax.rsqrt(ss / d + eps)[:, None]
+    (acc,) = _matmul_rows(x_ref, w_ref, (rows,), bn, k=d, bk=bk, prefetch=prefetch, norm_eps=eps)
+    o_ref[:, rows] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
@@ -421,7 +426,7 @@ def norm_matmul(x_bd, w_xd, *, eps: float, blocks: GemvBlocks = GemvBlocks(), in
         raise ValueError(f"w {w_xd.shape} must be [X, D={d}]")
     _check_rows(b)
     bn = _check_block_n(x_out, blocks.block_n, b, "output dim")
-    bk = _block_k(d, blocks.block_k, b)
+    bk = _k_plan(d, blocks.block_k, b)[0]
     interpret = _interpret(interpret)
     return pl.pallas_call(
         functools.partial(_head_kernel, bn=bn, bk=bk, d=d, eps=eps, prefetch=blocks.prefetch),
@@ -513,6 +518,6 @@ def unsupported_reason(hidden: int, mlp_dim: int, num_heads: int, head_dim: int,
         bn = getattr(blocks, name).block_n
         if bn < _min_n(batch) or bn & (bn - 1) or dim % bn:
             return f"{name}: output dim {dim} is not a multiple of block_n {bn} (a power of two >= {_min_n(batch)})"
-        if reduce_dim % (MIN_ROWS if _tensor_cores(batch) else 1):
+        if reduce_dim % MIN_ROWS:
             return f"{name}: reduction dim {reduce_dim} is not a multiple of {MIN_ROWS}"
     return None
