@@ -219,7 +219,7 @@ def check_layers_on_gpu(prompts) -> list[str]:
 
     fails = []
     cfg = preset("1b")
-    b, d, n, kv, h, f, s = 16, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim, 384
+    d, n, kv, h, f, s = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim, 384
     ks = iter(jax.random.split(jax.random.key(7), 16))
 
     def rnd(shape, scale=1.0):
@@ -229,17 +229,28 @@ def check_layers_on_gpu(prompts) -> list[str]:
         a, r = jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32)
         return float(jnp.linalg.norm(a - r) / jnp.linalg.norm(r))
 
-    x, pos = rnd((b, d), 3.0), jnp.arange(b, dtype=jnp.int32) * 20
-    w = rnd(((n + 2 * kv) * h, d), d ** -0.5)
-    kc, vc = rnd((b, s, kv, h)), rnd((b, s, kv, h))
-    inv = layers.rope_frequencies(cfg)
-    ref = g.qkv_rope_reference(x, w, inv, pos, kc, vc, num_heads=n, eps=cfg.norm_eps)
-    out = g.qkv_rope(x, w, inv, pos, kc.copy(), vc.copy(), num_heads=n, eps=cfg.norm_eps)
-    errs = {"qkv_rope q": rel(out[0], ref[0]), "qkv_rope k": rel(out[1], ref[1]), "qkv_rope v": rel(out[2], ref[2])}
-    a, wo = rnd((b, n * h)), rnd((d, n * h), (n * h) ** -0.5)
-    errs["matmul_residual"] = rel(g.matmul_residual(a, wo, x), g.matmul_residual_reference(a, wo, x))
-    wgu = rnd((2 * f, d), d ** -0.5)
-    errs["gate_up_swiglu"] = rel(g.gate_up_swiglu(x, wgu, eps=cfg.norm_eps), g.gate_up_swiglu_reference(x, wgu, eps=cfg.norm_eps))
+    errs = {}
+    for b in (16, 1):  # 16 rows: tensor-core dots; 1 row: the vector path (CUDA-core products)
+        lb = g.default_blocks(b, h)
+        x, pos = rnd((b, d), 3.0), jnp.arange(b, dtype=jnp.int32) * 20
+        w = rnd(((n + 2 * kv) * h, d), d ** -0.5)
+        kc, vc = rnd((b, s, kv, h)), rnd((b, s, kv, h))
+        inv = layers.rope_frequencies(cfg)
+        ref = g.qkv_rope_reference(x, w, inv, pos, kc, vc, num_heads=n, eps=cfg.norm_eps)
+        out = g.qkv_rope(x, w, inv, pos, kc.copy(), vc.copy(), num_heads=n, eps=cfg.norm_eps, blocks=lb.qkv)
+        errs.update({f"b{b} qkv_rope q": rel(out[0], ref[0]), f"b{b} qkv_rope k": rel(out[1], ref[1]),
+                     f"b{b} qkv_rope v": rel(out[2], ref[2])})
+        a, wo = rnd((b, n * h)), rnd((d, n * h), (n * h) ** -0.5)
+        errs[f"b{b} matmul_residual"] = rel(g.matmul_residual(a, wo, x, blocks=lb.out), g.matmul_residual_reference(a, wo, x))
+        wgu = rnd((2 * f, d), d ** -0.5)
+        errs[f"b{b} gate_up_swiglu"] = rel(g.gate_up_swiglu(x, wgu, eps=cfg.norm_eps, blocks=lb.gate_up),
+                                           g.gate_up_swiglu_reference(x, wgu, eps=cfg.norm_eps))
+        wh = rnd((cfg.vocab_size, d), d ** -0.5)
+        errs[f"b{b} norm_matmul (head)"] = rel(g.norm_matmul(x, wh, eps=cfg.norm_eps, blocks=lb.head),
+                                               g.norm_matmul_reference(x, wh, eps=cfg.norm_eps))
+        a7, wd7 = rnd((b, 11008)), rnd((d, 11008), 11008 ** -0.5)  # a reduction with a tail (llama2_7b's mlp dim)
+        errs[f"b{b} matmul_residual k=11008"] = rel(g.matmul_residual(a7, wd7, x, blocks=lb.down),
+                                                    g.matmul_residual_reference(a7, wd7, x))
     for k, e in errs.items():
         msg = f"{k} bf16 1b shapes: rel err {e:.2e}"
         print(msg, flush=True)
@@ -253,7 +264,10 @@ def check_layers_on_gpu(prompts) -> list[str]:
     with jax.default_matmul_precision("highest"):
         outs = {li: decode.Decoder(model, attention="pallas", chunk=8, layers=li).generate(prompts, 20)
                 for li in ("xla", "pallas")}
-    return fails + _compare("decode f32 layers pallas vs xla", outs["pallas"], outs["xla"])
+        one = {li: decode.Decoder(model, attention="pallas", chunk=8, layers=li).generate(prompts[:1], 20)
+               for li in ("xla", "pallas")}
+    return (fails + _compare("decode f32 layers pallas vs xla", outs["pallas"], outs["xla"])
+            + _compare("decode f32 layers pallas vs xla, batch 1", one["pallas"], one["xla"]))
 
 
 # ----------------------------------------------------------------------------- main
@@ -268,7 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--attention", default="pallas",
                     help="decode variants, comma-separated: ATTN or ATTN:LAYERS, ATTN in pallas/xla/fused, "
-                         "LAYERS in auto/xla/pallas (default auto = xla)")
+                         "LAYERS in auto/xla/pallas (default auto: pallas at batch 1 on the GPU, else xla)")
     ap.add_argument("--gemv-blocks", default="", help="tiles of the Pallas layer kernels, a decode_gemv.LayerBlocks.parse spec")
     ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
     ap.add_argument("--hf-models", default="1b,llama2_7b", help="models to run transformers on")
