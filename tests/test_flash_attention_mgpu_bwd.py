@@ -63,9 +63,9 @@ def _check(seed, dtype, grads, ref):
 
 CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
     (1, 256, 256, 2, 2, 64, True, jnp.bfloat16, None,
-     "causal MHA D=64: two K/V CTAs, the upper consumer skips, masked diagonal, dQ skip slots"),
+     "causal MHA D=64: default D=64 tiles (128-row q slots, 128-key dQ slots), two K/V CTAs"),
     (1, 128, 128, 4, 1, 128, True, jnp.float16, None,
-     "causal GQA 4 D=128 f16: dK/dV summed over the group inside the kernel"),
+     "causal GQA 4 D=128 f16: dK/dV summed over the group in-kernel; both consumers' skip slots"),
     (1, 128, 256, 3, 1, 64, False, jnp.bfloat16,
      MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, stages_dkv=3, stages_dq=3),
      "non-causal GQA 3, T != S, wide tiles, 3-stage rings deeper than the step counts"),
