@@ -220,7 +220,7 @@ def check_layers_on_gpu(prompts) -> list[str]:
     fails = []
     cfg = preset("1b")
     d, n, kv, h, f, s = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim, 384
-    ks = iter(jax.random.split(jax.random.key(7), 16))
+    ks = iter(jax.random.split(jax.random.key(7), 64))
 
     def rnd(shape, scale=1.0):
         return (jax.random.normal(next(ks), shape, jnp.float32) * scale).astype(jnp.bfloat16)
