@@ -10,6 +10,7 @@ four weight reads:
                     each row's position (in place); q returned
     matmul_residual a W + r  (output projection and down projection with their residual add)
     gate_up_swiglu  RMSNorm -> silu(x Wg) * (x Wu)
+    norm_matmul     RMSNorm -> x W in f32 (the output head)
 
 RMSNorm without a pass of its own: the norm's scale is folded into the weight rows once
 (`fold_norm`), and the row statistic rsqrt(mean(x^2) + eps) is accumulated from the same
@@ -18,9 +19,8 @@ x tiles the matmul loads and applied to the f32 accumulator at the end:
 
 Layout: weights are stored output-major, W^T [X, D] (each output feature's weights
 contiguous, as torch's nn.Linear and gpt-fast's int8 GEMV keep them). A program owns a
-block of output features, loops over D in tiles [BN, BK] (software-pipelined by Triton),
-and dots them with the x tile [B, BK] on the tensor cores (B >= 16 rows: the smallest M of
-a Triton dot; the decoder pads the batch to 16).
+block of output features and loops over the reduction in [BN, BK] weight tiles (then a
+power-of-two tail, `_k_plan`).
 
 Two ways to do the products, chosen by the batch (static): B >= 16 rows dot [B, BK] x tiles
 with [BN, BK] weight tiles on the tensor cores (the smallest M of a Triton dot is 16). Fewer
