@@ -12,6 +12,8 @@ Implementations: `ours` = our Pallas kernels with the Triton forward (backend="t
 flash_attention_mgpu.py and the Mosaic GPU backward of flash_attention_mgpu_bwd.py (a shape
 either kernel does not support falls back to the Triton kernel for that pass; the row's note
 says so), `mosaic_tbwd` = the Mosaic forward with the Triton backward (mosaic_backward=False),
+`auto` = flash_attention(backend="auto"), what the model's pallas path runs (on Hopper the
+faster measured forward and the Mosaic backward; the row's note says which),
 `cudnn` and `xla` via jax.nn.dot_product_attention.
 
 FLOPs (FlashAttention-2 paper convention): forward 4·B·H·T²·D, halved when causal; backward
@@ -95,6 +97,8 @@ def impl_fn(name: str, causal: bool, block_sizes: BlockSizes | None = None):
     if name in ("mosaic", "mosaic_tbwd"):
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, backend="mosaic",
                                                mosaic_backward=name == "mosaic")
+    if name == "auto":  # what the model's pallas path runs
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, backend="auto")
     if name in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=name)
     raise ValueError(f"unknown implementation {name!r}")
@@ -129,7 +133,13 @@ def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
             elif name == "mosaic" and (why := mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal,
                                                                           segmented=False)):
                 row["note"] = f"Triton backward (Mosaic backward refuses: {why})"
-            fwd, fwdbwd = fwd_and_fwdbwd(impl_fn(name, causal, block_sizes if name in ("ours", "mosaic", "mosaic_tbwd")
+            if name == "auto":  # which kernels backend="auto" picks on this device
+                from scaling.kernels.flash_attention import mosaic_forward_preferred
+                f_m = mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False) is None \
+                    and mosaic_forward_preferred(q.shape, k.shape, causal=causal, kind=mgpu.device_kind())
+                b_m = mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False) is None
+                row["note"] = f"fwd {'mosaic' if f_m else 'triton'}, bwd {'mosaic' if b_m else 'triton'}"
+            fwd, fwdbwd = fwd_and_fwdbwd(impl_fn(name, causal, block_sizes if name in ("ours", "mosaic", "mosaic_tbwd", "auto")
                                                  else None))
             outs[name] = (fwd(q, k, v), fwdbwd(q, k, v, do))
             if name != "cudnn" and "cudnn" in outs:
@@ -236,7 +246,7 @@ def main(argv=None):
     p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384", help="sequence lengths of the sweep")
     p.add_argument("--out-name", default="bench_attention", help="file name (no suffix) under $OUT")
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    p.add_argument("--impls", default="cudnn,ours,xla", help="comma list of cudnn, ours, mosaic, mosaic_tbwd, xla")
+    p.add_argument("--impls", default="cudnn,ours,xla", help="comma list of cudnn, ours, mosaic, mosaic_tbwd, auto, xla")
     p.add_argument("--check", nargs="?", const="all", help="run the GPU correctness suite first (or cases i,j)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", help="JSON of BlockSizes fields for ours (default: the tuned table)")

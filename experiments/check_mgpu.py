@@ -67,13 +67,15 @@ def check(cases):
     return out
 
 
-def timing(b, t, h, kv, d, causal, variants, reps):
+def timing(b, t, h, kv, d, causal, variants, reps, fwd_only=False):
     q, k, v, do = make_inputs(b, t, h, kv, d)
     f = flops_fwd(b, t, h, d, causal)
     rows = []
     cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     o_ref = jax.jit(cudnn)(q, k, v)
-    fwd = {"cudnn": cudnn, "triton": lambda q, k, v: flash_attention(q, k, v, causal=causal)}
+    fwd = {"cudnn": cudnn, "triton": lambda q, k, v: flash_attention(q, k, v, causal=causal),
+           # the dispatcher's forward (default Mosaic tiles, lse kept for the backward)
+           "dispatch-mosaic": lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic")}
     for name, cfg in variants.items():
         fwd[name] = (lambda cfg: lambda q, k, v: mosaic_forward(q, k, v, causal=causal, config=cfg)[0])(cfg)
     for name, fn in fwd.items():
@@ -87,6 +89,8 @@ def timing(b, t, h, kv, d, causal, variants, reps):
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print("time", json.dumps(row), flush=True)
         rows.append(row)
+    if fwd_only:
+        return rows
     best = max((r for r in rows if r["impl"].startswith("mosaic") and "tflops_fwd" in r),
                key=lambda r: r["tflops_fwd"], default=None)
     both = {"cudnn": cudnn, "triton": fwd["triton"]}
@@ -114,6 +118,12 @@ VARIANTS = {
     "mosaic-kv64-s3-pp": MosaicConfig(block_kv=64, stages=3, pingpong=True),
     "mosaic-kv128-s3-pp-r1k": MosaicConfig(block_kv=128, stages=3, pingpong=True, reduction_scratch_bytes=1024),
     "mosaic-kv128-s3-r1k": MosaicConfig(block_kv=128, stages=3, pingpong=False, reduction_scratch_bytes=1024),
+    "mosaic-kv64-s4-pp": MosaicConfig(block_kv=64, stages=4, pingpong=True),
+    "mosaic-kv64-s4": MosaicConfig(block_kv=64, stages=4, pingpong=False),
+    "mosaic-kv64-s3": MosaicConfig(block_kv=64, stages=3, pingpong=False),
+    "mosaic-kv128-s4-pp": MosaicConfig(block_kv=128, stages=4, pingpong=True),  # D=64 only (shared memory)
+    "mosaic-kv256-s2-pp": MosaicConfig(block_kv=256, stages=2, pingpong=True),  # D=64 only
+    "mosaic-kv256-s3-pp": MosaicConfig(block_kv=256, stages=3, pingpong=True),  # D=64 only
 }
 
 
@@ -123,6 +133,8 @@ def main():
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--shapes", default="4,4096,32,32,128,1;4,4096,32,32,128,0;4,4096,32,8,128,1")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--fwd-only", action="store_true", help="skip the forward+backward timings")
+    p.add_argument("--out-name", default="check_mgpu")
     args = p.parse_args()
     print(header(), flush=True)
     checks = []
@@ -140,14 +152,14 @@ def main():
     rows = []
     for shape in args.shapes.split(";"):
         b, t, h, kv, d, c = (int(x) for x in shape.split(","))
-        rows += timing(b, t, h, kv, d, bool(c), variants, args.reps)
+        rows += timing(b, t, h, kv, d, bool(c), variants, args.reps, args.fwd_only)
     print(header())
     for r in rows:
-        print(f"{r['impl']:26s} H{r['H']} KV{r['KV']} causal={r['causal']!s:5s} "
+        print(f"{r['impl']:26s} B{r['B']} T{r['T']} D{r['D']} H{r['H']} KV{r['KV']} causal={r['causal']!s:5s} "
               f"fwd {r.get('tflops_fwd', float('nan')):6.0f}  fwd+bwd {r.get('tflops_fwdbwd', float('nan')):6.0f}  "
               f"err {r.get('err_vs_cudnn', float('nan')):.1e} {r.get('error', '')[:120]}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "check_mgpu.json"), "w") as fh:
+        with open(os.path.join(os.environ["OUT"], args.out_name + ".json"), "w") as fh:
             json.dump(dict(header=header(), checks=checks, rows=rows), fh, indent=1)
 
 

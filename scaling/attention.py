@@ -63,7 +63,10 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=
 def pallas_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
     from scaling.kernels import flash_attention  # imported lazily: the kernel is optional
 
-    return flash_attention(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
+    # "auto": on Hopper the faster measured forward (Triton or Mosaic GPU) and the Mosaic GPU
+    # backward where they support the call (docs/attention.md, "Choosing the backend");
+    # the Triton kernels everywhere else and for what the Mosaic kernels refuse.
+    return flash_attention(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids, backend="auto")
 
 
 ATTENTION_CORES: dict[AttentionImpl, Callable] = {

@@ -118,6 +118,64 @@ def test_backward_switch_and_fallback(monkeypatch):
         flash_attention(x, x, x, backend="mosaic", mosaic_backward="yes")
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_auto_backend_rule(monkeypatch):
+    """backend="auto" on Hopper: the measured forward rule per device, the Mosaic backward
+    whenever it supports the call (also behind a Triton forward), Triton off Hopper."""
+    plans = []
+    monkeypatch.setattr(fa, "_flash", lambda q, k, v, seg, plan: plans.append(plan) or q)
+    monkeypatch.setattr(fa.mgpu, "device_kind", lambda: H100)
+    z = lambda t, h, d: jnp.zeros((1, t, h, d), jnp.bfloat16)
+    run = lambda q, k, **kw: flash_attention(q, k, k, backend="auto", **kw)
+
+    monkeypatch.setattr(fa, "_is_hopper", lambda: False)
+    run(z(128, 2, 128), z(128, 2, 128))  # not Hopper: all Triton
+    monkeypatch.setattr(fa, "_is_hopper", lambda: True)
+    run(z(128, 2, 128), z(128, 2, 128))  # H100, MHA D=128 short: Triton fwd + Mosaic bwd
+    run(z(128, 4, 128), z(128, 1, 128))  # H100, GQA 4 (head pairing): Mosaic fwd + bwd
+    run(z(128, 2, 128), z(128, 2, 128), causal=False)  # non-causal MHA D=128: Triton fwd
+    run(z(128, 2, 96), z(128, 2, 96))  # D=96: neither Mosaic kernel
+    run(z(128, 2, 128), z(128, 2, 128), segment_ids=jnp.zeros((1, 128), jnp.int32))  # segments: Triton
+    run(z(128, 2, 128), z(128, 2, 128), mosaic_backward=False)
+    monkeypatch.setattr(fa.mgpu, "device_kind", lambda: "NVIDIA H200")
+    run(z(128, 2, 128), z(128, 2, 128))  # H200: Mosaic fwd + bwd
+    assert [(p.mosaic is not None, p.mosaic_bwd is not None) for p in plans] == [
+        (False, False), (False, True), (True, True), (False, True), (False, False), (False, False),
+        (False, False), (True, True)]
+    assert plans[2].mosaic == fa.mgpu.H100_CONFIGS[128] and plans[7].mosaic == fa.mgpu.DEFAULT_CONFIGS[128]
+
+    rule = lambda t, h, kv, d, causal: fa.mosaic_forward_preferred((1, t, h, d), (1, t, kv, d), causal=causal,
+                                                                   kind=H100)
+    assert [rule(8192, 32, 32, 128, True), rule(4096, 32, 32, 128, True), rule(16384, 32, 32, 128, False),
+            rule(4096, 32, 32, 64, False), rule(2048, 32, 32, 64, True), rule(1024, 32, 8, 128, False),
+            rule(1024, 6, 2, 128, True)] == [True, False, False, True, False, True, False]
+    assert fa.mgpu.default_config(128, H100).stages == 2 and fa.mgpu.default_config(128, "NVIDIA H200").stages == 3
+    assert fa.mgpu.default_config(96, H100) is None
+
+
+def test_triton_forward_mosaic_backward_interpret(monkeypatch):
+    """backend="auto" where the rule picks the Triton forward: its lse converted to [B, H, T]
+    for the Mosaic backward; gradients against the reference. GQA 2 folds two query heads into
+    the Triton forward's rows, so the conversion has to unfold them (the rule is forced to
+    Triton here: on the H100 it picks the Mosaic forward for even groups)."""
+    calls = []
+    real = fa.mgpu_bwd.mosaic_backward
+    monkeypatch.setattr(fa.mgpu_bwd, "mosaic_backward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(fa.mgpu, "mosaic_forward", lambda *a, **kw: pytest.fail("Mosaic forward used"))
+    monkeypatch.setattr(fa, "_is_hopper", lambda: True)
+    monkeypatch.setattr(fa, "mosaic_forward_preferred", lambda *a, **kw: False)
+    seed = _seed()
+    b, t, h, kv, d, dtype = 1, 128, 4, 2, 64, jnp.bfloat16
+    q, k, v, do = _inputs(seed, b, t, t, h, kv, d, dtype)
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="auto")
+    o, vjp = jax.vjp(ours, q, k, v)
+    grads = vjp(do)
+    assert calls, "the Mosaic backward was not used"
+    _check(seed, dtype, grads, _ref_grads(q, k, v, do, True))
+
+
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(segmented=True), "segment ids"),
     (dict(dtype=jnp.float32), "dtype float32"),

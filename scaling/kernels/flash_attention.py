@@ -176,7 +176,8 @@ class _Plan:
     fused_dq: bool
     interpret: bool
     mosaic: mgpu.MosaicConfig | None = None  # forward by the Mosaic GPU kernel
-    # Backward by the Mosaic GPU kernels (only together with `mosaic`: they read its lse layout).
+    # Backward by the Mosaic GPU kernels; they read lse as [B, H, T], which the Mosaic forward
+    # returns as it is and the Triton forward converts to when this is set.
     mosaic_bwd: mgpu_bwd.MosaicBwdConfig | None = None
 
     @property
@@ -596,6 +597,9 @@ def _forward(q, k, v, seg, plan: _Plan):
         name="flash_attention_fwd",
     )(*args)
     o = o5.reshape(plan.batch, plan.q_pad, plan.heads, plan.head_dim_pad)
+    if plan.mosaic_bwd is not None:  # Triton forward + Mosaic backward: lse as [B, H, T]
+        lse = lse.reshape(plan.batch, plan.head_programs, plan.q_pad, plan.fold)[:, :, : plan.q_len]
+        lse = lse.transpose(0, 1, 3, 2).reshape(plan.batch, plan.heads, plan.q_len)
     return o[:, : plan.q_len, :, : plan.head_dim], lse
 
 
@@ -806,9 +810,12 @@ def flash_attention(
       `flash_attention_mgpu.unsupported_reason`); with the Mosaic forward, also the Hopper
       backward of `flash_attention_mgpu_bwd.py` when it supports the call (head dims 64/128,
       lengths multiples of 128 by default; see `flash_attention_mgpu_bwd.unsupported_reason`),
-      otherwise the Triton backward. "auto": "mosaic" on an sm_90 GPU, else "triton". On a
-      CPU backend "mosaic" runs Pallas' GPU interpret mode (slow; for tests).
-    mosaic_config: tiles of the Mosaic forward; default per head dim (`mgpu.DEFAULT_CONFIGS`).
+      otherwise the Triton backward. "auto": on an sm_90 GPU the faster measured forward
+      (`mosaic_forward_preferred`: Mosaic on the H200; on the H100 Mosaic for GQA with an even
+      group, causal D=128 at T >= 8k and D=64 at T >= 4k, Triton otherwise) and the Mosaic
+      backward whenever it supports the call (after a Triton forward too); "triton" elsewhere.
+      On a CPU backend "mosaic" runs Pallas' GPU interpret mode (slow; for tests).
+    mosaic_config: tiles of the Mosaic forward; default per head dim and device (`mgpu.default_config`).
     mosaic_backward: False keeps the Triton backward behind the Mosaic forward (a switch for
       comparisons and a fallback; no effect with backend="triton").
     mosaic_bwd_config: tiles of the Mosaic backward; default per head dim
@@ -833,11 +840,16 @@ def flash_attention(
     interpret = bool(interpret) or jax.default_backend() == "cpu"
     plan = _make_plan(q, k, causal=bool(causal), segmented=seg is not None, sm_scale=scale,
                       blocks=blocks, interpret=interpret)
-    if _use_mosaic(backend, q, k, causal=bool(causal), segmented=seg is not None, config=mosaic_config):
+    use_fwd = _use_mosaic(backend, q, k, causal=bool(causal), segmented=seg is not None, config=mosaic_config)
+    if use_fwd:
         plan = dataclasses.replace(plan, mosaic=mosaic_config or mgpu.default_config(d))
-        if mosaic_backward and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal),
-                                                           segmented=False, config=mosaic_bwd_config) is None:
-            plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d))
+    # "mosaic": the Mosaic backward behind the Mosaic forward; "auto" (Hopper): the Mosaic
+    # backward whenever it supports the call, whichever forward ran.
+    want_bwd = use_fwd or (backend == "auto" and _is_hopper())
+    if (mosaic_backward and want_bwd and seg is None
+            and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal), segmented=False,
+                                            config=mosaic_bwd_config) is None):
+        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d))
     return _flash(q, k, v, seg, plan)
 
 
@@ -858,4 +870,28 @@ def _use_mosaic(backend, q, k, *, causal, segmented, config) -> bool:
     if backend == "triton" or (backend == "auto" and not _is_hopper()):
         return False
     reason = mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=segmented, config=config)
-    return reason is None
+    if reason is not None:
+        return False
+    return backend == "mosaic" or mosaic_forward_preferred(q.shape, k.shape, causal=causal,
+                                                           kind=mgpu.device_kind())
+
+
+def mosaic_forward_preferred(q_shape, k_shape, *, causal: bool, kind: str) -> bool:
+    """backend="auto" on Hopper: whether the Mosaic forward beats the Triton forward here.
+
+    From same-run forward timings (docs/attention.md, "Choosing the backend"). H100: the
+    Mosaic forward wins with head pairing (H / KV even: GQA 4 at T=4k 509 vs 345 TFLOP/s), for
+    causal D=128 at T >= 8k (450 vs 409, 16k 590 vs 470) and for D=64 at T >= 4k (299 vs 268
+    causal, 338 vs 308 non-causal); Triton wins the rest (MHA D=128 non-causal at every T,
+    causal at T <= 4k, D=64 at T <= 2k). Other Hopper GPUs (the H200): the Mosaic forward was
+    1.1-1.5x the Triton forward at every shape measured, so it is always preferred there.
+    """
+    if "H100" not in kind:
+        return True
+    _, t, h, d = q_shape
+    kv = k_shape[2]
+    if (h // kv) % 2 == 0:
+        return True
+    if d == 64:
+        return t >= 4096
+    return causal and t >= 8192

@@ -86,8 +86,34 @@ DEFAULT_CONFIGS = {
 }
 
 
-def default_config(head_dim: int) -> MosaicConfig:
-    return DEFAULT_CONFIGS[head_dim]
+# H100 (80GB HBM3): the sweep of 2026-11-22 (`check_mgpu.py --time-only --fwd-only`, forward
+# TFLOP/s, B*T = 16k tokens, H = 32; docs/attention.md, "H100 retune") put 2 stages with
+# ping-pong at or near the top everywhere and ahead of the H200 defaults at the short and the
+# D=64 shapes: D=128 causal T=1k 226 vs 205, 4k 328 vs 316, 16k 594 vs 551, non-causal 4k 346
+# vs 349, GQA 4 462 vs 475; D=64 causal 4k 299 vs 252, non-causal 4k 338 vs 305, causal 1k
+# 163 vs 166 (differences under ~8% are within the run-to-run noise seen there).
+H100_CONFIGS = {
+    64: MosaicConfig(block_q=64, block_kv=128, stages=2, pingpong=True),
+    128: MosaicConfig(block_q=64, block_kv=128, stages=2, pingpong=True),
+    256: DEFAULT_CONFIGS[256],
+}
+# device_kind substring -> table; devices not listed (the H200, interpret mode on a CPU) use
+# DEFAULT_CONFIGS.
+DEVICE_CONFIGS = {"H100": H100_CONFIGS}
+
+
+def device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
+def default_config(head_dim: int, kind: str | None = None) -> MosaicConfig | None:
+    """Default tiles for `head_dim` on device `kind` (default: the first device's); None when
+    the head dim is unsupported."""
+    kind = device_kind() if kind is None else kind
+    for key, table in DEVICE_CONFIGS.items():
+        if key in kind:
+            return table.get(head_dim)
+    return DEFAULT_CONFIGS.get(head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,7 +401,7 @@ def mosaic_forward(q, k, v, *, causal: bool = True, sm_scale: float | None = Non
         raise ValueError(f"k and v must be [B, S, KV, D] matching q [B, T, H, D]: {q.shape=}, {k.shape=}, {v.shape=}")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    cfg = config if config is not None else DEFAULT_CONFIGS.get(q.shape[-1])
+    cfg = config if config is not None else default_config(q.shape[-1])
     reason = unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False, config=cfg)
     if reason is not None:
         raise ValueError(f"Mosaic flash attention forward does not support this call: {reason}")

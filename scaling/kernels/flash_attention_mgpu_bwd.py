@@ -433,7 +433,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[slot], k_full.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[slot], v_full.at[slot])
 
-        for j in range(stages):  # fill the ring
+        # Fill the ring; static j past the last K/V tile would be an out-of-bounds slice at
+        # trace time (e.g. S = block_kv_dq), even under pl.when.
+        for j in range(min(stages, geo.kv_len // bkv)):
             @pl.when(j < cta_steps)
             def _():
                 fetch(j, j)
