@@ -38,6 +38,9 @@ VARIANTS = {
     # D=64 only (register budget): 128 keys per consumer, or 128-row q slots.
     "kv128": bwd.MosaicBwdConfig(block_kv_dkv=128, block_kv_dq=128),
     "q128": bwd.MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128),
+    # delta inside the dQ kernel instead of the XLA reduction (not the default: untimed)
+    "fd": bwd.MosaicBwdConfig(delta_in_dq=True),
+    "q128-fd": bwd.MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, delta_in_dq=True),
 }
 
 
@@ -122,7 +125,9 @@ def timing(shape, variants, reps):
             "bwd": jax.jit(lambda q, k, v, o, lse, do, cfg=cfg: bwd.mosaic_backward(
                 q, k, v, o, lse, do, causal=causal, config=cfg)),
             "dkv": jax.jit(lambda q, k, v, o, lse, do, geo=geo: bwd._dkv_call(q, k, v, do, lse, delta, geo, False)),
-            "dq": jax.jit(lambda q, k, v, o, lse, do, geo=geo: bwd._dq_call(q, k, v, do, lse, delta, geo, False)),
+            # with delta_in_dq the dQ kernel reads O and also produces delta
+            "dq": jax.jit(lambda q, k, v, o, lse, do, geo=geo: bwd._dq_call(
+                q, k, v, do, lse, o if geo.cfg.delta_in_dq else delta, geo, False)),
         }
         row = _row(f"mbwd-{name} parts", shape)
         for part, fn in parts.items():

@@ -67,8 +67,8 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
     (1, 128, 128, 4, 1, 128, True, jnp.float16, None,
      "causal GQA 4 D=128 f16: dK/dV summed over the group in-kernel; both consumers' skip slots"),
     (1, 128, 256, 3, 1, 64, False, jnp.bfloat16,
-     MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, stages_dkv=3, stages_dq=3),
-     "non-causal GQA 3, T != S, wide tiles, 3-stage rings deeper than the step counts"),
+     MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, stages_dkv=3, stages_dq=3, delta_in_dq=True),
+     "non-causal GQA 3, T != S, wide tiles, 3-stage rings deeper than the step counts, delta in the dQ kernel"),
 ]
 
 

@@ -77,6 +77,9 @@ class MosaicBwdConfig:
       covers 2 * block_q_dq queries.
     block_kv_dq: keys per ring slot of the dQ kernel (N of S = Q Kᵀ, K of dQ += dS K).
     stages_dq: depth of the K/V ring of the dQ kernel, >= 2.
+    delta_in_dq: compute delta = rowsum(dO ∘ O) inside the dQ kernel (its consumers hold dO
+      already and load their O tile too), which then writes delta out for the dK/dV kernel,
+      launched after it; False: one XLA reduction before both kernels.
     """
 
     block_q_dkv: int = 64
@@ -85,6 +88,7 @@ class MosaicBwdConfig:
     block_q_dq: int = 64
     block_kv_dq: int = 64
     stages_dq: int = 2
+    delta_in_dq: bool = False
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -352,10 +356,20 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
 # dQ.
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring,
-               q_full, do_full, lse_full, delta_full, k_full, v_full, k_free, v_free, *, geo: _Geometry):
-    """One CTA: 2 * 64 queries of one head. Refs as in `_dkv_kernel`; dq [B, T, H, D]."""
+def _dq_kernel(*refs, geo: _Geometry):
+    """One CTA: 2 * 64 queries of one head. Refs as in `_dkv_kernel`; dq [B, T, H, D].
+
+    With `delta_in_dq` the sixth input is O [B, T, H, D] instead of delta, delta [B, H, T] is a
+    second output, and an O tile buffer joins the scratch (its TMA signals `delta_full`)."""
+    fused = geo.cfg.delta_in_dq
+    if fused:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, delta_ref,
+         q_smem, do_smem, lse_smem, delta_smem, o_smem, k_ring, v_ring,
+         q_full, do_full, lse_full, delta_full, k_full, v_full, k_free, v_free) = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+         q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring,
+         q_full, do_full, lse_full, delta_full, k_full, v_full, k_free, v_free) = refs
     cfg = geo.cfg
     bq, bkv, stages = cfg.block_q_dq, cfg.block_kv_dq, cfg.stages_dq
     wg = lax.axis_index("wg")
@@ -382,11 +396,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
         plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, do_full.at[wg])
         stats = (b, head, pl.ds(q0, bq))
         plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_full.at[wg])
-        plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_full.at[wg])
+        if fused:
+            plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem.at[wg], delta_full.at[wg])
+        else:
+            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_full.at[wg])
         for bar in (q_full, do_full, lse_full, delta_full):
             plgpu.barrier_wait(bar.at[wg])
         lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        if fused:  # delta = rowsum(dO ∘ O) of this consumer's rows, written out for the dK/dV kernel
+            o_t = plgpu.load(o_smem.at[wg], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            do_t = plgpu.load(my_do, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            delta = (o_t * do_t).sum(axis=1)
+            delta_smem.at[wg][...] = delta
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[stats])  # awaited with dQ's store
+        else:
+            delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         my_steps = kv_steps(q0 + bq)
         unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps  # tiles wholly at or below the diagonal
 
@@ -456,16 +481,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
             plgpu.barrier_wait(k_free.at[slot])
 
 
-def _dq_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
+def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: bool):
+    """dq, or (dq, delta) with `delta_in_dq` (then `delta_or_o` is O)."""
     cfg = geo.cfg
     d, dtype = geo.head_dim, q.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = cfg.stages_dq
+    o_tile = (plgpu.SMEM((CONSUMERS, cfg.block_q_dq, d), dtype, transforms=tiled),) if cfg.delta_in_dq else ()
     scratch = (
         plgpu.SMEM((CONSUMERS, cfg.block_q_dq, d), dtype, transforms=tiled),  # Q
         plgpu.SMEM((CONSUMERS, cfg.block_q_dq, d), dtype, transforms=tiled),  # dO
         plgpu.SMEM((CONSUMERS, cfg.block_q_dq), jnp.float32),  # L
         plgpu.SMEM((CONSUMERS, cfg.block_q_dq), jnp.float32),  # delta
+        *o_tile,  # O (delta_in_dq)
         plgpu.SMEM((stages, cfg.block_kv_dq, d), dtype, transforms=tiled),  # K ring
         plgpu.SMEM((stages, cfg.block_kv_dq, d), dtype, transforms=tiled),  # V ring
         plgpu.Barrier(num_barriers=CONSUMERS),  # q_full
@@ -477,9 +505,12 @@ def _dq_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # k_free
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
     )
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    if cfg.delta_in_dq:
+        out_type = (out_type, jax.ShapeDtypeStruct((geo.batch, geo.heads, geo.q_len), jnp.float32))
     return plgpu.kernel(
         functools.partial(_dq_kernel, geo=geo),
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(geo.q_len // (CONSUMERS * cfg.block_q_dq), geo.heads, geo.batch),
         grid_names=("t", "h", "b"),
@@ -487,7 +518,7 @@ def _dq_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, do, lse, delta)
+    )(q, k, v, do, lse, delta_or_o)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,7 +527,12 @@ def _dq_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
 
 @functools.partial(jax.jit, static_argnames=("geo", "interpret"))
 def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: bool):
-    # delta_i = rowsum(dO_i ∘ O_i) (FA2 Algorithm 2, line 4): one fused XLA reduction, [B, H, T].
+    # delta_i = rowsum(dO_i ∘ O_i) (FA2 Algorithm 2, line 4), [B, H, T]: inside the dQ kernel,
+    # which then runs first, or one fused XLA reduction.
+    if geo.cfg.delta_in_dq:
+        dq, delta = _dq_call(q, k, v, do, lse, o, geo, interpret)
+        dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
+        return dq, dk, dv
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
     dq = _dq_call(q, k, v, do, lse, delta, geo, interpret)
