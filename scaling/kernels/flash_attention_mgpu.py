@@ -155,21 +155,33 @@ class _Geometry:
         return (self.q_len // self.cta_rows, head_slots, self.batch)
 
 
+def common_unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool, kernel: str,
+                              head_dims=HEAD_DIMS) -> str | None:
+    """The checks the Mosaic forward and backward share: dtype, head dim, no segment ids, GQA
+    grouping, square causal attention."""
+    _, t, h, d = q_shape
+    _, s, kv, _ = k_shape
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} (the Mosaic {kernel} supports bfloat16 and float16)"
+    if d not in head_dims:
+        return f"head dim {d} (the Mosaic {kernel} supports {head_dims})"
+    if segmented:
+        return f"segment ids (not implemented in the Mosaic {kernel})"
+    if h % kv:
+        return f"{h=} not a multiple of {kv=}"
+    if causal and t != s:
+        return f"causal with q length {t} != kv length {s}"
+    return None
+
+
 def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool,
                        config: MosaicConfig | None = None) -> str | None:
     """Why the Mosaic forward cannot take this call (None when it can)."""
     b, t, h, d = q_shape
     _, s, kv, _ = k_shape
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (the Mosaic forward supports bfloat16 and float16)"
-    if d not in HEAD_DIMS:
-        return f"head dim {d} (the Mosaic forward supports {HEAD_DIMS})"
-    if segmented:
-        return "segment ids (not implemented in the Mosaic forward)"
-    if h % kv:
-        return f"{h=} not a multiple of {kv=}"
-    if causal and t != s:
-        return f"causal with q length {t} != kv length {s}"
+    reason = common_unsupported_reason(q_shape, k_shape, dtype, causal=causal, segmented=segmented, kernel="forward")
+    if reason:
+        return reason
     cfg = config or default_config(d)
     geo_rows = cfg.block_q * (1 if (h // kv) % 2 == 0 else CONSUMERS)
     if t % geo_rows:

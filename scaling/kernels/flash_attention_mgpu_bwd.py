@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels.flash_attention_mgpu import DTYPES, LOG2_E
+from scaling.kernels.flash_attention_mgpu import LOG2_E, common_unsupported_reason
 
 HEAD_DIMS = (64, 128)
 CONSUMERS = 2  # compute warpgroups per CTA; the producer is warpgroup CONSUMERS
@@ -110,16 +110,10 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
     """Why the Mosaic backward cannot take this call (None when it can)."""
     b, t, h, d = q_shape
     _, s, kv, _ = k_shape
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} (the Mosaic backward supports bfloat16 and float16)"
-    if d not in HEAD_DIMS:
-        return f"head dim {d} (the Mosaic backward supports {HEAD_DIMS})"
-    if segmented:
-        return "segment ids (not implemented in the Mosaic backward)"
-    if h % kv:
-        return f"{h=} not a multiple of {kv=}"
-    if causal and t != s:
-        return f"causal with q length {t} != kv length {s}"
+    reason = common_unsupported_reason(q_shape, k_shape, dtype, causal=causal, segmented=segmented, kernel="backward",
+                                       head_dims=HEAD_DIMS)
+    if reason:
+        return reason
     cfg = config or default_config(d)
     for length, name, multiple in ((t, "q length", CONSUMERS * cfg.block_q_dq), (t, "q length", cfg.block_q_dkv),
                                    (s, "kv length", CONSUMERS * cfg.block_kv_dkv), (s, "kv length", cfg.block_kv_dq)):
