@@ -124,6 +124,9 @@ def test_errors_name_the_shape():
         g.matmul_residual(jnp.zeros((16, 64)), jnp.zeros((40, 64)), jnp.zeros((16, 40)))
     with pytest.raises(ValueError, match="block_n=4, a power of two >= 16 at batch 16"):  # too small for a dot
         g.matmul_residual(jnp.zeros((16, 64)), jnp.zeros((32, 64)), jnp.zeros((16, 32)), blocks=g.GemvBlocks(block_n=4))
+    with pytest.raises(ValueError, match=r"q_layout='bhsd': allowed \('heads', 'groups'\)"):
+        g.qkv_rope(jnp.zeros((1, 64)), jnp.zeros((6 * 16, 64)), jnp.zeros((8,)), jnp.zeros((1,), jnp.int32),
+                   jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), num_heads=2, eps=1e-5, q_layout="bhsd")
     with pytest.raises(ValueError, match="rope_parts"):
         g.qkv_rope(jnp.zeros((16, 64)), jnp.zeros((6 * 16, 64)), jnp.zeros((8,)), jnp.zeros((16,), jnp.int32),
                    jnp.zeros((16, 8, 2, 16)), jnp.zeros((16, 8, 2, 16)), num_heads=2, eps=1e-5)
