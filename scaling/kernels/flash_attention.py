@@ -884,8 +884,9 @@ def mosaic_forward_preferred(q_shape, k_shape, *, causal: bool, kind: str) -> bo
     causal D=128 at T >= 8k (450 vs 409, 16k 590 vs 470) and for D=64 at T >= 4k (299 vs 268
     causal, 338 vs 308 non-causal); Triton wins the rest (MHA D=128 non-causal at every T,
     causal at T <= 4k, D=64 at T <= 2k). Other Hopper GPUs (the H200): the Mosaic forward was
-    1.1-1.5x the Triton forward at every shape measured there (T=4k only: MHA and GQA 4,
-    causal and not, D=128 and 64), so it is always preferred there.
+    1.1-1.5x the Triton forward at every shape measured there (T=4k: MHA and GQA 4, causal and
+    not, D=128 and 64), and 1.0-1.3x at D=128, T=1k-16k, causal and not, in a later H200 run
+    (docs/benchmarks.md), so it is always preferred there.
     """
     if "H100" not in kind:
         return True
