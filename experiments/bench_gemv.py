@@ -58,7 +58,7 @@ def blocks_for(kernel: str, tile, head_dim: int):
     return GemvBlocks(bk, bn, 0, warps, stages)
 
 
-def make_call(kernel: str, blocks, cfg, batch: int, xla: bool = False):
+def make_call(kernel: str, blocks, cfg, xla: bool = False):
     """f(weights list, state) -> state: the kernel once per weight copy, chained through state."""
     import jax.numpy as jnp
 
@@ -123,10 +123,10 @@ def kernel_durations(trace_dir: Path, name_part: str | None) -> tuple[list[float
     return [e["dur"] for e in kern if name_part in e.get("name", "")], total
 
 
-def time_one(kernel, blocks, cfg, batch, ws, st0, reps, xla=False) -> dict:
+def time_one(kernel, blocks, cfg, ws, st0, reps, xla=False) -> dict:
     import jax
 
-    f = jax.jit(make_call(kernel, blocks, cfg, batch, xla=xla), donate_argnums=(1,))
+    f = jax.jit(make_call(kernel, blocks, cfg, xla=xla), donate_argnums=(1,))
     st = f(ws, st0())
     jax.block_until_ready(st)
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +179,7 @@ def sweep(cfg, model: str, batch: int, args, bw: float) -> list[dict]:
             if label != "xla" and blocks is None:
                 continue
             try:
-                r = time_one(kernel, blocks, cfg, batch, ws, st0, args.reps, xla=label == "xla")
+                r = time_one(kernel, blocks, cfg, ws, st0, args.reps, xla=label == "xla")
             except Exception as e:  # a tile that does not compile (registers, shared memory) is a row, not a crash
                 r = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
             row = {"model": model, "batch": batch, "kernel": kernel, "tiles": label, "copies": n_copies,
