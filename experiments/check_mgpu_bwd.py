@@ -41,20 +41,26 @@ VARIANTS = {
     # delta inside the dQ kernel instead of the XLA reduction (not the default: untimed)
     "fd": bwd.MosaicBwdConfig(delta_in_dq=True),
     "q128-fd": bwd.MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, delta_in_dq=True),
+    # dQ fused into the dK/dV kernel (TMA reduce-adds; measured slower, docs/attention.md)
+    "f": bwd.MosaicBwdConfig(fused_dq=True),
+    "f3": bwd.MosaicBwdConfig(fused_dq=True, stages_dkv=3),  # D=64 only (shared memory)
+    "f-q128": bwd.MosaicBwdConfig(fused_dq=True, block_q_dkv=128),  # D=64 only
 }
 
 
-def check(cases):
+def check(cases, configs):
     out = []
-    for b, t, s, h, kv, d, causal, dtype in cases:
-        rec = dict(B=b, T=t, S=s, H=h, KV=kv, D=d, causal=causal, dtype=jnp.dtype(dtype).name)
+    for (b, t, s, h, kv, d, causal, dtype), cfg_name in ((c, n) for c in cases for n in configs):
+        cfg = VARIANTS[cfg_name] if cfg_name else None
+        rec = dict(B=b, T=t, S=s, H=h, KV=kv, D=d, causal=causal, dtype=jnp.dtype(dtype).name, config=cfg_name)
         try:
-            why = bwd.unsupported_reason((b, t, h, d), (b, s, kv, d), dtype, causal=causal, segmented=False)
+            why = bwd.unsupported_reason((b, t, h, d), (b, s, kv, d), dtype, causal=causal, segmented=False,
+                                         config=cfg)
             assert why is None, why
             rng = np.random.default_rng()
             q, k, v, do = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
                            ((b, t, h, d), (b, s, kv, d), (b, s, kv, d), (b, t, h, d)))
-            ours = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic")
+            ours = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic", mosaic_bwd_config=cfg)
             o, g = jax.jit(lambda q, k, v, do: (ours(q, k, v), jax.vjp(ours, q, k, v)[1](do)))(q, k, v, do)
             f32 = lambda x: x.astype(jnp.float32)
             ref = lambda q, k, v: attention_reference(q, k, v, causal=causal)
@@ -129,12 +135,19 @@ def timing(shape, variants, reps):
             "dq": jax.jit(lambda q, k, v, o, lse, do, geo=geo: bwd._dq_call(
                 q, k, v, do, lse, o if geo.cfg.delta_in_dq else delta, geo, False)),
         }
+        if cfg.fused_dq:  # one kernel (dK, dV and the dQ reduce-adds; the zeroed f32 dQ included)
+            def fused_dkv(q, k, v, o, lse, do, geo=geo):
+                acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+                dk, dv = bwd._dkv_call(q, k, v, do, lse, delta, geo, False, acc)
+                return acc[...], dk, dv
+
+            parts = {"bwd": parts["bwd"], "dkv": jax.jit(fused_dkv)}
         row = _row(f"mbwd-{name} parts", shape)
         for part, fn in parts.items():
             try:
                 sec = time_fn(fn, q, k, v, o, lse, do, reps=reps)
                 # FLOPs: dK/dV 4 matmuls, dQ 3 (each 2·B·H·T²·D, halved when causal).
-                pf = {"bwd": 2.5 * f, "dkv": 2.0 * f, "dq": 1.5 * f}[part]
+                pf = {"bwd": 2.5 * f, "dkv": (2.5 if cfg.fused_dq else 2.0) * f, "dq": 1.5 * f}[part]
                 row[f"ms_{part}"] = sec * 1e3
                 row[f"tflops_{part}"] = pf / sec / 1e12
             except Exception as e:
@@ -150,6 +163,8 @@ def main():
     p.add_argument("--variants", default="d,dkv3,dq128,dkv3-dq128")
     p.add_argument("--shapes", default="4,4096,32,32,128,1;4,4096,32,32,128,0;4,4096,32,8,128,1;4,4096,32,32,64,1")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--check-configs", default=",f", help="variant names for the correctness checks "
+                   "('' = the default tiles)")
     args = p.parse_args()
     print(header(), flush=True)
     checks = []
@@ -162,7 +177,7 @@ def main():
             (1, 384, 640, 6, 2, 64, False, f16),  # GQA 3, T != S
             (1, 1024, 1024, 4, 4, 64, True, bf),
             (1, 768, 768, 12, 4, 128, True, f16),
-        ])
+        ], args.check_configs.split(","))
     rows = []
     for shape in args.shapes.split(";"):
         b, t, h, kv, d, c = (int(x) for x in shape.split(","))

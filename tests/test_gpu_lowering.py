@@ -91,19 +91,23 @@ def test_decode_layer_kernels_lower_for_hopper(as_h100, b):
 MOSAIC_CALL = "mosaic_gpu_v2"
 
 
-@pytest.mark.parametrize("causal, kv, delta_in_dq", [(True, 8, False), (False, 2, True)])
-def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal, kv, delta_in_dq):
+@pytest.mark.parametrize("causal, kv, variant", [(True, 8, {}), (False, 2, {"delta_in_dq": True}),
+                                                  (True, 2, {"fused_dq": True})])
+def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal, kv, variant):
     """backend="mosaic": the Mosaic GPU forward, dK/dV and dQ kernels go through Pallas' Mosaic
     GPU lowering (with the register-A wgmmas interpret mode cannot run) for the "cuda" platform;
-    once with delta computed inside the dQ kernel (its WGMMA-layout loads of O and dO)."""
+    once with delta computed inside the dQ kernel (its WGMMA-layout loads of O and dO), once with
+    dQ fused into the dK/dV kernel (the transposed shared-memory A operand, the f32 staging
+    store and the TMA reduce-add, none of which interpret mode runs)."""
     from scaling.kernels.flash_attention_mgpu_bwd import MosaicBwdConfig
 
     q, kvs = sds((1, 256, 8, 128)), sds((1, 256, kv, 128))
-    cfg = MosaicBwdConfig(delta_in_dq=delta_in_dq)
+    cfg = MosaicBwdConfig(**variant)
 
     def loss(q, k, v):
         return flash_attention(q, k, v, causal=causal, backend="mosaic",
                                mosaic_bwd_config=cfg).astype(jnp.float32).sum()
 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kvs, kvs)
-    assert text.count(MOSAIC_CALL) == 3 and TRITON_CALL not in text  # forward, dK/dV, dQ
+    kernels = 2 if cfg.fused_dq else 3  # forward, dK/dV, dQ
+    assert text.count(MOSAIC_CALL) == kernels and TRITON_CALL not in text

@@ -80,6 +80,12 @@ class MosaicBwdConfig:
     delta_in_dq: compute delta = rowsum(dO ∘ O) inside the dQ kernel (its consumers hold dO
       already and load their O tile too), which then writes delta out for the dK/dV kernel,
       launched after it; False: one XLA reduction before both kernels.
+    fused_dq: no dQ kernel: the dK/dV kernel also computes each tile pair's dS K and adds it
+      into an f32 dQ in global memory with TMA reduce-adds (FlashAttention-3's scheme; 5
+      matmuls per tile pair instead of 7). The order of the f32 additions varies from run to
+      run, so dQ is not bitwise reproducible. The block_q_dq, block_kv_dq, stages_dq and
+      delta_in_dq fields are then unused. Off by default: on the H100 it measured 3.3x slower
+      than the two kernels (docs/attention.md, "Fused dQ"); kept as the starting point.
     """
 
     block_q_dkv: int = 64
@@ -89,6 +95,7 @@ class MosaicBwdConfig:
     block_kv_dq: int = 64
     stages_dq: int = 2
     delta_in_dq: bool = False
+    fused_dq: bool = False
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -115,16 +122,37 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
     if reason:
         return reason
     cfg = config or default_config(d)
-    for length, name, multiple in ((t, "q length", CONSUMERS * cfg.block_q_dq), (t, "q length", cfg.block_q_dkv),
-                                   (s, "kv length", CONSUMERS * cfg.block_kv_dkv), (s, "kv length", cfg.block_kv_dq)):
+    dq = not cfg.fused_dq  # the dQ kernel's tiles count too
+    multiples = [(t, "q length", CONSUMERS * cfg.block_q_dq)] * dq + [(t, "q length", cfg.block_q_dkv),
+                 (s, "kv length", CONSUMERS * cfg.block_kv_dkv)] + [(s, "kv length", cfg.block_kv_dq)] * dq
+    for length, name, multiple in multiples:
         if length % multiple:
             return f"{name} {length} is not a multiple of {multiple} (Mosaic backward tiles {cfg})"
+    smem = dkv_smem_bytes(cfg, d, jnp.dtype(dtype).itemsize)
+    if smem > SMEM_BYTES:
+        return (f"the dK/dV kernel would need {smem} bytes of shared memory, more than the {SMEM_BYTES} "
+                f"a Hopper CTA has (tiles {cfg}; fewer stages or smaller q slots fit)")
     return None
+
+
+SMEM_BYTES = 232448  # dynamic shared memory per CTA on sm_90 (227 KiB)
+
+
+def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the dK/dV kernel's scratch (barriers aside), as `_dkv_call` allocates it."""
+    kv_tiles = 2 * CONSUMERS * cfg.block_kv_dkv * head_dim * itemsize  # K, V
+    ring = cfg.stages_dkv * (2 * cfg.block_q_dkv * head_dim * itemsize + 2 * cfg.block_q_dkv * 4)  # Q, dO, L, delta
+    fused = 0
+    if cfg.fused_dq:  # dSᵀ and the f32 dQ staging tile, per consumer
+        fused = CONSUMERS * (cfg.block_kv_dkv * cfg.block_q_dkv * itemsize + cfg.block_q_dkv * head_dim * 4)
+    return kv_tiles + ring + fused
 
 
 def validate_config(cfg: MosaicBwdConfig):
     if not isinstance(cfg, MosaicBwdConfig):
         raise TypeError(f"Mosaic backward config must be a MosaicBwdConfig, got {type(cfg).__name__}")
+    if cfg.fused_dq and cfg.delta_in_dq:
+        raise ValueError("MosaicBwdConfig.delta_in_dq needs the dQ kernel; it cannot be combined with fused_dq")
     if cfg.block_q_dq != 64:
         raise ValueError(f"MosaicBwdConfig.block_q_dq={cfg.block_q_dq} must be 64 (one wgmma row block)")
     if cfg.block_kv_dkv not in (64, 128):
@@ -201,11 +229,25 @@ def _zeros(shape):
 # dK / dV.
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
-                k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free, *, geo: _Geometry):
+def _dkv_kernel(*refs, geo: _Geometry):
     """One CTA: 2 * block_kv_dkv keys of one KV head. q/do [B, T, H, D], k/v [B, S, KV, D],
-    lse/delta [B, H, T] f32, dk/dv [B, S, KV, D]."""
+    lse/delta [B, H, T] f32, dk/dv [B, S, KV, D].
+
+    With `fused_dq` a seventh input is the f32 dQ accumulator (a Ref, zeroed by the caller):
+    [B, T, H, D] on the GPU, where every consumer reduce-adds its dS K tiles into it, or, in
+    interpret mode (which has no TMA reductions), [S / block_kv_dkv, B, T, H, D], one private
+    slice per consumer (its steps cover distinct q tiles), stored plainly and summed by XLA.
+    Two scratch buffers join: dSᵀ (the A operand of dS K, read transposed) and the f32 staging
+    tile of the reduce-add."""
+    fused = geo.cfg.fused_dq
+    if fused:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
+         k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem,
+         k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free) = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+         k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
+         k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free) = refs
     cfg = geo.cfg
     bq, bkv, stages = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.stages_dkv
     wg = lax.axis_index("wg")
@@ -233,7 +275,30 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         plgpu.barrier_wait(k_full.at[wg])
         plgpu.barrier_wait(v_full.at[wg])
 
-        def step(i, carry, *, base, masked):
+        def dq_product(dst_lo):
+            """dS K for this consumer's keys, [bq, D] f32; dSᵀ is already in ds_smem[wg]."""
+            if not geo.in_place:
+                return jnp.dot(dst_lo.T, my_k[...], preferred_element_type=jnp.float32)
+
+            def issue(acc):
+                plgpu.wgmma(acc, ds_smem.at[wg].T, my_k)  # A = (dSᵀ)ᵀ read transposed from shared memory
+                return acc[...]
+
+            return pl.run_scoped(issue, plgpu.ACC((bq, geo.head_dim), jnp.float32))
+
+        def add_dq(dq, i, g):
+            """dQ[q tile i of head g] += dq, by a TMA reduce-add from the f32 staging tile."""
+            my_dq = dq_smem.at[wg]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read my_dq
+            my_dq[...] = dq
+            plgpu.commit_smem()
+            rows = (b, pl.ds(i * bq, bq), kv_head * geo.group + g)
+            if geo.in_place:
+                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[rows], reduction_op="add")
+            else:
+                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[(lax.axis_index("s") * CONSUMERS + wg, *rows)])
+
+        def step(i, carry, *, base, masked, g=None):
             dk, dv = carry
             slot = lax.rem(base + i, stages)
             wait_slot(slot)
@@ -248,8 +313,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             pt = jnp.exp2(x)  # Pᵀ recomputed from L (FA2 Algorithm 2, line 13)
             dst = pt * (dpt - _bcast(delta, st.shape, 1))  # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
             dtype = q_ring.dtype
-            dv, dk = _accumulate(geo, (dv, dk), (pt.astype(dtype), dst.astype(dtype)), (do_s, q_s))
-            plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
+            pt_lo, dst_lo = pt.astype(dtype), dst.astype(dtype)
+            if not fused:
+                dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
+                plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
+                return dk, dv
+            ds_smem.at[wg][...] = dst_lo  # dSᵀ, the A operand of dQ += dS K (read transposed)
+            plgpu.commit_smem()
+            # dV, dK first, then dS K with the register A operands dead (issuing all three
+            # before one wait measured the same; docs/attention.md, "Fused dQ").
+            dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
+            dq = dq_product(dst_lo)
+            plgpu.barrier_arrive(slot_free.at[slot])  # the ring slot's Q and dO are read
+            add_dq(dq, i, g)
             return dk, dv
 
         def skip(i, carry, *, base):  # a slot the partner consumer needs but this one does not
@@ -261,13 +337,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         def head(g, carry):  # one query head of the group: its q tiles first .. num_q - 1
             base = g * per_head - first  # ring step of q tile i is base + i
             part = lambda fn, **kw: functools.partial(fn, base=base, **kw)
+            step_g = functools.partial(step, g=g)
             if not geo.causal:
-                return lax.fori_loop(0, num_q, part(step, masked=False), carry)
+                return lax.fori_loop(0, num_q, part(step_g, masked=False), carry)
             skip_end = lax.div(s0, bq)  # first q tile holding a query >= s0
             mask_end = jnp.minimum(lax.div(s0 + bkv - 1 + bq - 1, bq), num_q)  # first with t0 >= s0 + bkv - 1
             carry = lax.fori_loop(first, skip_end, part(skip), carry)
-            carry = lax.fori_loop(skip_end, mask_end, part(step, masked=True), carry)
-            return lax.fori_loop(mask_end, num_q, part(step, masked=False), carry)
+            carry = lax.fori_loop(skip_end, mask_end, part(step_g, masked=True), carry)
+            return lax.fori_loop(mask_end, num_q, part(step_g, masked=False), carry)
 
         dk, dv = lax.fori_loop(0, geo.group, head, (_zeros((bkv, geo.head_dim)), _zeros((bkv, geo.head_dim))))
         my_k[...] = (dk * geo.sm_scale).astype(my_k.dtype)  # K, V are dead: stage the outputs
@@ -312,11 +389,20 @@ def _produce(fetch, free, total, stages: int):
         plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
-def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
+def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=None):
+    """(dk, dv); with `fused_dq` the kernel also reduce-adds into the Ref `dq_acc`."""
     cfg = geo.cfg
     d, dtype = geo.head_dim, q.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = cfg.stages_dkv
+    dq_scratch = ()
+    if cfg.fused_dq:
+        dq_scratch = (
+            plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, cfg.block_q_dkv), dtype,
+                       transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),  # dSᵀ
+            plgpu.SMEM((CONSUMERS, cfg.block_q_dkv, d), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # dQ staging
+        )
     scratch = (
         plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, d), dtype, transforms=tiled),  # K
         plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, d), dtype, transforms=tiled),  # V
@@ -324,6 +410,7 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
         plgpu.SMEM((stages, cfg.block_q_dkv, d), dtype, transforms=tiled),  # dO ring
         plgpu.SMEM((stages, cfg.block_q_dkv), jnp.float32),  # L ring
         plgpu.SMEM((stages, cfg.block_q_dkv), jnp.float32),  # delta ring
+        *dq_scratch,
         plgpu.Barrier(num_barriers=CONSUMERS),  # k_full
         plgpu.Barrier(num_barriers=CONSUMERS),  # v_full
         plgpu.Barrier(num_barriers=stages),  # q_full
@@ -343,7 +430,7 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, do, lse, delta)
+    )(q, k, v, do, lse, delta, *(() if dq_acc is None else (dq_acc,)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,6 +615,12 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: bool):
         dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
         return dq, dk, dv
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    if geo.cfg.fused_dq:  # dQ accumulates in f32 inside the dK/dV kernel (docstring of MosaicBwdConfig)
+        slices = (geo.kv_len // geo.cfg.block_kv_dkv,) if interpret else ()
+        dq_acc = jax.new_ref(jnp.zeros((*slices, *q.shape), jnp.float32))
+        dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret, dq_acc)
+        dq = dq_acc[...].sum(0) if interpret else dq_acc[...]
+        return (dq * geo.sm_scale).astype(q.dtype), dk, dv
     dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
     dq = _dq_call(q, k, v, do, lse, delta, geo, interpret)
     return dq, dk, dv
