@@ -231,7 +231,7 @@ def check_layers_on_gpu(prompts) -> list[str]:
 
     errs = {}
     for b in (16, 1):  # 16 rows: tensor-core dots; 1 row: the vector path (CUDA-core products)
-        lb = g.default_blocks(b, h)
+        lb = g.default_blocks(b, h, hidden=d)
         x, pos = rnd((b, d), 3.0), jnp.arange(b, dtype=jnp.int32) * 20
         w = rnd(((n + 2 * kv) * h, d), d ** -0.5)
         kc, vc = rnd((b, s, kv, h)), rnd((b, s, kv, h))

@@ -100,7 +100,7 @@ class DecodeLayerImpl(str, enum.Enum):
 
 def layer_blocks(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> decode_gemv.LayerBlocks:
     """The Pallas layer kernels' tiles for a step of `batch` rows: the given ones, else the defaults."""
-    return blocks or decode_gemv.default_blocks(batch, cfg.resolved_head_dim)
+    return blocks or decode_gemv.default_blocks(batch, cfg.resolved_head_dim, hidden=cfg.hidden_size)
 
 
 def pallas_layers_reason(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> str | None:

@@ -179,3 +179,20 @@ def test_auto_layers_on_gpu_pick_pallas_for_small_batches(monkeypatch):
     assert "head_xd" in dec.weights and "final_norm" not in dec.weights  # one (row) layout for both paths
     xla = decode.Decoder(model, attention="xla", layers="xla")
     assert xla.bucket(1) == decode.GPU_MIN_BATCH and "head_xd" not in xla.weights
+
+
+def test_vector_tiles_per_device():
+    """H100 (and any GPU but the H200): the H100-tuned table. H200: its own table, and a down
+    projection with ~1024 programs at any hidden size (the same bytes per program step)."""
+    h100 = g.default_blocks(1, 64, hidden=4096, device_kind="NVIDIA H100 80GB HBM3")
+    assert (h100.head, h100.gate_up, h100.down) == (g.VECTOR_GEMV.head, g.VECTOR_GEMV.gate_up, g.VECTOR_GEMV.down)
+    for hidden, n, k in ((2048, 2, 1024), (4096, 4, 512), (8192, 8, 256)):
+        lb = g.default_blocks(1, 64, hidden=hidden, device_kind="NVIDIA H200")
+        assert (lb.down.block_n, lb.down.block_k) == (n, k) and hidden // lb.down.block_n == 1024
+        assert lb.head == g.VECTOR_GEMV_H200.head and lb.gate_up == g.VECTOR_GEMV_H200.gate_up
+    # both presets tile with the H200 table
+    for hidden, mlp, heads, vocab in ((2048, 8192, 32, 32000), (4096, 11008, 32, 32000)):
+        lb = g.default_blocks(1, hidden // heads, hidden=hidden, device_kind="NVIDIA H200")
+        assert g.unsupported_reason(hidden, mlp, heads, hidden // heads, vocab, 1, lb) is None
+    # batch 2 still shrinks the reduction tile (registers), never below 128
+    assert g.default_blocks(4, 64, hidden=4096, device_kind="NVIDIA H200").down.block_k == 256

@@ -88,6 +88,21 @@ def test_decode_layer_kernels_lower_for_hopper(as_h100, b):
                           sds((b, 11008)), sds((4096, 11008)), sds((b, 4096))).count(TRITON_CALL) == 1
 
 
+def test_h200_vector_tiles_lower_for_hopper(as_h100):
+    """The H200's vector-path tiles (16/256 head, 2/1024 gate/up, the hidden-dependent down
+    projection) lower at the 1b and llama2_7b shapes, batch 1."""
+    from scaling.kernels import decode_gemv as g
+
+    for d, f, v in ((2048, 8192, 32000), (4096, 11008, 32000)):
+        lb = g.default_blocks(1, 64, hidden=d, device_kind="NVIDIA H200")
+        assert lower_for_cuda(lambda x, w: g.norm_matmul(x, w, eps=1e-5, blocks=lb.head),
+                              sds((1, d)), sds((v, d))).count(TRITON_CALL) == 1
+        assert lower_for_cuda(lambda x, w: g.gate_up_swiglu(x, w, eps=1e-5, blocks=lb.gate_up),
+                              sds((1, d)), sds((2 * f, d))).count(TRITON_CALL) == 1
+        assert lower_for_cuda(lambda a, w, r: g.matmul_residual(a, w, r, blocks=lb.down),
+                              sds((1, f)), sds((d, f)), sds((1, d))).count(TRITON_CALL) == 1
+
+
 MOSAIC_CALL = "mosaic_gpu_v2"
 
 

@@ -490,9 +490,38 @@ VECTOR_GEMV = LayerBlocks(
 )
 
 
-def default_blocks(batch: int, head_dim: int) -> LayerBlocks:
+# The H200 (bench_gemv.py on one H200, 1b and llama2_7b at batch 1; docs/decoding.md, sixth
+# session): its faster memory favours other tiles than the H100's. Gate/up runs 2/1024 (7b
+# 51.7 µs vs 56.7 with the H100 tiles), the head 16/256 (7b 70.3 vs 83.1 µs), and the down
+# projection keeps ~1024 programs: 2 outputs x 1024 columns per program at hidden 2048 (1b 11.0
+# µs; 4/512: 14.7), 4 x 512 at hidden 4096 (7b 25.5 µs; 2/1024: 29.7); see `_down_for_hidden`.
+VECTOR_GEMV_H200 = LayerBlocks(
+    qkv=VECTOR_GEMV.qkv,
+    out=VECTOR_GEMV.out,
+    gate_up=GemvBlocks(block_k=1024, block_n=2, rope_parts=0, num_warps=4, num_stages=2),
+    down=VECTOR_GEMV.down,
+    head=GemvBlocks(block_k=256, block_n=16, rope_parts=0, num_warps=4, num_stages=3),
+)
+
+
+def _down_for_hidden(down: GemvBlocks, hidden: int) -> GemvBlocks:
+    """About 1024 programs for the down projection (hidden / block_n), the same bytes per step."""
+    block_n = max(down.block_n, hidden // 1024)
+    return dataclasses.replace(down, block_n=block_n, block_k=max(128, down.block_k * down.block_n // block_n))
+
+
+def vector_table(device_kind: str | None = None) -> LayerBlocks:
+    """The vector path's tiles at 1-2 rows for this GPU (the first device's when None)."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    return VECTOR_GEMV_H200 if "H200" in device_kind else VECTOR_GEMV
+
+
+def default_blocks(batch: int, head_dim: int, *, hidden: int | None = None,
+                   device_kind: str | None = None) -> LayerBlocks:
     """Tiles for a decode step of `batch` rows: the tensor-core defaults from 16 rows, else
-    the vector path's (qkv: rope_parts set so that a program owns block_n RoPE pairs)."""
+    the vector path's for this GPU (qkv: rope_parts set so that a program owns block_n RoPE
+    pairs; on the H200 the down projection's block_n also follows `hidden`, when given)."""
     if _tensor_cores(batch):
         return LayerBlocks()
     # The [B, BN, BK] f32 accumulator lives in registers: shrink BK as the batch grows.
@@ -501,7 +530,9 @@ def default_blocks(batch: int, head_dim: int) -> LayerBlocks:
     def scaled(g: GemvBlocks) -> GemvBlocks:
         return dataclasses.replace(g, block_k=max(128, g.block_k // shrink))
 
-    v = VECTOR_GEMV
+    v = vector_table(device_kind)
+    if v is VECTOR_GEMV_H200 and hidden is not None:
+        v = dataclasses.replace(v, down=_down_for_hidden(v.down, hidden))
     qkv = dataclasses.replace(scaled(v.qkv), rope_parts=max(1, head_dim // 2 // v.qkv.block_n))
     return LayerBlocks(qkv=qkv, out=scaled(v.out), gate_up=scaled(v.gate_up), down=scaled(v.down), head=scaled(v.head))
 
