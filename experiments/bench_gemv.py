@@ -41,6 +41,17 @@ TC_TILES = [(16, 256, 4, 4), (16, 512, 4, 3), (32, 512, 4, 3), (32, 256, 8, 4), 
 KERNELS = ("qkv", "out", "gate_up", "down", "head")
 
 
+def parse_tiles(spec: str) -> list[tuple[int, int, int, int]]:
+    """'2/1024/4/3;4/512/4/4' -> [(2, 1024, 4, 3), (4, 512, 4, 4)] (block_n/block_k/warps/stages)."""
+    tiles = []
+    for item in filter(None, spec.split(";")):
+        nums = item.split("/")
+        if len(nums) != 4 or not all(x.isdigit() and int(x) > 0 for x in nums):
+            raise SystemExit(f"--tiles: {item!r} is not block_n/block_k/warps/stages (four positive ints)")
+        tiles.append(tuple(int(x) for x in nums))
+    return tiles
+
+
 def shapes(cfg) -> dict:
     """Per kernel: (output rows of W^T, reduction dim)."""
     d, n, kv, h, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim
@@ -156,6 +167,8 @@ def sweep(cfg, model: str, batch: int, args, bw: float) -> list[dict]:
     key = jax.random.key(0)
     h, kv = cfg.resolved_head_dim, cfg.num_kv_heads
     tiles = TC_TILES if batch >= 16 else VECTOR_TILES if batch <= 2 else VECTOR_TILES_WIDE
+    if args.tiles:  # an explicit list replaces the defaults
+        tiles = parse_tiles(args.tiles)
     for kernel in args.kernels.split(","):
         x_out, k_in = shapes(cfg)[kernel]
         wbytes = x_out * k_in * 2
@@ -224,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="1b")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--tiles", default="", help="tiles to sweep instead of the defaults, "
+                    "'block_n/block_k/warps/stages;...'")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--min-mb", type=int, default=200, help="weight copies per kernel: at least this many MB")
     ap.add_argument("--out", default="bench_gemv_out")

@@ -7,6 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 import bench_gemv as bg  # noqa: E402
+import pytest  # noqa: E402
 
 from scaling.config import ModelConfig  # noqa: E402
 from scaling.kernels.decode_gemv import GemvBlocks, LayerBlocks  # noqa: E402
@@ -30,3 +31,11 @@ def test_shapes_blocks_and_best_spec_round_trip():
     assert spec == "qkv=1024/2/16/4/2,down=1024/2/0/4/2"
     parsed = LayerBlocks.parse(spec)
     assert parsed.down == GemvBlocks(1024, 2, 0, 4, 2) and parsed.qkv.rope_parts == 16
+
+
+def test_parse_tiles_names_the_bad_item():
+    assert bg.parse_tiles("2/1024/4/3;4/512/4/4;") == [(2, 1024, 4, 3), (4, 512, 4, 4)]
+    with pytest.raises(SystemExit, match="'2/1024/4'"):
+        bg.parse_tiles("2/1024/4")
+    with pytest.raises(SystemExit, match="'2/0/4/3'"):
+        bg.parse_tiles("2/0/4/3")
