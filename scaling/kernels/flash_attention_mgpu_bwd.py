@@ -128,10 +128,12 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
     for length, name, multiple in multiples:
         if length % multiple:
             return f"{name} {length} is not a multiple of {multiple} (Mosaic backward tiles {cfg})"
-    smem = dkv_smem_bytes(cfg, d, jnp.dtype(dtype).itemsize)
-    if smem > SMEM_BYTES:
-        return (f"the dK/dV kernel would need {smem} bytes of shared memory, more than the {SMEM_BYTES} "
-                f"a Hopper CTA has (tiles {cfg}; fewer stages or smaller q slots fit)")
+    itemsize = jnp.dtype(dtype).itemsize
+    for kernel, smem in (("dK/dV", dkv_smem_bytes(cfg, d, itemsize)),
+                         ("dQ", 0 if cfg.fused_dq else dq_smem_bytes(cfg, d, itemsize))):
+        if smem > SMEM_BYTES:
+            return (f"the {kernel} kernel would need {smem} bytes of shared memory, more than the {SMEM_BYTES} "
+                    f"a Hopper CTA has (tiles {cfg}; fewer stages or smaller tiles fit)")
     return None
 
 
@@ -146,6 +148,15 @@ def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
     if cfg.fused_dq:  # dSᵀ and the f32 dQ staging tile, per consumer
         fused = CONSUMERS * (cfg.block_kv_dkv * cfg.block_q_dkv * itemsize + cfg.block_q_dkv * head_dim * 4)
     return kv_tiles + ring + fused
+
+
+def dq_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the dQ kernel's scratch (barriers aside), as `_dq_call` allocates it."""
+    rows = CONSUMERS * cfg.block_q_dq
+    q_do_o = (3 if cfg.delta_in_dq else 2) * rows * head_dim * itemsize  # Q, dO (and O)
+    stats = 2 * rows * 4  # L, delta
+    ring = 2 * cfg.stages_dq * cfg.block_kv_dq * head_dim * itemsize  # K, V
+    return q_do_o + stats + ring
 
 
 def validate_config(cfg: MosaicBwdConfig):
