@@ -17,7 +17,6 @@ before their matmuls, as in every flash kernel).
 from __future__ import annotations
 
 import importlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,24 +28,12 @@ from scaling.kernels.flash_attention_mgpu import MosaicConfig, mosaic_forward
 from scaling.kernels.flash_attention_mgpu_bwd import (SMEM_BYTES, MosaicBwdConfig, dkv_smem_bytes, dq_smem_bytes,
                                                       mosaic_backward, unsupported_reason)
 
+from mosaic_helpers import ON_HOPPER, TOL
+from mosaic_helpers import inputs as _inputs
+from mosaic_helpers import rel as _rel
+from mosaic_helpers import seed as _seed
+
 fa = importlib.import_module("scaling.kernels.flash_attention")
-TOL = {jnp.bfloat16: 1.5e-2, jnp.float16: 2e-3}
-ON_HOPPER = jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-
-
-def _seed() -> int:
-    return int(os.environ.get("FLASH_SEED", np.random.SeedSequence().entropy % 2**32))
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _inputs(seed, b, t, s, h, kv, d, dtype):
-    rng = np.random.default_rng(seed)
-    return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in
-                 ((b, t, h, d), (b, s, kv, d), (b, s, kv, d), (b, t, h, d)))
 
 
 def _ref_grads(q, k, v, do, causal):
