@@ -62,6 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from scaling.kernels.flash_attention_mgpu import LOG2_E, common_unsupported_reason
 
 HEAD_DIMS = (64, 128)
+FUSED_HEAD_DIM = 128  # fused_dq splits dS K's columns over the consumers in 64-column tiles
 CONSUMERS = 2  # compute warpgroups per CTA; the producer is warpgroup CONSUMERS
 
 
@@ -80,13 +81,15 @@ class MosaicBwdConfig:
     delta_in_dq: compute delta = rowsum(dO ∘ O) inside the dQ kernel (its consumers hold dO
       already and load their O tile too), which then writes delta out for the dK/dV kernel,
       launched after it; False: one XLA reduction before both kernels.
-    fused_dq: no dQ kernel: the dK/dV kernel also computes each tile pair's dS K and adds it
-      into an f32 dQ in global memory with TMA reduce-adds (FlashAttention-3's scheme; 5
-      matmuls per tile pair instead of 7). The order of the f32 additions varies from run to
-      run, so dQ is not bitwise reproducible. The block_q_dq, block_kv_dq, stages_dq and
-      delta_in_dq fields are then unused. Off by default: on the H100 the fused kernel took
-      1.8x as long as the dK/dV and dQ kernels together (7.2 vs 4.0 ms, MHA D=128 T=4k causal;
-      docs/attention.md, "Fused dQ"); kept as the starting point.
+    fused_dq: no dQ kernel: the dK/dV kernel also computes dQ (FlashAttention-3's scheme; 5
+      matmuls per tile pair instead of 7). Per ring slot both consumers store their dSᵀ rows to
+      shared memory, meet at a barrier, and each computes one half of the head dim of
+      dQ_tile = dS K over all 2 * block_kv_dkv keys of the CTA (so each tile is reduced once per
+      CTA, not once per consumer), then adds it into an f32 dQ in global memory with a TMA
+      reduce-add. The order of the f32 additions varies from run to run, so dQ is not bitwise
+      reproducible. Head dim 128 only (the split needs whole 64-column swizzle tiles). The
+      block_q_dq, block_kv_dq, stages_dq and delta_in_dq fields are then unused. Off by default
+      (docs/attention.md, "Fused dQ").
     """
 
     block_q_dkv: int = 64
@@ -123,6 +126,8 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
     if reason:
         return reason
     cfg = config or default_config(d)
+    if cfg.fused_dq and d != FUSED_HEAD_DIM:
+        return f"fused_dq needs head dim {FUSED_HEAD_DIM} (its dQ product splits D into 64-column halves), got {d}"
     dq = not cfg.fused_dq  # the dQ kernel's tiles count too
     multiples = [(t, "q length", CONSUMERS * cfg.block_q_dq)] * dq + [(t, "q length", cfg.block_q_dkv),
                  (s, "kv length", CONSUMERS * cfg.block_kv_dkv)] + [(s, "kv length", cfg.block_kv_dq)] * dq
@@ -146,8 +151,9 @@ def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
     kv_tiles = 2 * CONSUMERS * cfg.block_kv_dkv * head_dim * itemsize  # K, V
     ring = cfg.stages_dkv * (2 * cfg.block_q_dkv * head_dim * itemsize + 2 * cfg.block_q_dkv * 4)  # Q, dO, L, delta
     fused = 0
-    if cfg.fused_dq:  # dSᵀ and the f32 dQ staging tile, per consumer
-        fused = CONSUMERS * (cfg.block_kv_dkv * cfg.block_q_dkv * itemsize + cfg.block_q_dkv * head_dim * 4)
+    if cfg.fused_dq:  # dSᵀ of the CTA's keys, double-buffered; each consumer's f32 dQ half tile
+        fused = (2 * CONSUMERS * cfg.block_kv_dkv * cfg.block_q_dkv * itemsize
+                 + CONSUMERS * cfg.block_q_dkv * (head_dim // CONSUMERS) * 4)
     return kv_tiles + ring + fused
 
 
@@ -246,16 +252,18 @@ def _dkv_kernel(*refs, geo: _Geometry):
     lse/delta [B, H, T] f32, dk/dv [B, S, KV, D].
 
     With `fused_dq` a seventh input is the f32 dQ accumulator (a Ref, zeroed by the caller):
-    [B, T, H, D] on the GPU, where every consumer reduce-adds its dS K tiles into it, or, in
-    interpret mode (which has no TMA reductions), [S / block_kv_dkv, B, T, H, D], one private
-    slice per consumer (its steps cover distinct q tiles), stored plainly and summed by XLA.
-    Two scratch buffers join: dSᵀ (the A operand of dS K, read transposed) and the f32 staging
-    tile of the reduce-add."""
+    [B, T, H, D] on the GPU, where the consumers reduce-add their dQ half tiles into it, or, in
+    interpret mode (which has no TMA reductions), [S / (2 * block_kv_dkv), B, T, H, D], one
+    private slice per CTA (its steps cover distinct q tiles and its consumers distinct columns),
+    stored plainly and summed by XLA. Scratch gains dSᵀ of the CTA's 2 * block_kv_dkv keys
+    (two buffers, alternating per ring step), each consumer's f32 dQ half tile, and the barrier
+    at which both consumers' dSᵀ rows are complete; K and V are then stored as one
+    [2 * block_kv_dkv, D] tile each (the dQ product reads every key of the CTA)."""
     fused = geo.cfg.fused_dq
     if fused:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
          k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem,
-         k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free) = refs
+         k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free, ds_ready) = refs
     else:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
          k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
@@ -280,35 +288,40 @@ def _dkv_kernel(*refs, geo: _Geometry):
     def _consumer():
         plgpu.set_max_registers(240, action="increase")
         s0 = cta_s0 + wg * bkv
-        my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+        if fused:
+            my_k, my_v = k_smem.at[pl.ds(wg * bkv, bkv)], v_smem.at[pl.ds(wg * bkv, bkv)]
+        else:
+            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
         rows = (b, pl.ds(s0, bkv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_full.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_full.at[wg])
         plgpu.barrier_wait(k_full.at[wg])
         plgpu.barrier_wait(v_full.at[wg])
+        half = geo.head_dim // CONSUMERS
 
-        def dq_product(dst_lo):
-            """dS K for this consumer's keys, [bq, D] f32; dSᵀ is already in ds_smem[wg]."""
-            if not geo.in_place:
-                return jnp.dot(dst_lo.T, my_k[...], preferred_element_type=jnp.float32)
+        def dq_half(c, ds_all, i, g):
+            """Consumer c's columns [c * half, (c + 1) * half) of dQ[q tile i of head g] += dS K
+            over the CTA's keys; dSᵀ [2 * bkv, bq] is complete in `ds_all`. Static c: the column
+            slices of the swizzled K tile and of dQ stay static."""
+            cols = pl.ds(c * half, half)
+            k_cols = k_smem.at[:, cols]
+            if geo.in_place:
+                def issue(acc):
+                    plgpu.wgmma(acc, ds_all.T, k_cols)  # A = (dSᵀ)ᵀ, read transposed from shared memory
+                    return acc[...]
 
-            def issue(acc):
-                plgpu.wgmma(acc, ds_smem.at[wg].T, my_k)  # A = (dSᵀ)ᵀ read transposed from shared memory
-                return acc[...]
-
-            return pl.run_scoped(issue, plgpu.ACC((bq, geo.head_dim), jnp.float32))
-
-        def add_dq(dq, i, g):
-            """dQ[q tile i of head g] += dq, by a TMA reduce-add from the f32 staging tile."""
-            my_dq = dq_smem.at[wg]
+                dq = pl.run_scoped(issue, plgpu.ACC((bq, half), jnp.float32))
+            else:
+                dq = jnp.dot(ds_all[...].T, k_cols[...], preferred_element_type=jnp.float32)
+            my_dq = dq_smem.at[c]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read my_dq
             my_dq[...] = dq
             plgpu.commit_smem()
-            rows = (b, pl.ds(i * bq, bq), kv_head * geo.group + g)
+            out_rows = (b, pl.ds(i * bq, bq), kv_head * geo.group + g, cols)
             if geo.in_place:
-                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[rows], reduction_op="add")
+                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[out_rows], reduction_op="add")
             else:
-                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[(lax.axis_index("s") * CONSUMERS + wg, *rows)])
+                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[(lax.axis_index("s"), *out_rows)])
 
         def step(i, carry, *, base, masked, g=None):
             dk, dv = carry
@@ -330,14 +343,29 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
                 plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
                 return dk, dv
-            ds_smem.at[wg][...] = dst_lo  # dSᵀ, the A operand of dQ += dS K (read transposed)
+            # Both consumers run every ring step in lockstep (a fully masked step gives dSᵀ = 0),
+            # so ring step j uses dSᵀ buffer j % 2: a consumer rewrites a buffer only after the
+            # next step's barrier, which its partner reaches after finishing its dS K reads.
+            parity = lax.rem(base + i, 2)
+            ds_all = ds_smem.at[parity]
+            ds_all.at[pl.ds(wg * bkv, bkv)][...] = dst_lo  # this consumer's keys of dSᵀ
             plgpu.commit_smem()
-            # dV, dK first, then dS K with the register A operands dead (issuing all three
-            # before one wait measured the same; docs/attention.md, "Fused dQ").
-            dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
-            dq = dq_product(dst_lo)
+            plgpu.barrier_arrive(ds_ready.at[parity])
+
+            def products(acc_refs):  # dV, dK issued first; the partner is awaited while they run
+                if geo.in_place:
+                    for acc_ref, a, b_ref in zip(acc_refs, (pt_lo, dst_lo), (do_s, q_s)):
+                        plgpu.wgmma(acc_ref, a, b_ref)
+                plgpu.barrier_wait(ds_ready.at[parity])  # the partner's dSᵀ rows are in place
+                for c in range(CONSUMERS):
+                    pl.when(wg == c)(functools.partial(dq_half, c, ds_all, i, g))
+
+            if geo.in_place:
+                dv, dk = pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            else:
+                products(None)
+                dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
             plgpu.barrier_arrive(slot_free.at[slot])  # the ring slot's Q and dO are read
-            add_dq(dq, i, g)
             return dk, dv
 
         def skip(i, carry, *, base):  # a slot the partner consumer needs but this one does not
@@ -352,7 +380,8 @@ def _dkv_kernel(*refs, geo: _Geometry):
             step_g = functools.partial(step, g=g)
             if not geo.causal:
                 return lax.fori_loop(0, num_q, part(step_g, masked=False), carry)
-            skip_end = lax.div(s0, bq)  # first q tile holding a query >= s0
+            # first q tile holding a query >= s0; fused: none skipped, the partner needs this dSᵀ
+            skip_end = first if fused else lax.div(s0, bq)
             mask_end = jnp.minimum(lax.div(s0 + bkv - 1 + bq - 1, bq), num_q)  # first with t0 >= s0 + bkv - 1
             carry = lax.fori_loop(first, skip_end, part(skip), carry)
             carry = lax.fori_loop(skip_end, mask_end, part(step_g, masked=True), carry)
@@ -424,17 +453,19 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=N
     d, dtype = geo.head_dim, q.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = cfg.stages_dkv
-    dq_scratch = ()
+    kv_tile = (CONSUMERS, cfg.block_kv_dkv, d)
+    dq_scratch, dq_barrier = (), ()
     if cfg.fused_dq:
+        kv_tile = (CONSUMERS * cfg.block_kv_dkv, d)  # one tile: the dQ product reads all keys
         dq_scratch = (
-            plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, cfg.block_q_dkv), dtype,
-                       transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),  # dSᵀ
-            plgpu.SMEM((CONSUMERS, cfg.block_q_dkv, d), jnp.float32,
-                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # dQ staging
+            plgpu.SMEM((2, CONSUMERS * cfg.block_kv_dkv, cfg.block_q_dkv), dtype, transforms=tiled),  # dSᵀ x 2
+            plgpu.SMEM((CONSUMERS, cfg.block_q_dkv, d // CONSUMERS), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # dQ halves
         )
+        dq_barrier = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),)  # ds_ready
     scratch = (
-        plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, d), dtype, transforms=tiled),  # K
-        plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, d), dtype, transforms=tiled),  # V
+        plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # K
+        plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # V
         plgpu.SMEM((stages, cfg.block_q_dkv, d), dtype, transforms=tiled),  # Q ring
         plgpu.SMEM((stages, cfg.block_q_dkv, d), dtype, transforms=tiled),  # dO ring
         plgpu.SMEM((stages, cfg.block_q_dkv), jnp.float32),  # L ring
@@ -447,6 +478,7 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=N
         plgpu.Barrier(num_barriers=stages),  # lse_full
         plgpu.Barrier(num_barriers=stages),  # delta_full
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # slot_free
+        *dq_barrier,
     )
     out = jax.ShapeDtypeStruct(k.shape, dtype)
     return plgpu.kernel(
@@ -454,7 +486,8 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=N
         out_type=(out, out),
         scratch_types=scratch,
         **_grid({"s": geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), "h": geo.kv_heads, "b": geo.batch},
-                tiles_outermost=geo.group == 1),
+                # fused: same-head CTAs side by side would reduce-add into the same dQ rows at once
+                tiles_outermost=geo.group == 1 or cfg.fused_dq),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -514,8 +547,8 @@ def _dq_kernel(*refs, geo: _Geometry):
             plgpu.barrier_wait(bar.at[wg])
         lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         if fused:  # delta = rowsum(dO ∘ O) of this consumer's rows, written out for the dK/dV kernel
-            o_t = plgpu.load(o_smem.at[wg], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            do_t = plgpu.load(my_do, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            o_t = plgpu.load(o_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            do_t = plgpu.load(my_do, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             delta = (o_t * do_t).sum(axis=1)
             delta_smem.at[wg][...] = delta
             plgpu.commit_smem()
@@ -645,7 +678,7 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: bool):
         return dq, dk, dv
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     if geo.cfg.fused_dq:  # dQ accumulates in f32 inside the dK/dV kernel (docstring of MosaicBwdConfig)
-        slices = (geo.kv_len // geo.cfg.block_kv_dkv,) if interpret else ()
+        slices = (geo.kv_len // (CONSUMERS * geo.cfg.block_kv_dkv),) if interpret else ()  # one per CTA
         dq_acc = jax.new_ref(jnp.zeros((*slices, *q.shape), jnp.float32))
         dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret, dq_acc)
         dq = dq_acc[...].sum(0) if interpret else dq_acc[...]
