@@ -19,7 +19,10 @@ faster measured forward and the Mosaic backward; the row's note says which),
 FLOPs (FlashAttention-2 paper convention): forward 4·B·H·T²·D, halved when causal; backward
 2.5× the forward, so forward+backward counts 3.5× the forward. TFLOP/s = FLOPs / median time.
 Before timing a shape we compare our output and gradients with cuDNN's (relative error
-‖ours − cudnn‖ / ‖cudnn‖). If $OUT is set, the table is also written there as JSON and markdown.
+‖ours − cudnn‖ / ‖cudnn‖). The implementations of a shape are then timed in interleaved rounds
+(every round runs each once, in a rotating order); a ratio to cuDNN is the median of the
+per-round ratios, printed with its quartiles. If $OUT is set, the table is also written there
+as JSON and markdown.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib
 import json
 import os
@@ -74,6 +78,32 @@ def time_fn(fn, *args, warmup: int = 2, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def time_interleaved(calls: dict, warmup: int = 2, reps: int = 10) -> dict[str, list[float]]:
+    """Seconds of each call per round, {name: [reps floats]}; `calls` maps a name to a
+    zero-argument callable. Every round runs every call once, each synchronised, in an order
+    rotated by one place per round, so a slow drift of the card's clocks or temperature lands on
+    all of them alike (timing one implementation's reps and then the next one's put the drift
+    into their ratio: about ±5% between calls, docs/benchmarks.md)."""
+    names = list(calls)
+    for name in names:
+        for _ in range(warmup):
+            jax.block_until_ready(calls[name]())
+    times = {name: [] for name in names}
+    for r in range(reps):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(calls[name]())
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def ratio_stats(base: list[float], other: list[float]) -> tuple[float, float, float]:
+    """Median, first and third quartile over rounds of base / other time (> 1: other is faster)."""
+    ratios = np.asarray(base, np.float64) / np.asarray(other, np.float64)
+    return float(np.median(ratios)), float(np.quantile(ratios, 0.25)), float(np.quantile(ratios, 0.75))
+
+
 def rel_err(a, b) -> float:
     a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
@@ -116,15 +146,18 @@ def fwd_and_fwdbwd(fn):
 
 
 def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
-    """Rows of {impl, tflops_fwd, tflops_fwdbwd, err_*} for one shape; cuDNN first as the check."""
+    """Rows of {impl, tflops_fwd, tflops_fwdbwd, err_*, vs_cudnn_*} for one shape; cuDNN first as
+    the check. All implementations are compiled and checked first, then timed together in
+    interleaved rounds (`time_interleaved`): times are medians over rounds, and each ratio to
+    cuDNN is the median over rounds of the per-round ratio, with its quartiles."""
     q, k, v, do = make_inputs(b, t, h, kv, d)
     f = flops_fwd(b, t, h, d, causal)
-    rows, outs = [], {}
+    rows, outs, calls = [], {}, {}
     for name in impls:
         row = dict(impl=name, B=b, T=t, H=h, KV=kv, D=d, causal=causal)
+        rows.append(row)
         if name == "xla" and t > XLA_MAX_T:
             row.update(skipped=f"T > {XLA_MAX_T}")
-            rows.append(row)
             continue
         try:
             if name.startswith("mosaic") and (why := mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal,
@@ -147,18 +180,23 @@ def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
                 o, g = outs[name]
                 row["err_out"] = rel_err(o, o_ref)
                 row["err_grad"] = max(rel_err(a, r) for a, r in zip(g, g_ref))
-            t_fwd = time_fn(fwd, q, k, v, reps=reps)
-            t_all = time_fn(fwdbwd, q, k, v, do, reps=reps)
-            row.update(ms_fwd=t_fwd * 1e3, ms_fwdbwd=t_all * 1e3,
-                       tflops_fwd=f / t_fwd / 1e12, tflops_fwdbwd=3.5 * f / t_all / 1e12)
+            calls[(name, "fwd")] = functools.partial(fwd, q, k, v)
+            calls[(name, "fwdbwd")] = functools.partial(fwdbwd, q, k, v, do)
         except Exception as e:  # keep the table going: a failure is a row, not a crash
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        rows.append(row)
-    base = next((r for r in rows if r["impl"] == "cudnn" and "tflops_fwd" in r), None)
-    for r in rows:
-        if base and "tflops_fwd" in r:
-            r["vs_cudnn_fwd"] = r["tflops_fwd"] / base["tflops_fwd"]
-            r["vs_cudnn_fwdbwd"] = r["tflops_fwdbwd"] / base["tflops_fwdbwd"]
+    outs.clear()
+    times = time_interleaved(calls, reps=reps) if calls else {}
+    for row in rows:
+        name = row["impl"]
+        if (name, "fwd") not in times:
+            continue
+        t_fwd, t_all = (statistics.median(times[name, part]) for part in ("fwd", "fwdbwd"))
+        row.update(ms_fwd=t_fwd * 1e3, ms_fwdbwd=t_all * 1e3,
+                   tflops_fwd=f / t_fwd / 1e12, tflops_fwdbwd=3.5 * f / t_all / 1e12)
+        if ("cudnn", "fwd") in times:
+            for part in ("fwd", "fwdbwd"):
+                med, q1, q3 = ratio_stats(times["cudnn", part], times[name, part])
+                row.update({f"vs_cudnn_{part}": med, f"vs_cudnn_{part}_q1": q1, f"vs_cudnn_{part}_q3": q3})
     return rows
 
 
@@ -172,6 +210,8 @@ def format_table(rows) -> str:
             x = r.get(c, "")
             if isinstance(x, float):
                 x = f"{x:.2e}" if c.startswith("err") else f"{x:.2f}" if c.startswith("vs") else f"{x:.0f}"
+                if c.startswith("vs") and f"{c}_q1" in r:  # the quartiles of the per-round ratio
+                    x += f" ({r[c + '_q1']:.2f}-{r[c + '_q3']:.2f})"
             cells.append(str(x))
         note = r.get("error", r.get("skipped", r.get("note", "")))
         lines.append("| " + " | ".join(cells) + f" | {note} |")

@@ -1,0 +1,33 @@
+"""The timing helpers of experiments/bench_attention.py (no GPU needed)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import bench_attention as bench  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def test_time_interleaved_rotates_the_order_and_times_every_call():
+    log = []
+    calls = {name: (lambda name=name: log.append(name)) for name in "abc"}
+    times = bench.time_interleaved(calls, warmup=1, reps=4)
+    assert log[:3] == ["a", "b", "c"]  # warm-up, one call each
+    rounds = [log[3 + 3 * r: 6 + 3 * r] for r in range(4)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_ratio_stats_is_the_median_of_per_round_ratios():
+    rng = np.random.default_rng()
+    base, other = rng.uniform(1, 2, 11), rng.uniform(1, 2, 11)
+    med, q1, q3 = bench.ratio_stats(list(base), list(other))
+    ratios = sorted(base / other)
+    assert med == pytest.approx(ratios[5])  # 11 rounds: the sixth smallest
+    assert q1 <= med <= q3 and q1 == pytest.approx(np.percentile(base / other, 25))
+    # a drift that slows both alike leaves every per-round ratio, hence the median, unchanged
+    drift = np.linspace(1.0, 1.3, 11)
+    assert bench.ratio_stats(list(base * drift), list(base * drift * 0.9))[0] == pytest.approx(1 / 0.9)
