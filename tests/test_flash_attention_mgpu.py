@@ -48,6 +48,11 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, config, what it covers
     (1, 128, 192, 3, 1, 64, False, jnp.bfloat16, MosaicConfig(block_kv=64, stages=2, pingpong=False),
      "GQA 3 -> token pairing, non-causal, T != S, no ping-pong"),
     (1, 128, 128, 2, 2, 128, True, jnp.bfloat16, None, "D=128 default tiles (T=S=128 causal)"),
+    (2, 256, 256, 2, 2, 64, True, jnp.bfloat16, MosaicConfig(block_kv=64, stages=2, persistent=True, persistent_ctas=3),
+     "persistent, token pairing, causal: 3 CTAs loop over 8 items of unequal length, the ring runs across items"),
+    (1, 128, 192, 4, 2, 64, False, jnp.float16,
+     MosaicConfig(block_kv=64, stages=3, persistent=True, persistent_ctas=3, pingpong=False),
+     "persistent, head pairing, non-causal, T != S: 3 CTAs for 4 items (one CTA runs two)"),
 ]
 
 

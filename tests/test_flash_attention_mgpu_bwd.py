@@ -124,25 +124,22 @@ def test_auto_backend_rule(monkeypatch):
     monkeypatch.setattr(fa, "_is_hopper", lambda: False)
     run(z(128, 2, 128), z(128, 2, 128))  # not Hopper: all Triton
     monkeypatch.setattr(fa, "_is_hopper", lambda: True)
-    run(z(128, 2, 128), z(128, 2, 128))  # H100, MHA D=128 short: Triton fwd + Mosaic bwd
+    run(z(128, 2, 128), z(128, 2, 128))  # H100, MHA D=128 short: Mosaic fwd + bwd (persistent fwd)
     run(z(128, 4, 128), z(128, 1, 128))  # H100, GQA 4 (head pairing): Mosaic fwd + bwd
-    run(z(128, 2, 128), z(128, 2, 128), causal=False)  # non-causal MHA D=128: Triton fwd
+    run(z(128, 2, 128), z(128, 2, 128), causal=False)  # non-causal MHA D=128: Mosaic fwd + bwd
     run(z(128, 2, 96), z(128, 2, 96))  # D=96: neither Mosaic kernel
     run(z(128, 2, 128), z(128, 2, 128), segment_ids=jnp.zeros((1, 128), jnp.int32))  # segments: Triton
     run(z(128, 2, 128), z(128, 2, 128), mosaic_backward=False)
     monkeypatch.setattr(fa.mgpu, "device_kind", lambda: "NVIDIA H200")
     run(z(128, 2, 128), z(128, 2, 128))  # H200: Mosaic fwd + bwd
     assert [(p.mosaic is not None, p.mosaic_bwd is not None) for p in plans] == [
-        (False, False), (False, True), (True, True), (False, True), (False, False), (False, False),
-        (False, False), (True, True)]
+        (False, False), (True, True), (True, True), (True, True), (False, False), (False, False),
+        (True, False), (True, True)]
     assert plans[2].mosaic == fa.mgpu.H100_CONFIGS[128] and plans[7].mosaic == fa.mgpu.DEFAULT_CONFIGS[128]
-
-    rule = lambda t, h, kv, d, causal: fa.mosaic_forward_preferred((1, t, h, d), (1, t, kv, d), causal=causal,
-                                                                   kind=H100)
-    assert [rule(8192, 32, 32, 128, True), rule(4096, 32, 32, 128, True), rule(16384, 32, 32, 128, False),
-            rule(4096, 32, 32, 64, False), rule(2048, 32, 32, 64, True), rule(1024, 32, 8, 128, False),
-            rule(1024, 6, 2, 128, True)] == [True, False, False, True, False, True, False]
-    assert fa.mgpu.default_config(128, H100).stages == 2 and fa.mgpu.default_config(128, "NVIDIA H200").stages == 3
+    for kind in (H100, "NVIDIA H200"):
+        cfg = fa.mgpu.default_config(128, kind)
+        assert cfg.persistent and cfg.stages == 2 and fa.mgpu.default_config(64, kind).persistent
+        assert not fa.mgpu.default_config(256, kind).persistent  # a second Q-sized buffer does not fit
     assert fa.mgpu.default_config(96, H100) is None
 
 

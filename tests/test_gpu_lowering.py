@@ -126,3 +126,15 @@ def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, c
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kvs, kvs)
     kernels = 2 if cfg.fused_dq else 3  # forward, dK/dV, dQ
     assert text.count(MOSAIC_CALL) == kernels and TRITON_CALL not in text
+
+
+@pytest.mark.parametrize("causal, kv", [(True, 8), (False, 2)])
+def test_persistent_mosaic_forward_lowers_for_hopper(as_h100, causal, kv):
+    """The persistent Mosaic forward (one CTA per SM looping over tiles, register-A P V wgmmas
+    that interpret mode cannot run) through Pallas' Mosaic GPU lowering for the "cuda" platform."""
+    from scaling.kernels.flash_attention_mgpu import MosaicConfig, mosaic_forward
+
+    cfg = MosaicConfig(persistent=True, persistent_ctas=132)
+    text = lower_for_cuda(lambda q, k, v: mosaic_forward(q, k, v, causal=causal, config=cfg),
+                          sds((2, 512, 8, 128)), sds((2, 512, kv, 128)), sds((2, 512, kv, 128)))
+    assert text.count(MOSAIC_CALL) == 1 and TRITON_CALL not in text

@@ -67,6 +67,14 @@ class MosaicConfig:
     reduction_scratch_bytes: shared memory Mosaic reserves for cross-warp reductions (its
       default is 2048); D=128 with block_kv=128 and 3 stages is 120 bytes over the 227 KiB
       limit with the default, and fits with 1024.
+    persistent: launch one CTA per SM instead of one per query tile; each CTA loops over its
+      share of the tiles (the heaviest causal tiles of all heads first, dealt round-robin), the
+      producer streams the next tile's K/V while the consumers finish the current one, and a
+      consumer loads its next Q tile as soon as its last Q Kᵀ is done (the output is staged in
+      a buffer of its own). Hides the per-CTA start-up and epilogue that dominate short causal
+      rows (docs/attention.md, "Persistent forward").
+    persistent_ctas: CTAs of the persistent grid; 0 = the device's SM count (tests set a small
+      number so that each CTA runs several tiles).
     """
 
     block_q: int = 64
@@ -74,29 +82,31 @@ class MosaicConfig:
     stages: int = 2
     pingpong: bool = True
     reduction_scratch_bytes: int = 2048
+    persistent: bool = False
+    persistent_ctas: int = 0
 
 
 # Per head dim. D=256 uses narrower K/V slots so that Q (2 x 64 x 256) and the ring fit in the
-# 227 KiB of shared memory an H100/H200 CTA may use. D=128 and D=64: the best of a small sweep
-# on an H200 (docs/attention.md, "Mosaic GPU forward"); D=256 is untuned.
+# 227 KiB of shared memory an H100/H200 CTA may use; it is untuned and not persistent (a second
+# Q-sized staging buffer does not fit). D=128 and D=64: 2 stages with ping-pong, persistent
+# (seventh session, docs/attention.md, "Persistent forward"): on both GPUs the persistent
+# kernel matched or beat every earlier table entry at T <= 8k (H100 causal D=128 4k: 1.01x
+# cuDNN against 0.70x; H200: 1.07x against 0.97x), and long causal rows, where it was 3-5%
+# slower, launch one CTA per tile instead (`PERSISTENT_MAX_CAUSAL_LEN`).
 DEFAULT_CONFIGS = {
-    64: MosaicConfig(block_q=64, block_kv=128, stages=3),
-    128: MosaicConfig(block_q=64, block_kv=128, stages=3, reduction_scratch_bytes=1024),
+    64: MosaicConfig(block_q=64, block_kv=128, stages=2, pingpong=True, persistent=True),
+    128: MosaicConfig(block_q=64, block_kv=128, stages=2, pingpong=True, persistent=True),
     256: MosaicConfig(block_q=64, block_kv=64, stages=2),
 }
+# Causal rows longer than this run the non-persistent grid even when the config asks for
+# persistence: at T=16k it measured 1.05x cuDNN against 1.00x (H100) and 1.02x (H200).
+PERSISTENT_MAX_CAUSAL_LEN = 8192
 
 
-# H100 (80GB HBM3): the sweep of 2026-11-22 (`check_mgpu.py --time-only --fwd-only`, forward
-# TFLOP/s, B*T = 16k tokens, H = 32; docs/attention.md, "H100 retune") put 2 stages with
-# ping-pong at or near the top everywhere and ahead of the H200 defaults at the short and the
-# D=64 shapes: D=128 causal T=1k 226 vs 205, 4k 328 vs 316, 16k 594 vs 551, non-causal 4k 346
-# vs 349, GQA 4 462 vs 475; D=64 causal 4k 299 vs 252, non-causal 4k 338 vs 305, causal 1k
-# 163 vs 166 (differences under ~8% are within the run-to-run noise seen there).
-H100_CONFIGS = {
-    64: MosaicConfig(block_q=64, block_kv=128, stages=2, pingpong=True),
-    128: MosaicConfig(block_q=64, block_kv=128, stages=2, pingpong=True),
-    256: DEFAULT_CONFIGS[256],
-}
+# H100 (80GB HBM3): the fifth session's sweep (`check_mgpu.py --time-only --fwd-only`) put 2
+# stages with ping-pong at or near the top everywhere, when the H200 table still had 3 stages;
+# since the persistent kernel both tables are the same, kept apart for the next retune.
+H100_CONFIGS = dict(DEFAULT_CONFIGS)
 # device_kind substring -> table; devices not listed (the H200, interpret mode on a CPU) use
 # DEFAULT_CONFIGS.
 DEVICE_CONFIGS = {"H100": H100_CONFIGS}
@@ -104,6 +114,10 @@ DEVICE_CONFIGS = {"H100": H100_CONFIGS}
 
 def device_kind() -> str:
     return jax.devices()[0].device_kind
+
+
+def _sm_count() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)  # 132: H100 SXM / H200
 
 
 def default_config(head_dim: int, kind: str | None = None) -> MosaicConfig | None:
@@ -151,8 +165,23 @@ class _Geometry:
 
     @property
     def grid(self) -> tuple[int, int, int]:
+        """(query tiles, head slots, batch): the work items; the grid itself unless persistent."""
         head_slots = self.heads // CONSUMERS if self.pairing == "heads" else self.heads
         return (self.q_len // self.cta_rows, head_slots, self.batch)
+
+    @property
+    def persistent(self) -> bool:
+        return self.cfg.persistent and not (self.causal and self.q_len > PERSISTENT_MAX_CAUSAL_LEN)
+
+    @property
+    def num_items(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def num_ctas(self) -> int:
+        """CTAs of the persistent grid (one per SM unless the config says otherwise)."""
+        n = self.cfg.persistent_ctas or _sm_count()
+        return max(1, min(n, self.num_items))
 
 
 def common_unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool, kernel: str,
@@ -189,7 +218,23 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
                 f"block_q={cfg.block_q})")
     if s % cfg.block_kv:
         return f"kv length {s} is not a multiple of block_kv={cfg.block_kv}"
+    smem = smem_bytes(cfg, d, jnp.dtype(dtype).itemsize)
+    if smem + BARRIER_ALLOWANCE > SMEM_BYTES:
+        return (f"the forward would need {smem} bytes of shared memory, more than the {SMEM_BYTES} a Hopper "
+                f"CTA has ({cfg}; fewer stages fit)")
     return None
+
+
+SMEM_BYTES = 232448  # dynamic shared memory per CTA on sm_90 (227 KiB)
+BARRIER_ALLOWANCE = 1024  # barriers and alignment: D=128, 3 stages measured 632 bytes above `smem_bytes`
+
+
+def smem_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the forward's scratch: Q (and the persistent output staging) per
+    consumer, the K/V ring, the lse staging and Mosaic's reduction scratch (barriers aside)."""
+    q_tiles = (2 if cfg.persistent else 1) * CONSUMERS * cfg.block_q * head_dim * itemsize
+    ring = 2 * cfg.stages * cfg.block_kv * head_dim * itemsize
+    return q_tiles + ring + CONSUMERS * cfg.block_q * 4 + cfg.reduction_scratch_bytes
 
 
 def _validate_config(cfg: MosaicConfig):
@@ -199,6 +244,8 @@ def _validate_config(cfg: MosaicConfig):
         raise ValueError(f"MosaicConfig.block_kv={cfg.block_kv} must be 64, 128, 192 or 256")
     if not isinstance(cfg.stages, int) or cfg.stages < 2:
         raise ValueError(f"MosaicConfig.stages={cfg.stages!r} must be an int >= 2")
+    if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
+        raise ValueError(f"MosaicConfig.persistent_ctas={cfg.persistent_ctas!r} must be an int >= 0 (0: one per SM)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,31 +253,58 @@ def _validate_config(cfg: MosaicConfig):
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
-            q_smem, k_smem, v_smem, lse_smem,
-            q_full, k_full, v_full, k_free, v_free, turn, *, geo: _Geometry):
-    """One CTA. Refs: q/o [B, T, H, D], k/v [B, S, KV, D], lse [B, H, T] (all GMEM)."""
+            q_smem, k_smem, v_smem, lse_smem, *rest, geo: _Geometry):
+    """One CTA: one work item (query tile x head slot x batch), or with `persistent` every
+    num_ctas-th item from this CTA's index on. Refs: q/o [B, T, H, D], k/v [B, S, KV, D],
+    lse [B, H, T] (all GMEM). Scratch: Q per consumer, the K/V ring, lse staging, (persistent)
+    output staging per consumer, then the barriers."""
     cfg = geo.cfg
+    if geo.persistent:
+        o_smem, q_full, k_full, v_full, k_free, v_free, turn = rest
+    else:
+        o_smem = None
+        q_full, k_full, v_full, k_free, v_free, turn = rest
     bq, bkv, d = cfg.block_q, cfg.block_kv, geo.head_dim
     wg = lax.axis_index("wg")
-    b = lax.axis_index("b")
-    slot_of_head = lax.axis_index("h")
-    # Heavy causal tiles (high token index) first: the last CTAs to start are the short ones.
-    num_tiles = geo.grid[0]
-    tile = num_tiles - 1 - lax.axis_index("t") if geo.causal else lax.axis_index("t")
-    cta_q0 = tile * geo.cta_rows
+    num_tiles, head_slots, _ = geo.grid
 
-    if geo.pairing == "heads":
-        first_head = slot_of_head * CONSUMERS  # an even head; its partner is in the same group
-        kv_head = first_head // geo.group
+    if geo.persistent:
+        cta, n_ctas = lax.axis_index("c"), geo.num_ctas
+        num_items = lax.div(geo.num_items - cta + n_ctas - 1, n_ctas)
+
+        def work(k):
+            """Item cta + k * num_ctas. Items are numbered as the non-persistent grid launches
+            its CTAs: tile rank fastest (heaviest first), then head slot, then batch. The CTAs
+            running at one time then work on a few heads' tiles and share their K/V in L2,
+            and with num_ctas not a multiple of the tile count each CTA's share sweeps all
+            ranks, heavy and light. (Ordering by rank first, all heads side by side, measured
+            4% slower at 8k-16k on an H100: every CTA streamed another head's K/V from HBM.)"""
+            w = cta + k * n_ctas
+            rank, rest_ = lax.rem(w, num_tiles), lax.div(w, num_tiles)
+            return rank, lax.rem(rest_, head_slots), lax.div(rest_, head_slots)
     else:
-        kv_head = slot_of_head // geo.group
+        num_items = 1
+
+        def work(k):
+            del k
+            return lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("b")
+
+    def item(k):
+        """Facts of this CTA's k-th item: (b, head slot, first query row, kv head, K/V steps)."""
+        rank, slot_of_head, b = work(k)
+        # Heavy causal tiles (high token index) first: the last to start are the short ones.
+        tile = num_tiles - 1 - rank if geo.causal else rank
+        cta_q0 = tile * geo.cta_rows
+        if geo.pairing == "heads":  # an even head; its partner is in the same group
+            kv_head = slot_of_head * CONSUMERS // geo.group
+        else:
+            kv_head = slot_of_head // geo.group
+        return b, slot_of_head, cta_q0, kv_head, kv_steps_for(cta_q0 + geo.cta_rows)
 
     def kv_steps_for(q_end):  # K/V tiles that rows < q_end can see
         if geo.causal:
             return lax.div(q_end + bkv - 1, bkv)
         return geo.kv_len // bkv
-
-    cta_steps = kv_steps_for(cta_q0 + geo.cta_rows)  # what the producer streams
 
     def rendezvous():  # both consumers arrive, both wait: the ping-pong hand-over point
         if cfg.pingpong:
@@ -240,123 +314,152 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        if geo.pairing == "heads":
-            head, q0 = first_head + wg, cta_q0
-        else:
-            head, q0 = slot_of_head, cta_q0 + wg * bq
         my_q = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), head], my_q, q_full.at[wg])
-        plgpu.barrier_wait(q_full.at[wg])
+        my_o = o_smem.at[wg] if geo.persistent else my_q  # output staging
 
-        my_steps = kv_steps_for(q0 + bq)
-        # K/V tiles entirely at or below the diagonal need no mask.
-        unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps
+        def rows_of(k):  # (b, head, q0) of this consumer in item k
+            b, slot_of_head, cta_q0, _, _ = item(k)
+            if geo.pairing == "heads":
+                return b, slot_of_head * CONSUMERS + wg, cta_q0
+            return b, slot_of_head, cta_q0 + wg * bq
 
-        def step(j, carry, *, masked: bool):
-            o_acc, m, l = carry
-            slot = lax.rem(j, cfg.stages)
-            plgpu.barrier_wait(k_full.at[slot])
+        def load_q(k):
+            b, head, q0 = rows_of(k)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), head], my_q, q_full.at[wg])
 
-            def logits(s_ref):
-                plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
-                rendezvous()  # hand the tensor cores to the other consumer
-                return s_ref[...]
+        load_q(0)
 
-            s = pl.run_scoped(logits, plgpu.ACC((bq, bkv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])  # the S matmul has completed: K slot reusable
+        def run_item(k, base):
+            """Item k; `base` = ring steps of this CTA's earlier items. Returns the new base."""
+            b, head, q0 = rows_of(k)
+            cta_steps = item(k)[4]  # what the producer streams
+            plgpu.barrier_wait(q_full.at[wg])
+            my_steps = kv_steps_for(q0 + bq)
+            # K/V tiles entirely at or below the diagonal need no mask.
+            unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps
 
-            if masked:  # only diagonal tiles: row q0 + r sees key j * bkv + c when c + j*bkv <= r + q0
-                rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-                visible = rows + (q0 - j * bkv) >= cols
-                x = jnp.where(visible, s * geo.scale_log2, -jnp.inf)
-                m_new = jnp.maximum(m, x.max(axis=1))
-                p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
-            else:  # scale folded into the exponent: one FMA per logit
-                m_new = jnp.maximum(m, s.max(axis=1) * geo.scale_log2)
-                p = jnp.exp2(s * geo.scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            # Step 0 always holds key 0, visible to every row, so m_new is finite from there on
-            # and exp2(-inf - finite) = 0 discards the (empty) history.
-            correction = jnp.exp2(m - m_new)
-            l = l * correction + p.sum(axis=1)
-            o_acc = o_acc * lax.broadcast_in_dim(correction, o_acc.shape, [0])
-            p_lo = p.astype(q_smem.dtype)
-            rendezvous()  # wait for the tensor cores to be ours again
-            plgpu.barrier_wait(v_full.at[slot])
-
-            if geo.in_place:  # the running O is the matmul's accumulator; run_state waits for it
-                def accumulate(acc_ref):
-                    plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
-
-                o_acc = pl.run_state(accumulate)(plgpu.ACC.init(o_acc))
-            else:  # interpret mode: a plain dot of the same operands (see `_Geometry.in_place`)
-                o_acc = o_acc + jnp.dot(p_lo, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return o_acc, m_new, l
-
-        carry = (
-            plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        )
-        # Ping-pong: consumer 1 starts half a step behind consumer 0 ...
-        pl.when(wg == 1)(rendezvous)
-        carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
-        if geo.causal:
-            carry = lax.fori_loop(unmasked_steps, my_steps, functools.partial(step, masked=True), carry)
-
-            # Ring slots this consumer does not need but the producer fills for its partner
-            # (token pairing only): wait and release them so every barrier phase completes.
-            # Two rendezvous per skipped step keep the ping-pong count equal to the partner's.
-            @pl.loop(my_steps, cta_steps)
-            def _skip(j):
-                slot = lax.rem(j, cfg.stages)
+            def step(j, carry, *, masked: bool):
+                o_acc, m, l = carry
+                slot = lax.rem(base + j, cfg.stages)
                 plgpu.barrier_wait(k_full.at[slot])
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_wait(v_full.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-                rendezvous()
-                rendezvous()
-        # ... and consumer 0 closes with the matching extra arrival.
-        pl.when(wg == 0)(rendezvous)
 
-        o_acc, m, l = carry
-        inv_l = 1.0 / l
-        o = o_acc * lax.broadcast_in_dim(inv_l, o_acc.shape, [0])
-        my_q[...] = o.astype(q_smem.dtype)  # Q is dead: its buffer stages the output tile
-        lse_smem.at[wg][...] = m + jnp.log2(l)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_q, o_ref.at[b, pl.ds(q0, bq), head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, bq)])
+                def logits(s_ref):
+                    plgpu.wgmma(s_ref, my_q, k_smem.at[slot].T)
+                    rendezvous()  # hand the tensor cores to the other consumer
+                    return s_ref[...]
+
+                s = pl.run_scoped(logits, plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])  # the S matmul has completed: K slot reusable
+
+                if masked:  # only diagonal tiles: row q0 + r sees key j * bkv + c when c + j*bkv <= r + q0
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    visible = rows + (q0 - j * bkv) >= cols
+                    x = jnp.where(visible, s * geo.scale_log2, -jnp.inf)
+                    m_new = jnp.maximum(m, x.max(axis=1))
+                    p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+                else:  # scale folded into the exponent: one FMA per logit
+                    m_new = jnp.maximum(m, s.max(axis=1) * geo.scale_log2)
+                    p = jnp.exp2(s * geo.scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                # Step 0 always holds key 0, visible to every row, so m_new is finite from there
+                # on and exp2(-inf - finite) = 0 discards the (empty) history.
+                correction = jnp.exp2(m - m_new)
+                l = l * correction + p.sum(axis=1)
+                o_acc = o_acc * lax.broadcast_in_dim(correction, o_acc.shape, [0])
+                p_lo = p.astype(q_smem.dtype)
+                rendezvous()  # wait for the tensor cores to be ours again
+                plgpu.barrier_wait(v_full.at[slot])
+
+                if geo.in_place:  # the running O is the matmul's accumulator; run_state waits for it
+                    def accumulate(acc_ref):
+                        plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
+
+                    o_acc = pl.run_state(accumulate)(plgpu.ACC.init(o_acc))
+                else:  # interpret mode: a plain dot of the same operands (see `_Geometry.in_place`)
+                    o_acc = o_acc + jnp.dot(p_lo, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return o_acc, m_new, l
+
+            carry = (
+                plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            )
+            # Ping-pong: consumer 1 starts half a step behind consumer 0 ...
+            pl.when(wg == 1)(rendezvous)
+            carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
+            if geo.causal:
+                carry = lax.fori_loop(unmasked_steps, my_steps, functools.partial(step, masked=True), carry)
+
+                # Ring slots this consumer does not need but the producer fills for its partner
+                # (token pairing only): wait and release them so every barrier phase completes.
+                # Two rendezvous per skipped step keep the ping-pong count equal to the partner's.
+                @pl.loop(my_steps, cta_steps)
+                def _skip(j):
+                    slot = lax.rem(base + j, cfg.stages)
+                    plgpu.barrier_wait(k_full.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_wait(v_full.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    rendezvous()
+                    rendezvous()
+            if geo.persistent:  # Q is dead: fetch the next item's while this one finishes
+                @pl.when(k + 1 < num_items)
+                def _():
+                    load_q(k + 1)
+            # ... and consumer 0 closes with the matching extra arrival.
+            pl.when(wg == 0)(rendezvous)
+
+            o_acc, m, l = carry
+            inv_l = 1.0 / l
+            o = o_acc * lax.broadcast_in_dim(inv_l, o_acc.shape, [0])
+            if geo.persistent:  # the previous item's output copies have read the staging buffers
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            my_o[...] = o.astype(q_smem.dtype)  # (not persistent: Q is dead, its buffer stages O)
+            lse_smem.at[wg][...] = m + jnp.log2(l)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_o, o_ref.at[b, pl.ds(q0, bq), head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, bq)])
+            return base + cta_steps
+
+        if geo.persistent:
+            lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+        else:
+            run_item(0, 0)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def fetch(j, slot):
-            rows = (b, pl.ds(j * bkv, bkv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+        def run_item(k, base):
+            """Stream item k's K/V tiles into the ring at steps base, base + 1, ..."""
+            b, _, _, kv_head, cta_steps = item(k)
 
-        for j in range(min(cfg.stages, geo.kv_len // bkv)):  # fill the ring (cta_steps >= 1)
-            @pl.when(j < cta_steps)
-            def _():
-                fetch(j, j)
+            @pl.loop(0, cta_steps)
+            def _fetch(j):
+                step = base + j
+                slot = lax.rem(step, cfg.stages)
+                rows = (b, pl.ds(j * bkv, bkv), kv_head)
 
-        @pl.loop(cfg.stages, jnp.maximum(cta_steps, cfg.stages))
-        def _refill(j):
-            slot = lax.rem(j, cfg.stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            rows = (b, pl.ds(j * bkv, bkv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+                @pl.when(step >= cfg.stages)  # the slot's previous tile has been released
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
+
+                @pl.when(step >= cfg.stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+
+            return base + cta_steps
+
+        total = lax.fori_loop(0, num_items, run_item, jnp.int32(0)) if geo.persistent else run_item(0, 0)
 
         # Observe the last releases too, so that no barrier ends the CTA with a phase nobody
         # waited for (harmless on the GPU, but it keeps the ring's bookkeeping exact and the
         # interpret mode's barrier checker satisfied).
-        @pl.loop(jnp.maximum(cta_steps - cfg.stages, 0), cta_steps)
+        @pl.loop(jnp.maximum(total - cfg.stages, 0), total)
         def _drain(j):
             slot = lax.rem(j, cfg.stages)
             plgpu.barrier_wait(k_free.at[slot])
@@ -369,11 +472,14 @@ def _call(q, k, v, geo: _Geometry, interpret: bool):
     dtype = q.dtype
     # 128-byte swizzle over (8, 64) tiles: the layout wgmma reads without bank conflicts.
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    o_staging = (plgpu.SMEM((CONSUMERS, cfg.block_q, geo.head_dim), dtype, transforms=tiled),) \
+        if geo.persistent else ()
     scratch = (
         plgpu.SMEM((CONSUMERS, cfg.block_q, geo.head_dim), dtype, transforms=tiled),
         plgpu.SMEM((cfg.stages, cfg.block_kv, geo.head_dim), dtype, transforms=tiled),
         plgpu.SMEM((cfg.stages, cfg.block_kv, geo.head_dim), dtype, transforms=tiled),
         plgpu.SMEM((CONSUMERS, cfg.block_q), jnp.float32),
+        *o_staging,
         plgpu.Barrier(num_barriers=CONSUMERS),  # q_full
         plgpu.Barrier(num_barriers=cfg.stages),  # k_full
         plgpu.Barrier(num_barriers=cfg.stages),  # v_full
@@ -389,8 +495,8 @@ def _call(q, k, v, geo: _Geometry, interpret: bool):
         functools.partial(_kernel, geo=geo),
         out_type=out_type,
         scratch_types=scratch,
-        grid=geo.grid,
-        grid_names=("t", "h", "b"),
+        **(dict(grid=(geo.num_ctas,), grid_names=("c",)) if geo.persistent
+           else dict(grid=geo.grid, grid_names=("t", "h", "b"))),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True,
