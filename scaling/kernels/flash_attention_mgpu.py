@@ -28,6 +28,16 @@ What the two consumers of a CTA share, i.e. which K/V stream they read:
     K/V tile fewer than the upper one; the early finisher still waits on and releases the
     remaining ring slots so that the shared barriers stay in phase.
 
+Persistent grid (`MosaicConfig.persistent`, the default for head dims 64 and 128): one CTA per
+SM instead of one per work item (query tile x head slot x batch). CTA c runs items c, c + N,
+c + 2N, ... (N CTAs), numbered as the non-persistent grid launches them: tile rank fastest,
+heaviest causal tile first, then head slot, then batch, so the CTAs running together share a
+few heads' K/V in L2. The producer's ring runs on across items (it streams the next item's K/V
+while the consumers finish the current one), each consumer loads its next Q tile as soon as its
+last Q Kᵀ has completed, and outputs are staged in a buffer of their own. This hides the per-CTA
+start-up (Q load, ring fill) and epilogue that dominated short rows: on an H100, causal D=128
+at T=4k went from 0.70x to 1.01x cuDNN's forward (docs/attention.md, "Persistent forward").
+
 Optional "ping-pong" (`MosaicConfig.pingpong`): a two-party rendezvous barrier makes the two
 consumers alternate, so that one runs its softmax (SFU / FMA bound) while the other has its
 matmuls on the tensor cores (FlashAttention-3, Shah et al. 2024, section 3.1).
