@@ -99,14 +99,36 @@ def test_dispatch_mosaic_forward_with_triton_backward_interpret(monkeypatch):
     (dict(t=200, s=200), "q length 200"),
     (dict(t=256, s=200, causal=False), "kv length 200"),
     (dict(t=256, s=512, causal=True), "causal with q length"),
+    (dict(config=MosaicConfig(stages=3, persistent=True)), "shared memory"),  # + the output staging
 ])
 def test_unsupported_reasons(kwargs, reason):
-    args = dict(b=1, t=256, s=256, h=4, kv=4, d=128, dtype=jnp.bfloat16, causal=True, segmented=False)
+    args = dict(b=1, t=256, s=256, h=4, kv=4, d=128, dtype=jnp.bfloat16, causal=True, segmented=False, config=None)
     args.update(kwargs)
     got = unsupported_reason((args["b"], args["t"], args["h"], args["d"]), (args["b"], args["s"], args["kv"], args["d"]),
-                             args["dtype"], causal=args["causal"], segmented=args["segmented"])
+                             args["dtype"], causal=args["causal"], segmented=args["segmented"], config=args["config"])
     assert got is not None and reason in got
     assert unsupported_reason((1, 256, 4, 128), (1, 256, 4, 128), jnp.bfloat16, causal=True, segmented=False) is None
+
+
+def test_persistent_grid_geometry():
+    """Which calls run persistent, and with how many CTAs: long causal rows keep one CTA per
+    tile (measured faster there), a grid never has more CTAs than work items."""
+    from scaling.kernels import flash_attention_mgpu as mgpu
+
+    cfg = MosaicConfig(persistent=True, persistent_ctas=132)
+
+    def geo(t, causal, b=1, h=32, kv=32, cfg=cfg):
+        return mgpu._Geometry(batch=b, q_len=t, kv_len=t, heads=h, kv_heads=kv, head_dim=128, causal=causal,
+                              scale_log2=1.0, cfg=cfg)
+
+    limit = mgpu.PERSISTENT_MAX_CAUSAL_LEN
+    assert geo(limit, True).persistent and not geo(2 * limit, True).persistent and geo(2 * limit, False).persistent
+    assert not geo(1024, True, cfg=MosaicConfig()).persistent
+    assert geo(4096, True, b=4).num_items == 32 * 32 * 4 and geo(4096, True, b=4).num_ctas == 132
+    assert geo(128, True, h=2, kv=2).num_items == 2 and geo(128, True, h=2, kv=2).num_ctas == 2
+    assert geo(256, True, h=8, kv=2).num_items == 4 * 4  # head pairing: 4 q tiles x 4 head slots
+    with pytest.raises(ValueError, match="persistent_ctas"):
+        mosaic_forward(*(jnp.zeros((1, 128, 2, 128), jnp.bfloat16),) * 3, config=MosaicConfig(persistent_ctas=-1))
 
 
 def test_mosaic_forward_raises_value_errors():
