@@ -41,6 +41,8 @@ VARIANTS = {
     # delta inside the dQ kernel instead of the XLA reduction (not the default: untimed)
     "fd": bwd.MosaicBwdConfig(delta_in_dq=True),
     "q128-fd": bwd.MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, delta_in_dq=True),
+    # the dK/dV kernel persistent (one CTA per SM looping over its tiles)
+    "p": bwd.MosaicBwdConfig(persistent=True),
     # dQ fused into the dK/dV kernel (TMA reduce-adds, D=128 only; docs/attention.md, "Fused dQ")
     "f": bwd.MosaicBwdConfig(fused_dq=True),
     "f3": bwd.MosaicBwdConfig(fused_dq=True, stages_dkv=3),  # ~231 KB of shared memory: fits only just

@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels.flash_attention_mgpu import LOG2_E, common_unsupported_reason
+from scaling.kernels.flash_attention_mgpu import LOG2_E, _sm_count, common_unsupported_reason
 
 HEAD_DIMS = (64, 128)
 FUSED_HEAD_DIM = 128  # fused_dq splits dS K's columns over the consumers in 64-column tiles
@@ -81,6 +81,12 @@ class MosaicBwdConfig:
     delta_in_dq: compute delta = rowsum(dO ∘ O) inside the dQ kernel (its consumers hold dO
       already and load their O tile too), which then writes delta out for the dK/dV kernel,
       launched after it; False: one XLA reduction before both kernels.
+    persistent: the dK/dV kernel launches one CTA per SM, each looping over every N-th
+      (K/V tile, KV head, batch) item, as the persistent forward does (flash_attention_mgpu.py):
+      the (Q, dO, L, delta) ring runs on across items, a consumer loads its next K/V tile as
+      soon as its last products are done, and dK/dV are staged in buffers of their own. Not
+      with fused_dq. Off by default: not yet timed on a GPU (docs/attention.md).
+    persistent_ctas: CTAs of the persistent grid; 0 = the device's SM count.
     fused_dq: no dQ kernel: the dK/dV kernel also computes dQ (FlashAttention-3's scheme; 5
       matmuls per tile pair instead of 7). Per ring slot both consumers store their dSᵀ rows to
       shared memory, meet at a barrier, and each computes one half of the head dim of
@@ -100,6 +106,8 @@ class MosaicBwdConfig:
     stages_dq: int = 2
     delta_in_dq: bool = False
     fused_dq: bool = False
+    persistent: bool = False
+    persistent_ctas: int = 0
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -150,7 +158,7 @@ def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
     """Shared memory of the dK/dV kernel's scratch (barriers aside), as `_dkv_call` allocates it."""
     kv_tiles = 2 * CONSUMERS * cfg.block_kv_dkv * head_dim * itemsize  # K, V
     ring = cfg.stages_dkv * (2 * cfg.block_q_dkv * head_dim * itemsize + 2 * cfg.block_q_dkv * 4)  # Q, dO, L, delta
-    fused = 0
+    fused = kv_tiles if cfg.persistent else 0  # dK, dV staging
     if cfg.fused_dq:  # dSᵀ of the CTA's keys, double-buffered; each consumer's f32 dQ half tile
         fused = (2 * CONSUMERS * cfg.block_kv_dkv * cfg.block_q_dkv * itemsize
                  + CONSUMERS * cfg.block_q_dkv * (head_dim // CONSUMERS) * 4)
@@ -171,6 +179,10 @@ def validate_config(cfg: MosaicBwdConfig):
         raise TypeError(f"Mosaic backward config must be a MosaicBwdConfig, got {type(cfg).__name__}")
     if cfg.fused_dq and cfg.delta_in_dq:
         raise ValueError("MosaicBwdConfig.delta_in_dq needs the dQ kernel; it cannot be combined with fused_dq")
+    if cfg.fused_dq and cfg.persistent:
+        raise ValueError("MosaicBwdConfig.persistent is not implemented with fused_dq")
+    if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
+        raise ValueError(f"MosaicBwdConfig.persistent_ctas={cfg.persistent_ctas!r} must be an int >= 0 (0: one per SM)")
     if cfg.block_q_dq != 64:
         raise ValueError(f"MosaicBwdConfig.block_q_dq={cfg.block_q_dq} must be 64 (one wgmma row block)")
     if cfg.block_kv_dkv not in (64, 128):
@@ -205,6 +217,14 @@ class _Geometry:
     @property
     def scale_log2(self) -> float:  # logits times this are log2-domain exponents, like L
         return self.sm_scale * LOG2_E
+
+    @property
+    def dkv_items(self) -> int:  # (K/V tile, KV head, batch) work items of the dK/dV kernel
+        return self.kv_len // (CONSUMERS * self.cfg.block_kv_dkv) * self.kv_heads * self.batch
+
+    @property
+    def dkv_ctas(self) -> int:  # CTAs of the persistent dK/dV grid
+        return max(1, min(self.cfg.persistent_ctas or _sm_count(), self.dkv_items))
 
 
 def _bcast(x, shape, dim: int):
@@ -264,21 +284,40 @@ def _dkv_kernel(*refs, geo: _Geometry):
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
          k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem,
          k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free, ds_ready) = refs
+    elif geo.cfg.persistent:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+         k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, dk_stage, dv_stage,
+         k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free) = refs
     else:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
          k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
          k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free) = refs
     cfg = geo.cfg
+    persistent = cfg.persistent
     bq, bkv, stages = cfg.block_q_dkv, cfg.block_kv_dkv, cfg.stages_dkv
     wg = lax.axis_index("wg")
-    b = lax.axis_index("b")
-    kv_head = lax.axis_index("h")
-    cta_s0 = lax.axis_index("s") * (CONSUMERS * bkv)
     num_q = geo.q_len // bq
-    # Causal: q tiles wholly above this CTA's first key see none of its keys (FA2 section 3.1.1).
-    first = lax.div(cta_s0, bq) if geo.causal else 0
-    per_head = num_q - first  # ring steps per query head of the group (>= 1)
-    total = geo.group * per_head
+    s_tiles = geo.kv_len // (CONSUMERS * bkv)
+    if persistent:
+        cta, n_ctas = lax.axis_index("c"), geo.dkv_ctas
+        num_items = lax.div(geo.dkv_items - cta + n_ctas - 1, n_ctas)
+
+    def item(k):
+        """(b, kv head, K/V tile, first key, first q tile, ring steps per head, ring steps) of
+        this CTA's k-th work item. Persistent: item cta + k * num_ctas, numbered K/V tile fastest
+        (heaviest causal tile first), then KV head, then batch, as `_dkv_call`'s grid puts the
+        CTAs of one KV head side by side; otherwise the grid's own indices."""
+        if persistent:
+            w = cta + k * n_ctas
+            s_tile, rest = lax.rem(w, s_tiles), lax.div(w, s_tiles)
+            kv_head, b = lax.rem(rest, geo.kv_heads), lax.div(rest, geo.kv_heads)
+        else:
+            s_tile, kv_head, b = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("b")
+        cta_s0 = s_tile * (CONSUMERS * bkv)
+        # Causal: q tiles wholly above this CTA's first key see none of its keys (FA2 section 3.1.1).
+        first = lax.div(cta_s0, bq) if geo.causal else 0
+        per_head = num_q - first  # ring steps per query head of the group (>= 1)
+        return b, kv_head, s_tile, cta_s0, first, per_head, geo.group * per_head
 
     def wait_slot(slot):
         for bar in (q_full, do_full, lse_full, delta_full):
@@ -287,128 +326,165 @@ def _dkv_kernel(*refs, geo: _Geometry):
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(240, action="increase")
-        s0 = cta_s0 + wg * bkv
         if fused:
             my_k, my_v = k_smem.at[pl.ds(wg * bkv, bkv)], v_smem.at[pl.ds(wg * bkv, bkv)]
         else:
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-        rows = (b, pl.ds(s0, bkv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_full.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_full.at[wg])
-        plgpu.barrier_wait(k_full.at[wg])
-        plgpu.barrier_wait(v_full.at[wg])
-        half = geo.head_dim // CONSUMERS
 
-        def dq_half(c, ds_all, i, g):
-            """Consumer c's columns [c * half, (c + 1) * half) of dQ[q tile i of head g] += dS K
-            over the CTA's keys; dSᵀ [2 * bkv, bq] is complete in `ds_all`. Static c: the column
-            slices of the swizzled K tile and of dQ stay static."""
-            cols = pl.ds(c * half, half)
-            k_cols = k_smem.at[:, cols]
-            if geo.in_place:
-                def issue(acc):
-                    plgpu.wgmma(acc, ds_all.T, k_cols)  # A = (dSᵀ)ᵀ, read transposed from shared memory
-                    return acc[...]
+        def kv_rows(k):  # this consumer's keys in item k
+            b, kv_head, _, cta_s0, *_ = item(k)
+            return b, pl.ds(cta_s0 + wg * bkv, bkv), kv_head
 
-                dq = pl.run_scoped(issue, plgpu.ACC((bq, half), jnp.float32))
-            else:
-                dq = jnp.dot(ds_all[...].T, k_cols[...], preferred_element_type=jnp.float32)
-            my_dq = dq_smem.at[c]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read my_dq
-            my_dq[...] = dq
-            plgpu.commit_smem()
-            out_rows = (b, pl.ds(i * bq, bq), kv_head * geo.group + g, cols)
-            if geo.in_place:
-                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[out_rows], reduction_op="add")
-            else:
-                plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[(lax.axis_index("s"), *out_rows)])
+        def load_kv(k):
+            rows = kv_rows(k)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_full.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_full.at[wg])
 
-        def step(i, carry, *, base, masked, g=None):
-            dk, dv = carry
-            slot = lax.rem(base + i, stages)
-            wait_slot(slot)
-            q_s, do_s = q_ring.at[slot], do_ring.at[slot]
-            st, dpt = _two_scores(my_k, q_s.T, my_v, do_s.T, (bkv, bq))  # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
-            lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            x = st * geo.scale_log2 - _bcast(lse, st.shape, 1)
-            if masked:  # key s0 + r is visible to query i * bq + c when i * bq + c >= s0 + r
-                visible = _iota(st.shape, 1) + (i * bq - s0) >= _iota(st.shape, 0)
-                x = jnp.where(visible, x, -jnp.inf)
-            pt = jnp.exp2(x)  # Pᵀ recomputed from L (FA2 Algorithm 2, line 13)
-            dst = pt * (dpt - _bcast(delta, st.shape, 1))  # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
-            dtype = q_ring.dtype
-            pt_lo, dst_lo = pt.astype(dtype), dst.astype(dtype)
-            if not fused:
-                dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
-                plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
-                return dk, dv
-            # Both consumers run every ring step in lockstep (a fully masked step gives dSᵀ = 0),
-            # so ring step j uses dSᵀ buffer j % 2: a consumer rewrites a buffer only after the
-            # next step's barrier, which its partner reaches after finishing its dS K reads.
-            parity = lax.rem(base + i, 2)
-            ds_all = ds_smem.at[parity]
-            ds_all.at[pl.ds(wg * bkv, bkv)][...] = dst_lo  # this consumer's keys of dSᵀ
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_ready.at[parity])
+        load_kv(0)
 
-            def products(acc_refs):  # dV, dK issued first; the partner is awaited while they run
+        def run_item(k, ib):
+            """Item k, its ring steps numbered from `ib` on; returns the next item's `ib`."""
+            b, kv_head, s_tile, cta_s0, first, per_head, total = item(k)
+            s0 = cta_s0 + wg * bkv
+            rows = kv_rows(k)
+            plgpu.barrier_wait(k_full.at[wg])
+            plgpu.barrier_wait(v_full.at[wg])
+            half = geo.head_dim // CONSUMERS
+
+            def dq_half(c, ds_all, i, g):
+                """Consumer c's columns [c * half, (c + 1) * half) of dQ[q tile i of head g] += dS K
+                over the CTA's keys; dSᵀ [2 * bkv, bq] is complete in `ds_all`. Static c: the column
+                slices of the swizzled K tile and of dQ stay static."""
+                cols = pl.ds(c * half, half)
+                k_cols = k_smem.at[:, cols]
                 if geo.in_place:
-                    for acc_ref, a, b_ref in zip(acc_refs, (pt_lo, dst_lo), (do_s, q_s)):
-                        plgpu.wgmma(acc_ref, a, b_ref)
-                plgpu.barrier_wait(ds_ready.at[parity])  # the partner's dSᵀ rows are in place
-                for c in range(CONSUMERS):
-                    pl.when(wg == c)(functools.partial(dq_half, c, ds_all, i, g))
+                    def issue(acc):
+                        plgpu.wgmma(acc, ds_all.T, k_cols)  # A = (dSᵀ)ᵀ, read transposed from shared memory
+                        return acc[...]
 
-            if geo.in_place:
-                dv, dk = pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                    dq = pl.run_scoped(issue, plgpu.ACC((bq, half), jnp.float32))
+                else:
+                    dq = jnp.dot(ds_all[...].T, k_cols[...], preferred_element_type=jnp.float32)
+                my_dq = dq_smem.at[c]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read my_dq
+                my_dq[...] = dq
+                plgpu.commit_smem()
+                out_rows = (b, pl.ds(i * bq, bq), kv_head * geo.group + g, cols)
+                if geo.in_place:
+                    plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[out_rows], reduction_op="add")
+                else:
+                    plgpu.copy_smem_to_gmem(my_dq, dq_ref.at[(s_tile, *out_rows)])
+
+            def step(i, carry, *, base, masked, g=None):
+                dk, dv = carry
+                slot = lax.rem(base + i, stages)
+                wait_slot(slot)
+                q_s, do_s = q_ring.at[slot], do_ring.at[slot]
+                st, dpt = _two_scores(my_k, q_s.T, my_v, do_s.T, (bkv, bq))  # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
+                lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                x = st * geo.scale_log2 - _bcast(lse, st.shape, 1)
+                if masked:  # key s0 + r is visible to query i * bq + c when i * bq + c >= s0 + r
+                    visible = _iota(st.shape, 1) + (i * bq - s0) >= _iota(st.shape, 0)
+                    x = jnp.where(visible, x, -jnp.inf)
+                pt = jnp.exp2(x)  # Pᵀ recomputed from L (FA2 Algorithm 2, line 13)
+                dst = pt * (dpt - _bcast(delta, st.shape, 1))  # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+                dtype = q_ring.dtype
+                pt_lo, dst_lo = pt.astype(dtype), dst.astype(dtype)
+                if not fused:
+                    dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
+                    plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
+                    return dk, dv
+                # Both consumers run every ring step in lockstep (a fully masked step gives dSᵀ = 0),
+                # so ring step j uses dSᵀ buffer j % 2: a consumer rewrites a buffer only after the
+                # next step's barrier, which its partner reaches after finishing its dS K reads.
+                parity = lax.rem(base + i, 2)
+                ds_all = ds_smem.at[parity]
+                ds_all.at[pl.ds(wg * bkv, bkv)][...] = dst_lo  # this consumer's keys of dSᵀ
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[parity])
+
+                def products(acc_refs):  # dV, dK issued first; the partner is awaited while they run
+                    if geo.in_place:
+                        for acc_ref, a, b_ref in zip(acc_refs, (pt_lo, dst_lo), (do_s, q_s)):
+                            plgpu.wgmma(acc_ref, a, b_ref)
+                    plgpu.barrier_wait(ds_ready.at[parity])  # the partner's dSᵀ rows are in place
+                    for c in range(CONSUMERS):
+                        pl.when(wg == c)(functools.partial(dq_half, c, ds_all, i, g))
+
+                if geo.in_place:
+                    dv, dk = pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                else:
+                    products(None)
+                    dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
+                plgpu.barrier_arrive(slot_free.at[slot])  # the ring slot's Q and dO are read
+                return dk, dv
+
+            def skip(i, carry, *, base):  # a slot the partner consumer needs but this one does not
+                slot = lax.rem(base + i, stages)
+                wait_slot(slot)
+                plgpu.barrier_arrive(slot_free.at[slot])
+                return carry
+
+            def head(g, carry):  # one query head of the group: its q tiles first .. num_q - 1
+                base = ib + g * per_head - first  # ring step of q tile i is base + i
+                part = lambda fn, **kw: functools.partial(fn, base=base, **kw)
+                step_g = functools.partial(step, g=g)
+                if not geo.causal:
+                    return lax.fori_loop(0, num_q, part(step_g, masked=False), carry)
+                # first q tile holding a query >= s0; fused: none skipped, the partner needs this dSᵀ
+                skip_end = first if fused else lax.div(s0, bq)
+                mask_end = jnp.minimum(lax.div(s0 + bkv - 1 + bq - 1, bq), num_q)  # first with t0 >= s0 + bkv - 1
+                carry = lax.fori_loop(first, skip_end, part(skip), carry)
+                carry = lax.fori_loop(skip_end, mask_end, part(step_g, masked=True), carry)
+                return lax.fori_loop(mask_end, num_q, part(step_g, masked=False), carry)
+
+
+            dk, dv = lax.fori_loop(0, geo.group, head, (_zeros((bkv, geo.head_dim)), _zeros((bkv, geo.head_dim))))
+            if persistent:  # K and V are dead: fetch the next item's while this one's outputs go out
+                @pl.when(k + 1 < num_items)
+                def _():
+                    load_kv(k + 1)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous outputs have left staging
+                out_k, out_v = dk_stage.at[wg], dv_stage.at[wg]
             else:
-                products(None)
-                dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
-            plgpu.barrier_arrive(slot_free.at[slot])  # the ring slot's Q and dO are read
-            return dk, dv
+                out_k, out_v = my_k, my_v  # K, V are dead: stage the outputs there
+            out_k[...] = (dk * geo.sm_scale).astype(out_k.dtype)
+            out_v[...] = dv.astype(out_v.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_k, dk_ref.at[rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(out_v, dv_ref.at[rows], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            return ib + total
 
-        def skip(i, carry, *, base):  # a slot the partner consumer needs but this one does not
-            slot = lax.rem(base + i, stages)
-            wait_slot(slot)
-            plgpu.barrier_arrive(slot_free.at[slot])
-            return carry
-
-        def head(g, carry):  # one query head of the group: its q tiles first .. num_q - 1
-            base = g * per_head - first  # ring step of q tile i is base + i
-            part = lambda fn, **kw: functools.partial(fn, base=base, **kw)
-            step_g = functools.partial(step, g=g)
-            if not geo.causal:
-                return lax.fori_loop(0, num_q, part(step_g, masked=False), carry)
-            # first q tile holding a query >= s0; fused: none skipped, the partner needs this dSᵀ
-            skip_end = first if fused else lax.div(s0, bq)
-            mask_end = jnp.minimum(lax.div(s0 + bkv - 1 + bq - 1, bq), num_q)  # first with t0 >= s0 + bkv - 1
-            carry = lax.fori_loop(first, skip_end, part(skip), carry)
-            carry = lax.fori_loop(skip_end, mask_end, part(step_g, masked=True), carry)
-            return lax.fori_loop(mask_end, num_q, part(step_g, masked=False), carry)
-
-        dk, dv = lax.fori_loop(0, geo.group, head, (_zeros((bkv, geo.head_dim)), _zeros((bkv, geo.head_dim))))
-        my_k[...] = (dk * geo.sm_scale).astype(my_k.dtype)  # K, V are dead: stage the outputs
-        my_v[...] = dv.astype(my_v.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows], commit_group=False)
-        plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
+        if persistent:
+            lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+        else:
+            run_item(0, 0)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(24, action="decrease")
 
-        def fetch(j, slot):
-            head = kv_head * geo.group + lax.div(j, per_head)
-            t = pl.ds((first + lax.rem(j, per_head)) * bq, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, t, head], q_ring.at[slot], q_full.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[b, head, t], lse_ring.at[slot], lse_full.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, t, head], do_ring.at[slot], do_full.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[b, head, t], delta_ring.at[slot], delta_full.at[slot])
+        def fetcher(k):
+            b, kv_head, _, _, first, per_head, total = item(k)
 
-        _produce(fetch, slot_free, total, stages)
+            def fetch(j, slot):
+                head = kv_head * geo.group + lax.div(j, per_head)
+                t = pl.ds((first + lax.rem(j, per_head)) * bq, bq)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, t, head], q_ring.at[slot], q_full.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, head, t], lse_ring.at[slot], lse_full.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, t, head], do_ring.at[slot], do_full.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, head, t], delta_ring.at[slot], delta_full.at[slot])
+
+            return fetch, total
+
+        if persistent:
+            _produce_items(fetcher, num_items, slot_free, stages)
+        else:
+            fetch, total = fetcher(0)
+            _produce(fetch, slot_free, total, stages)
 
 
 def _produce(fetch, free, total, stages: int):
@@ -424,6 +500,31 @@ def _produce(fetch, free, total, stages: int):
         slot = lax.rem(j, stages)
         plgpu.barrier_wait(free.at[slot])
         fetch(j, slot)
+
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _drain(j):
+        plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+
+
+def _produce_items(fetcher, num_items, free, stages: int):
+    """`_produce` for a persistent CTA: the ring runs on across its items. fetcher(k) gives
+    (fetch(j, slot), steps) of item k; ring step numbers continue from item to item."""
+
+    def run_item(k, base):
+        fetch, steps = fetcher(k)
+
+        @pl.loop(0, steps)
+        def _(j):
+            slot = lax.rem(base + j, stages)
+
+            @pl.when(base + j >= stages)  # the slot's previous tile has been released
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+            fetch(j, slot)
+
+        return base + steps
+
+    total = lax.fori_loop(0, num_items, run_item, jnp.int32(0))
 
     @pl.loop(jnp.maximum(total - stages, 0), total)
     def _drain(j):
@@ -463,6 +564,8 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=N
                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # dQ halves
         )
         dq_barrier = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),)  # ds_ready
+    if cfg.persistent:  # dK, dV staging: the next item's K, V load while these are copied out
+        dq_scratch = (plgpu.SMEM(kv_tile, dtype, transforms=tiled), plgpu.SMEM(kv_tile, dtype, transforms=tiled))
     scratch = (
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # K
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # V
@@ -485,9 +588,10 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=N
         functools.partial(_dkv_kernel, geo=geo),
         out_type=(out, out),
         scratch_types=scratch,
-        **_grid({"s": geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), "h": geo.kv_heads, "b": geo.batch},
-                # fused: same-head CTAs side by side would reduce-add into the same dQ rows at once
-                tiles_outermost=geo.group == 1 or cfg.fused_dq),
+        **(dict(grid=(geo.dkv_ctas,), grid_names=("c",)) if cfg.persistent else _grid(
+            {"s": geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), "h": geo.kv_heads, "b": geo.batch},
+            # fused: same-head CTAs side by side would reduce-add into the same dQ rows at once
+            tiles_outermost=geo.group == 1 or cfg.fused_dq)),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
