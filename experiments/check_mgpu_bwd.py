@@ -41,8 +41,10 @@ VARIANTS = {
     # delta inside the dQ kernel instead of the XLA reduction (not the default: untimed)
     "fd": bwd.MosaicBwdConfig(delta_in_dq=True),
     "q128-fd": bwd.MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, delta_in_dq=True),
-    # the dK/dV kernel persistent (one CTA per SM looping over its tiles)
+    # persistent kernels (one CTA per SM looping over its tiles): dK/dV, dQ, both
     "p": bwd.MosaicBwdConfig(persistent=True),
+    "pq": bwd.MosaicBwdConfig(persistent_dq=True),
+    "p-pq": bwd.MosaicBwdConfig(persistent=True, persistent_dq=True),
     # dQ fused into the dK/dV kernel (TMA reduce-adds, D=128 only; docs/attention.md, "Fused dQ")
     "f": bwd.MosaicBwdConfig(fused_dq=True),
     "f3": bwd.MosaicBwdConfig(fused_dq=True, stages_dkv=3),  # ~231 KB of shared memory: fits only just

@@ -58,10 +58,11 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
      MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, stages_dkv=3, stages_dq=3, delta_in_dq=True),
      "non-causal GQA 3, T != S, wide tiles, 3-stage rings deeper than the step counts, delta in the dQ kernel"),
     (2, 256, 256, 2, 2, 64, True, jnp.bfloat16,
-     MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, persistent=True, persistent_ctas=3),
-     "persistent dK/dV: 3 CTAs loop over 8 (K/V tile, head, batch) items, the ring runs across items"),
-    (1, 256, 256, 4, 1, 128, True, jnp.float16, MosaicBwdConfig(persistent=True, persistent_ctas=1),
-     "persistent dK/dV, GQA 4 D=128: one CTA runs both K/V tiles of the group"),
+     MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, persistent=True, persistent_dq=True, persistent_ctas=3),
+     "persistent dK/dV and dQ: 3 CTAs each loop over 8 (tile, head, batch) items, the rings run across items"),
+    (1, 256, 256, 4, 1, 128, True, jnp.float16,
+     MosaicBwdConfig(persistent=True, persistent_dq=True, persistent_ctas=1),
+     "persistent dK/dV and dQ, GQA 4 D=128: one CTA runs every item (2 K/V tiles; 8 q tiles)"),
     (1, 256, 256, 4, 2, 128, True, jnp.bfloat16, MosaicBwdConfig(fused_dq=True),
      "fused dQ: causal GQA 2, dS K in the dK/dV kernel split by columns over the consumers, two K/V CTAs' "
      "partial dQ summed (interpret stand-in for the TMA reduce-add)"),
@@ -234,6 +235,8 @@ def test_mosaic_backward_raises_before_running():
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(fused_dq=True, persistent=True))
     with pytest.raises(ValueError, match="persistent_ctas"):
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(persistent_ctas=-2))
+    with pytest.raises(ValueError, match="persistent_dq"):
+        mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(persistent_dq=True, delta_in_dq=True))
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (the in-place wgmma path)")

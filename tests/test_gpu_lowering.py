@@ -108,7 +108,8 @@ MOSAIC_CALL = "mosaic_gpu_v2"
 
 @pytest.mark.parametrize("causal, kv, variant", [(True, 8, {}), (False, 2, {"delta_in_dq": True}),
                                                   (True, 2, {"fused_dq": True}),
-                                                  (True, 8, {"persistent": True, "persistent_ctas": 132})])
+                                                  (True, 8, {"persistent": True, "persistent_dq": True,
+                                                             "persistent_ctas": 132})])
 def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal, kv, variant):
     """backend="mosaic": the Mosaic GPU forward, dK/dV and dQ kernels go through Pallas' Mosaic
     GPU lowering (with the register-A wgmmas interpret mode cannot run) for the "cuda" platform;

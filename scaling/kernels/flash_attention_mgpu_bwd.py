@@ -36,6 +36,12 @@ Causal: a K/V tile skips every q tile entirely above the diagonal (the producer 
 first q tile that can see it); only tiles crossing the diagonal build the mask. The dQ kernel
 skips K/V tiles past the diagonal the same way. Causal CTAs of the dQ kernel run longest-first.
 
+Persistent grids (opt-in, `MosaicBwdConfig.persistent` / `persistent_dq`, not yet timed on a
+GPU): one CTA per SM loops over every N-th work item of its kernel, numbered as the plain grid
+launches them; the producer's ring runs on across items, the next item's stationary tiles load
+while the current outputs are stored from buffers of their own (the forward's scheme,
+`flash_attention_mgpu.py`).
+
 Limits (refused by `unsupported_reason`; `flash_attention` then uses the Triton backward):
 bf16 / f16; head dim 64 or 128 (at D=256 the two f32 accumulators dK, dV of one 64-row tile
 alone need 256 registers per thread); no segment ids; T a multiple of 2 * block_q_dq and of
@@ -86,7 +92,9 @@ class MosaicBwdConfig:
       the (Q, dO, L, delta) ring runs on across items, a consumer loads its next K/V tile as
       soon as its last products are done, and dK/dV are staged in buffers of their own. Not
       with fused_dq. Off by default: not yet timed on a GPU (docs/attention.md).
-    persistent_ctas: CTAs of the persistent grid; 0 = the device's SM count.
+    persistent_dq: the same for the dQ kernel (items: 128-query tile, head, batch; dQ staged in
+      a buffer of its own). Not with delta_in_dq. Off by default: not yet timed on a GPU.
+    persistent_ctas: CTAs of the persistent grids; 0 = the device's SM count.
     fused_dq: no dQ kernel: the dK/dV kernel also computes dQ (FlashAttention-3's scheme; 5
       matmuls per tile pair instead of 7). Per ring slot both consumers store their dSᵀ rows to
       shared memory, meet at a barrier, and each computes one half of the head dim of
@@ -107,6 +115,7 @@ class MosaicBwdConfig:
     delta_in_dq: bool = False
     fused_dq: bool = False
     persistent: bool = False
+    persistent_dq: bool = False
     persistent_ctas: int = 0
 
 
@@ -168,7 +177,7 @@ def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
 def dq_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
     """Shared memory of the dQ kernel's scratch (barriers aside), as `_dq_call` allocates it."""
     rows = CONSUMERS * cfg.block_q_dq
-    q_do_o = (3 if cfg.delta_in_dq else 2) * rows * head_dim * itemsize  # Q, dO (and O)
+    q_do_o = (3 if cfg.delta_in_dq or cfg.persistent_dq else 2) * rows * head_dim * itemsize  # Q, dO, O or dQ
     stats = 2 * rows * 4  # L, delta
     ring = 2 * cfg.stages_dq * cfg.block_kv_dq * head_dim * itemsize  # K, V
     return q_do_o + stats + ring
@@ -181,6 +190,8 @@ def validate_config(cfg: MosaicBwdConfig):
         raise ValueError("MosaicBwdConfig.delta_in_dq needs the dQ kernel; it cannot be combined with fused_dq")
     if cfg.fused_dq and cfg.persistent:
         raise ValueError("MosaicBwdConfig.persistent is not implemented with fused_dq")
+    if cfg.delta_in_dq and cfg.persistent_dq:
+        raise ValueError("MosaicBwdConfig.persistent_dq is not implemented with delta_in_dq")
     if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
         raise ValueError(f"MosaicBwdConfig.persistent_ctas={cfg.persistent_ctas!r} must be an int >= 0 (0: one per SM)")
     if cfg.block_q_dq != 64:
@@ -225,6 +236,14 @@ class _Geometry:
     @property
     def dkv_ctas(self) -> int:  # CTAs of the persistent dK/dV grid
         return max(1, min(self.cfg.persistent_ctas or _sm_count(), self.dkv_items))
+
+    @property
+    def dq_items(self) -> int:  # (query tile, head, batch) work items of the dQ kernel
+        return self.q_len // (CONSUMERS * self.cfg.block_q_dq) * self.heads * self.batch
+
+    @property
+    def dq_ctas(self) -> int:  # CTAs of the persistent dQ grid
+        return max(1, min(self.cfg.persistent_ctas or _sm_count(), self.dq_items))
 
 
 def _bcast(x, shape, dim: int):
@@ -604,14 +623,21 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=N
 
 
 def _dq_kernel(*refs, geo: _Geometry):
-    """One CTA: 2 * 64 queries of one head. Refs as in `_dkv_kernel`; dq [B, T, H, D].
+    """One CTA: 2 * 64 queries of one head (with `persistent_dq`, every N-th such item from the
+    CTA's index on). Refs as in `_dkv_kernel`; dq [B, T, H, D].
 
     With `delta_in_dq` the sixth input is O [B, T, H, D] instead of delta, delta [B, H, T] is a
-    second output, and an O tile buffer joins the scratch (its TMA signals `delta_full`)."""
+    second output, and an O tile buffer joins the scratch (its TMA signals `delta_full`). With
+    `persistent_dq` a dQ staging buffer per consumer joins the scratch after the K/V ring."""
     fused = geo.cfg.delta_in_dq
+    persistent = geo.cfg.persistent_dq
     if fused:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, delta_ref,
          q_smem, do_smem, lse_smem, delta_smem, o_smem, k_ring, v_ring,
+         q_full, do_full, lse_full, delta_full, k_full, v_full, k_free, v_free) = refs
+    elif persistent:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+         q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, dq_stage,
          q_full, do_full, lse_full, delta_full, k_full, v_full, k_free, v_free) = refs
     else:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
@@ -620,108 +646,166 @@ def _dq_kernel(*refs, geo: _Geometry):
     cfg = geo.cfg
     bq, bkv, stages = cfg.block_q_dq, cfg.block_kv_dq, cfg.stages_dq
     wg = lax.axis_index("wg")
-    b = lax.axis_index("b")
-    head = lax.axis_index("h")
-    kv_head = lax.div(head, geo.group)
     num_tiles = geo.q_len // (CONSUMERS * bq)
-    # Heavy causal tiles (high token index) first: the last CTAs to start are the short ones.
-    tile = num_tiles - 1 - lax.axis_index("t") if geo.causal else lax.axis_index("t")
-    cta_q0 = tile * (CONSUMERS * bq)
+    if persistent:
+        cta, n_ctas = lax.axis_index("c"), geo.dq_ctas
+        num_items = lax.div(geo.dq_items - cta + n_ctas - 1, n_ctas)
 
     def kv_steps(q_end):  # K/V tiles that rows < q_end can see
         return lax.div(q_end + bkv - 1, bkv) if geo.causal else geo.kv_len // bkv
 
-    cta_steps = kv_steps(cta_q0 + CONSUMERS * bq)
+    def item(k):
+        """(b, head, kv head, first query row, K/V steps) of this CTA's k-th item. Persistent:
+        item cta + k * num_ctas, numbered tile rank fastest (heaviest causal tile first), then
+        head, then batch, so the CTAs running together share a few heads' K/V in L2."""
+        if persistent:
+            w = cta + k * n_ctas
+            rank, rest = lax.rem(w, num_tiles), lax.div(w, num_tiles)
+            head, b = lax.rem(rest, geo.heads), lax.div(rest, geo.heads)
+        else:
+            rank, head, b = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("b")
+        # Heavy causal tiles (high token index) first: the last to start are the short ones.
+        tile = num_tiles - 1 - rank if geo.causal else rank
+        cta_q0 = tile * (CONSUMERS * bq)
+        return b, head, lax.div(head, geo.group), cta_q0, kv_steps(cta_q0 + CONSUMERS * bq)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        q0 = cta_q0 + wg * bq
-        rows = (b, pl.ds(q0, bq), head)
         my_q, my_do = q_smem.at[wg], do_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, q_full.at[wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, do_full.at[wg])
-        stats = (b, head, pl.ds(q0, bq))
-        plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_full.at[wg])
-        if fused:
-            plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem.at[wg], delta_full.at[wg])
-        else:
-            plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_full.at[wg])
-        for bar in (q_full, do_full, lse_full, delta_full):
-            plgpu.barrier_wait(bar.at[wg])
-        lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        if fused:  # delta = rowsum(dO ∘ O) of this consumer's rows, written out for the dK/dV kernel
-            o_t = plgpu.load(o_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            do_t = plgpu.load(my_do, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            delta = (o_t * do_t).sum(axis=1)
-            delta_smem.at[wg][...] = delta
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[stats])  # awaited with dQ's store
-        else:
-            delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        my_steps = kv_steps(q0 + bq)
-        unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps  # tiles wholly at or below the diagonal
 
-        def step(j, dq, *, masked):
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_full.at[slot])
-            plgpu.barrier_wait(v_full.at[slot])
-            k_s, v_s = k_ring.at[slot], v_ring.at[slot]
-            s, dp = _two_scores(my_q, k_s.T, my_do, v_s.T, (bq, bkv))  # S = Q Kᵀ, dP = dO Vᵀ
-            plgpu.barrier_arrive(v_free.at[slot])
-            x = s * geo.scale_log2 - _bcast(lse, s.shape, 0)
-            if masked:  # row q0 + r sees key j * bkv + c when j * bkv + c <= q0 + r
-                visible = _iota(s.shape, 0) + (q0 - j * bkv) >= _iota(s.shape, 1)
-                x = jnp.where(visible, x, -jnp.inf)
-            p = jnp.exp2(x)
-            ds = p * (dp - _bcast(delta, s.shape, 0))  # dS = P ∘ (dP − delta)
-            (dq,) = _accumulate(geo, (dq,), (ds.astype(q_smem.dtype),), (k_s,))  # dQ += dS K
-            plgpu.barrier_arrive(k_free.at[slot])
-            return dq
+        def rows_of(k):
+            b, head, _, cta_q0, _ = item(k)
+            q0 = cta_q0 + wg * bq
+            return (b, pl.ds(q0, bq), head), (b, head, pl.ds(q0, bq)), q0
 
-        dq = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), _zeros((bq, geo.head_dim)))
-        if geo.causal:
-            dq = lax.fori_loop(unmasked_steps, my_steps, functools.partial(step, masked=True), dq)
+        def load(k):  # this consumer's Q, dO, L and delta (or O) tiles of item k
+            rows, stats, _ = rows_of(k)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, q_full.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, do_full.at[wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], lse_full.at[wg])
+            if fused:
+                plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem.at[wg], delta_full.at[wg])
+            else:
+                plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], delta_full.at[wg])
 
-            @pl.loop(my_steps, cta_steps)  # the partner's extra tile: wait and release it
-            def _skip(j):
-                slot = lax.rem(j, stages)
+        load(0)
+
+        def run_item(k, ib):
+            """Item k, its K/V ring steps numbered from `ib` on; returns the next item's `ib`."""
+            rows, stats, q0 = rows_of(k)
+            cta_steps = item(k)[4]
+            for bar in (q_full, do_full, lse_full, delta_full):
+                plgpu.barrier_wait(bar.at[wg])
+            lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            if fused:  # delta = rowsum(dO ∘ O) of this consumer's rows, written out for the dK/dV kernel
+                o_t = plgpu.load(o_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                do_t = plgpu.load(my_do, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                delta = (o_t * do_t).sum(axis=1)
+                delta_smem.at[wg][...] = delta
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_ref.at[stats])  # awaited with dQ's store
+            else:
+                delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            my_steps = kv_steps(q0 + bq)
+            unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps  # tiles wholly at or below the diagonal
+
+            def step(j, dq, *, masked):
+                slot = lax.rem(ib + j, stages)
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
+                k_s, v_s = k_ring.at[slot], v_ring.at[slot]
+                s, dp = _two_scores(my_q, k_s.T, my_do, v_s.T, (bq, bkv))  # S = Q Kᵀ, dP = dO Vᵀ
                 plgpu.barrier_arrive(v_free.at[slot])
+                x = s * geo.scale_log2 - _bcast(lse, s.shape, 0)
+                if masked:  # row q0 + r sees key j * bkv + c when j * bkv + c <= q0 + r
+                    visible = _iota(s.shape, 0) + (q0 - j * bkv) >= _iota(s.shape, 1)
+                    x = jnp.where(visible, x, -jnp.inf)
+                p = jnp.exp2(x)
+                ds = p * (dp - _bcast(delta, s.shape, 0))  # dS = P ∘ (dP − delta)
+                (dq,) = _accumulate(geo, (dq,), (ds.astype(q_smem.dtype),), (k_s,))  # dQ += dS K
                 plgpu.barrier_arrive(k_free.at[slot])
+                return dq
 
-        my_q[...] = (dq * geo.sm_scale).astype(my_q.dtype)  # Q is dead: stage dQ there
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
+            dq = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), _zeros((bq, geo.head_dim)))
+            if geo.causal:
+                dq = lax.fori_loop(unmasked_steps, my_steps, functools.partial(step, masked=True), dq)
+
+                @pl.loop(my_steps, cta_steps)  # the partner's extra tile: wait and release it
+                def _skip(j):
+                    slot = lax.rem(ib + j, stages)
+                    plgpu.barrier_wait(k_full.at[slot])
+                    plgpu.barrier_wait(v_full.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+
+            if persistent:  # Q and dO are dead: fetch the next item's while this dQ goes out
+                @pl.when(k + 1 < num_items)
+                def _():
+                    load(k + 1)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous dQ has left staging
+                out = dq_stage.at[wg]
+            else:
+                out = my_q  # Q is dead: stage dQ there
+            out[...] = (dq * geo.sm_scale).astype(out.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out, dq_ref.at[rows])
+            return ib + cta_steps
+
+        if persistent:
+            lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+        else:
+            run_item(0, 0)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def fetch(j, slot):
-            rows = (b, pl.ds(j * bkv, bkv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[slot], k_full.at[slot])
+        def load_v(rows, slot):
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[slot], v_full.at[slot])
 
-        # Fill the ring; static j past the last K/V tile would be an out-of-bounds slice at
-        # trace time (e.g. S = block_kv_dq), even under pl.when.
-        for j in range(min(stages, geo.kv_len // bkv)):
-            @pl.when(j < cta_steps)
-            def _():
-                fetch(j, j)
-
-        @pl.loop(stages, jnp.maximum(cta_steps, stages))
-        def _refill(j):  # K and V slots are released separately: V first (after dP)
-            slot = lax.rem(j, stages)
-            rows = (b, pl.ds(j * bkv, bkv), kv_head)
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_ring.at[slot], v_full.at[slot])
-            plgpu.barrier_wait(k_free.at[slot])
+        def load_k(rows, slot):
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_ring.at[slot], k_full.at[slot])
 
-        @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
+        if persistent:  # the ring runs on across items; V slots are released first (after dP)
+            def run_item(k, base):
+                b, _, kv_head, _, cta_steps = item(k)
+
+                @pl.loop(0, cta_steps)
+                def _(j):
+                    step, rows = base + j, (b, pl.ds(j * bkv, bkv), kv_head)
+                    slot = lax.rem(step, stages)
+                    pl.when(step >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                    load_v(rows, slot)
+                    pl.when(step >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                    load_k(rows, slot)
+
+                return base + cta_steps
+
+            total = lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+        else:
+            b, _, kv_head, _, total = item(0)
+
+            # Fill the ring; static j past the last K/V tile would be an out-of-bounds slice at
+            # trace time (e.g. S = block_kv_dq), even under pl.when.
+            for j in range(min(stages, geo.kv_len // bkv)):
+                @pl.when(j < total)
+                def _():
+                    rows = (b, pl.ds(j * bkv, bkv), kv_head)
+                    load_k(rows, j)
+                    load_v(rows, j)
+
+            @pl.loop(stages, jnp.maximum(total, stages))
+            def _refill(j):  # K and V slots are released separately: V first (after dP)
+                slot = lax.rem(j, stages)
+                rows = (b, pl.ds(j * bkv, bkv), kv_head)
+                plgpu.barrier_wait(v_free.at[slot])
+                load_v(rows, slot)
+                plgpu.barrier_wait(k_free.at[slot])
+                load_k(rows, slot)
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
         def _drain(j):
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(v_free.at[slot])
@@ -743,6 +827,7 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: bool):
         *o_tile,  # O (delta_in_dq)
         plgpu.SMEM((stages, cfg.block_kv_dq, d), dtype, transforms=tiled),  # K ring
         plgpu.SMEM((stages, cfg.block_kv_dq, d), dtype, transforms=tiled),  # V ring
+        *((plgpu.SMEM((CONSUMERS, cfg.block_q_dq, d), dtype, transforms=tiled),) if cfg.persistent_dq else ()),  # dQ
         plgpu.Barrier(num_barriers=CONSUMERS),  # q_full
         plgpu.Barrier(num_barriers=CONSUMERS),  # do_full
         plgpu.Barrier(num_barriers=CONSUMERS),  # lse_full
@@ -759,8 +844,8 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: bool):
         functools.partial(_dq_kernel, geo=geo),
         out_type=out_type,
         scratch_types=scratch,
-        **_grid({"t": geo.q_len // (CONSUMERS * cfg.block_q_dq), "h": geo.heads, "b": geo.batch},
-                tiles_outermost=True),
+        **(dict(grid=(geo.dq_ctas,), grid_names=("c",)) if cfg.persistent_dq else _grid(
+            {"t": geo.q_len // (CONSUMERS * cfg.block_q_dq), "h": geo.heads, "b": geo.batch}, tiles_outermost=True)),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
