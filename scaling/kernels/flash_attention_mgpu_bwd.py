@@ -65,7 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels.flash_attention_mgpu import LOG2_E, _sm_count, common_unsupported_reason
+from scaling.kernels.flash_attention_mgpu import LOG2_E, _sm_count, common_unsupported_reason, persistent_items, work_item
 
 HEAD_DIMS = (64, 128)
 FUSED_HEAD_DIM = 128  # fused_dq splits dS K's columns over the consumers in 64-column tiles
@@ -318,20 +318,14 @@ def _dkv_kernel(*refs, geo: _Geometry):
     num_q = geo.q_len // bq
     s_tiles = geo.kv_len // (CONSUMERS * bkv)
     if persistent:
-        cta, n_ctas = lax.axis_index("c"), geo.dkv_ctas
-        num_items = lax.div(geo.dkv_items - cta + n_ctas - 1, n_ctas)
+        num_items = persistent_items(geo.dkv_items, geo.dkv_ctas)
 
     def item(k):
         """(b, kv head, K/V tile, first key, first q tile, ring steps per head, ring steps) of
-        this CTA's k-th work item. Persistent: item cta + k * num_ctas, numbered K/V tile fastest
-        (heaviest causal tile first), then KV head, then batch, as `_dkv_call`'s grid puts the
-        CTAs of one KV head side by side; otherwise the grid's own indices."""
-        if persistent:
-            w = cta + k * n_ctas
-            s_tile, rest = lax.rem(w, s_tiles), lax.div(w, s_tiles)
-            kv_head, b = lax.rem(rest, geo.kv_heads), lax.div(rest, geo.kv_heads)
-        else:
-            s_tile, kv_head, b = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("b")
+        this CTA's k-th work item (`work_item`; K/V tile 0, the heaviest under the causal mask,
+        comes first)."""
+        s_tile, kv_head, b = work_item(k, tiles=s_tiles, heads=geo.kv_heads, persistent=persistent,
+                                       num_ctas=geo.dkv_ctas if persistent else 1, names=("s", "h", "b"))
         cta_s0 = s_tile * (CONSUMERS * bkv)
         # Causal: q tiles wholly above this CTA's first key see none of its keys (FA2 section 3.1.1).
         first = lax.div(cta_s0, bq) if geo.causal else 0
@@ -648,22 +642,15 @@ def _dq_kernel(*refs, geo: _Geometry):
     wg = lax.axis_index("wg")
     num_tiles = geo.q_len // (CONSUMERS * bq)
     if persistent:
-        cta, n_ctas = lax.axis_index("c"), geo.dq_ctas
-        num_items = lax.div(geo.dq_items - cta + n_ctas - 1, n_ctas)
+        num_items = persistent_items(geo.dq_items, geo.dq_ctas)
 
     def kv_steps(q_end):  # K/V tiles that rows < q_end can see
         return lax.div(q_end + bkv - 1, bkv) if geo.causal else geo.kv_len // bkv
 
     def item(k):
-        """(b, head, kv head, first query row, K/V steps) of this CTA's k-th item. Persistent:
-        item cta + k * num_ctas, numbered tile rank fastest (heaviest causal tile first), then
-        head, then batch, so the CTAs running together share a few heads' K/V in L2."""
-        if persistent:
-            w = cta + k * n_ctas
-            rank, rest = lax.rem(w, num_tiles), lax.div(w, num_tiles)
-            head, b = lax.rem(rest, geo.heads), lax.div(rest, geo.heads)
-        else:
-            rank, head, b = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("b")
+        """(b, head, kv head, first query row, K/V steps) of this CTA's k-th item (`work_item`)."""
+        rank, head, b = work_item(k, tiles=num_tiles, heads=geo.heads, persistent=persistent,
+                                  num_ctas=geo.dq_ctas if persistent else 1)
         # Heavy causal tiles (high token index) first: the last to start are the short ones.
         tile = num_tiles - 1 - rank if geo.causal else rank
         cta_q0 = tile * (CONSUMERS * bq)
