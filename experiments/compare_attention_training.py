@@ -66,12 +66,16 @@ def main() -> int:
         if impl == ref:
             continue
         diffs = [abs(a - b) for a, b in zip(c, curves[ref])]
-        lines.append(f"{impl} vs {ref}: max |loss diff| {max(diffs):.4f}, mean {sum(diffs) / len(diffs):.4f} over {len(diffs)} steps")
+        worst = max(range(len(diffs)), key=diffs.__getitem__)
+        lines.append(f"{impl} vs {ref}: max |loss diff| {max(diffs):.4f} (step {worst + 1}: {c[worst]:.4f} vs "
+                     f"{curves[ref][worst]:.4f}), mean {sum(diffs) / len(diffs):.4f} over {len(diffs)} steps")
     table = "\n".join(lines)
     print(table)
-    if os.environ.get("OUT"):
+    if os.environ.get("OUT"):  # the table, and every step's loss so that outliers can be looked at
         with open(os.path.join(os.environ["OUT"], "compare_attention_training.md"), "w") as f:
             f.write(table + "\n")
+        with open(os.path.join(os.environ["OUT"], "compare_attention_training.json"), "w") as f:
+            json.dump(dict(argv=sys.argv, curves=curves), f)
     return 0
 
 
