@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 import bench_remat as br  # noqa: E402
+import remat_search as rs  # noqa: E402
 
 
 def linear(b0, per):
@@ -19,11 +20,11 @@ def linear(b0, per):
 def search(f, start, max_batch=256, b0=4):
     points = {b0: f(b0)}
     order = []
-    while (b := br.next_probe(points, max_batch, start=start)) is not None:
+    while (b := rs.next_probe(points, max_batch, start=start)) is not None:
         assert b not in points and 1 <= b <= max_batch
         order.append(b)
         points[b] = f(b)
-    return br.bracket(points), order
+    return rs.bracket(points), order
 
 
 @pytest.mark.parametrize("start", [1, 22, 58, 60, 177, 256])
@@ -39,15 +40,15 @@ def test_next_probe_cap_and_nothing_fits():
     (lo, hi), _ = search(linear(0.0, 0.001), start=177)  # everything fits: stops at the cap
     assert (lo, hi) == (256, None)
     points = {4: 1.5}  # the measured batch is over the limit already
-    while (b := br.next_probe(points, 256)) is not None:
+    while (b := rs.next_probe(points, 256)) is not None:
         points[b] = 1.5 * b / 4
-    assert br.bracket(points)[0] == 2 and points[3] > 1
+    assert rs.bracket(points)[0] == 2 and points[3] > 1
 
 
 def test_usage_takes_the_binding_limit():
-    assert br.usage(50, 0, 100, 10) == 0.5  # no host bytes reported: device only
-    assert br.usage(50, 20, 100, 10) == 2.0  # pinned host over its limit
-    assert br.usage(50, 20, 100, None) == 0.5
+    assert rs.usage(50, 0, 100, 10) == 0.5  # no host bytes reported: device only
+    assert rs.usage(50, 20, 100, 10) == 2.0  # pinned host over its limit
+    assert rs.usage(50, 20, 100, None) == 0.5
 
 
 def events(*probes, step=None, done=True, limit=100.0):
@@ -62,29 +63,29 @@ def events(*probes, step=None, done=True, limit=100.0):
 
 
 def test_partial_search_from_a_killed_child():
-    s = br.summarize_search(events((120, 99.0, False), (128, 101.0, False), done=False), 256)
+    s = rs.summarize_search(events((120, 99.0, False), (128, 101.0, False), done=False), 256)
     assert (s["found"], s["hi"], s["bracketed"]) == (120, 128, False)
     assert s["stopped"] == "killed at its deadline"
-    assert br.largest_cell(s) == "≥ 120, < 128 (not bracketed; autotune-off probes only; no real step)"
-    s = br.summarize_search(events(done=False), 256)  # killed before its first probe
+    assert rs.largest_cell(s) == "≥ 120, < 128 (not bracketed; autotune-off probes only; no real step)"
+    s = rs.summarize_search(events(done=False), 256)  # killed before its first probe
     assert s["found"] == 4 and s["probes"] == [] and s["step"]["measured"]
 
 
 def test_autotuned_probes_override_and_verify_the_bracket():
     ev = events((60, 99.0, False), (61, 100.5, False), (60, 100.2, True), (59, 99.6, True),
                 step={"batch": 59, "ok": True, "tuned": True, "peak": 99.6})
-    s = br.summarize_search(ev, 256)
+    s = rs.summarize_search(ev, 256)
     assert (s["found"], s["hi"], s["bracketed"], s["lo_autotuned"], s["hi_autotuned"]) == (59, 60, True, True, True)
-    assert br.largest_cell(s) == "59"
-    s = br.summarize_search(events((60, 99.0, False), (61, 100.5, False)), 256)
-    assert br.largest_cell(s) == "60 (autotune-off probes only; no real step)"
+    assert rs.largest_cell(s) == "59"
+    s = rs.summarize_search(events((60, 99.0, False), (61, 100.5, False)), 256)
+    assert rs.largest_cell(s) == "60 (autotune-off probes only; no real step)"
     # 60 autotuned is 0.2% above its autotune-off probe: 61, 5% over with autotuning off, stays over.
-    s = br.summarize_search(events((60, 98.0, False), (61, 105.0, False), (60, 98.2, True),
+    s = rs.summarize_search(events((60, 98.0, False), (61, 105.0, False), (60, 98.2, True),
                                    step={"batch": 60, "ok": True, "tuned": True, "peak": 98.2}), 256)
-    assert s["hi_inferred"] and br.largest_cell(s) == "60"
+    assert s["hi_inferred"] and rs.largest_cell(s) == "60"
     # 61 only 0.3% over: not inferred, and the cell says which side is unchecked.
-    s = br.summarize_search(events((60, 98.0, False), (61, 100.3, False), (60, 98.2, True)), 256)
-    assert not s["hi_inferred"] and br.largest_cell(s) == "60 (61: autotune-off probe only; no real step)"
+    s = rs.summarize_search(events((60, 98.0, False), (61, 100.3, False), (60, 98.2, True)), 256)
+    assert not s["hi_inferred"] and rs.largest_cell(s) == "60 (61: autotune-off probe only; no real step)"
 
 
 def test_spawn_keeps_the_lines_of_a_child_killed_at_its_deadline():
@@ -160,16 +161,16 @@ def test_gpu_search_brackets_autotune_off_then_checks_autotuned(monkeypatch, cap
     compiles, ev = _search_on_a_pretend_gpu(monkeypatch, capsys, lambda b, t: (10 + 17.5 * b) * (1.003 if t else 1))
     assert [b for b, t in compiles if not t][0] == 58  # the planner's prediction first
     assert all(not t for b, t in compiles[:-1]) and compiles[-1] == (56, True)  # one autotuned compile, at lo
-    s = br.summarize_search(ev, 256)
+    s = rs.summarize_search(ev, 256)
     assert (s["found"], s["hi"], s["lo_autotuned"], s["hi_inferred"]) == (56, 57, True, True)
     assert s["step"] == {**s["step"], "batch": 56, "ok": True, "tuned": True}
-    assert br.largest_cell(s) == "56" and s["stopped"] is None
+    assert rs.largest_cell(s) == "56" and s["stopped"] is None
 
 
 def test_gpu_search_moves_the_bracket_when_autotuning_changes_it(monkeypatch, capsys):
     # Autotuned +1.5%: 56 fits with autotuning off (991.4) but not autotuned (1006.3).
     compiles, ev = _search_on_a_pretend_gpu(monkeypatch, capsys, lambda b, t: (10 + 17.5 * b) * (1.015 if t else 1))
-    s = br.summarize_search(ev, 256)
+    s = rs.summarize_search(ev, 256)
     assert (s["found"], s["hi"], s["lo_autotuned"], s["hi_autotuned"]) == (55, 56, True, True)
     assert s["step"]["batch"] == 55 and s["step"]["tuned"]
 
@@ -179,10 +180,10 @@ def test_gpu_search_out_of_time_keeps_the_autotune_off_bracket(monkeypatch, caps
     # and the real step come from the autotune-off probes, and the table says so.
     compiles, ev = _search_on_a_pretend_gpu(monkeypatch, capsys, lambda b, t: 10 + 17.5 * b, tune_k=1000.0)
     assert not any(t for _, t in compiles)
-    s = br.summarize_search(ev, 256)
+    s = rs.summarize_search(ev, 256)
     assert (s["found"], s["hi"], s["step"]["batch"], s["step"]["tuned"]) == (56, 57, 56, False)
     assert s["stopped"].startswith("budget: autotuned check stopped")
-    assert br.largest_cell(s) == "56 (autotune-off probes only)"
+    assert rs.largest_cell(s) == "56 (autotune-off probes only)"
 
 
 def test_offload_search_holds_the_predicted_host_bytes_against_host_ram(monkeypatch, capsys):
@@ -195,6 +196,6 @@ def test_offload_search_holds_the_predicted_host_bytes_against_host_ram(monkeypa
                                     batch_size=1).activations.host
     monkeypatch.setattr(br, "host_limit", lambda: 10.5 * per_batch)  # room for 10 batches' residuals
     compiles, ev = _search_on_a_pretend_gpu(monkeypatch, capsys, lambda b, t: 10 + b, policy="offload", planned=7)
-    s = br.summarize_search(ev, 256)
+    s = rs.summarize_search(ev, 256)
     assert (s["found"], s["hi"]) == (10, 11)
     assert {p[5] for p in s["probes"]} == {"predicted"}
