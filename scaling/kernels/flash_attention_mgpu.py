@@ -78,7 +78,8 @@ class MosaicConfig:
       default is 2048); D=128 with block_kv=128 and 3 stages is 120 bytes over the 227 KiB
       limit with the default, and fits with 1024.
     persistent: launch one CTA per SM instead of one per query tile; each CTA loops over its
-      share of the tiles (the heaviest causal tiles of all heads first, dealt round-robin), the
+      share of the tiles (numbered head by head, heaviest causal tile first, dealt round-robin:
+      `work_item`), the
       producer streams the next tile's K/V while the consumers finish the current one, and a
       consumer loads its next Q tile as soon as its last Q Kᵀ is done (the output is staged in
       a buffer of its own). Hides the per-CTA start-up and epilogue that dominate short causal
@@ -126,7 +127,7 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def _sm_count() -> int:
+def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)  # 132: H100 SXM / H200
 
 
@@ -211,7 +212,7 @@ class _Geometry:
     @property
     def num_ctas(self) -> int:
         """CTAs of the persistent grid (one per SM unless the config says otherwise)."""
-        n = self.cfg.persistent_ctas or _sm_count()
+        n = self.cfg.persistent_ctas or sm_count()
         return max(1, min(n, self.num_items))
 
 

@@ -65,7 +65,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels.flash_attention_mgpu import LOG2_E, _sm_count, common_unsupported_reason, persistent_items, work_item
+from scaling.kernels.flash_attention_mgpu import (LOG2_E, common_unsupported_reason, persistent_items, sm_count,
+                                                  work_item)
 
 HEAD_DIMS = (64, 128)
 FUSED_HEAD_DIM = 128  # fused_dq splits dS K's columns over the consumers in 64-column tiles
@@ -235,7 +236,7 @@ class _Geometry:
 
     @property
     def dkv_ctas(self) -> int:  # CTAs of the persistent dK/dV grid
-        return max(1, min(self.cfg.persistent_ctas or _sm_count(), self.dkv_items))
+        return max(1, min(self.cfg.persistent_ctas or sm_count(), self.dkv_items))
 
     @property
     def dq_items(self) -> int:  # (query tile, head, batch) work items of the dQ kernel
@@ -243,7 +244,7 @@ class _Geometry:
 
     @property
     def dq_ctas(self) -> int:  # CTAs of the persistent dQ grid
-        return max(1, min(self.cfg.persistent_ctas or _sm_count(), self.dq_items))
+        return max(1, min(self.cfg.persistent_ctas or sm_count(), self.dq_items))
 
 
 def _bcast(x, shape, dim: int):
