@@ -164,7 +164,7 @@ def main():
             (1, 1024, 1024, 4, 4, 64, True, bf, None),
             (1, 512, 512, 4, 1, 256, True, bf, None),
             (2, 1024, 1024, 8, 8, 128, False, bf, MosaicConfig(block_kv=64, stages=3, pingpong=False)),
-            (4, 2048, 2048, 16, 16, 128, True, bf, pers),  # persistent: 512 items over the SMs
+            (4, 2048, 2048, 16, 16, 128, True, bf, pers),  # persistent: 1024 items (16 tiles x 16 heads x 4) over the SMs
             (2, 1024, 1536, 8, 2, 128, False, f16, pers),  # persistent, head pairing, T != S
             (3, 1024, 1024, 12, 4, 64, True, bf, dataclasses.replace(pers, block_kv=64, stages=3)),
         ]
