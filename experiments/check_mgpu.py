@@ -151,7 +151,14 @@ def main():
     p.add_argument("--fwd-only", action="store_true", help="skip the forward+backward timings")
     p.add_argument("--out-name", default="check_mgpu")
     p.add_argument("--checks", help="comma list of check case indices (default: all)")
+    p.add_argument("--persistent-max-causal-len", type=int,
+                   help="override flash_attention_mgpu.PERSISTENT_MAX_CAUSAL_LEN (to time longer causal rows "
+                        "on the persistent grid; the -pers variants otherwise run one CTA per tile there)")
     args = p.parse_args()
+    if args.persistent_max_causal_len:
+        import scaling.kernels.flash_attention_mgpu as mgpu
+
+        mgpu.PERSISTENT_MAX_CAUSAL_LEN = args.persistent_max_causal_len
     print(header(), flush=True)
     checks = []
     if not args.time_only:
@@ -167,6 +174,7 @@ def main():
             (4, 2048, 2048, 16, 16, 128, True, bf, pers),  # persistent: 1024 items (16 tiles x 16 heads x 4) over the SMs
             (2, 1024, 1536, 8, 2, 128, False, f16, pers),  # persistent, head pairing, T != S
             (3, 1024, 1024, 12, 4, 64, True, bf, dataclasses.replace(pers, block_kv=64, stages=3)),
+            (1, 4096, 4096, 32, 8, 128, True, bf, pers),  # persistent, head pairing: 64 tiles x 16 slots dealt in heavy/light pairs
         ]
         if args.checks:
             cases = [cases[int(i)] for i in args.checks.split(",")]

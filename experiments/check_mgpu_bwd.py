@@ -7,9 +7,10 @@
    cannot afford; asserts the Mosaic backward was selected for each.
 2. Timing per shape (B, T, H, KV, D, causal): cuDNN, Triton (ours), Mosaic fwd + Triton bwd and
    Mosaic fwd + Mosaic bwd per backward tile variant, forward+backward TFLOP/s (3.5x the forward
-   FLOPs, bench_attention.py's convention) and the ratio to cuDNN from the same run; then the
-   backward alone split into its parts (delta, dK/dV kernel, dQ kernel) for each variant, so
-   the slow part is visible. Writes $OUT/check_mgpu_bwd.json when $OUT is set.
+   FLOPs, bench_attention.py's convention) and the ratio to cuDNN (median and quartiles over
+   interleaved rounds, bench_attention.time_interleaved); then the backward alone split into its
+   parts (delta, dK/dV kernel, dQ kernel) for each variant, also interleaved, so the slow part
+   is visible (--no-peers leaves out the two Triton-backward rows). Writes $OUT/check_mgpu_bwd.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_attention import flops_fwd, header, make_inputs, rel_err, time_fn
+from bench_attention import flops_fwd, header, make_inputs, ratio_stats, rel_err, time_interleaved
 from scaling.kernels import attention_reference, flash_attention
 from scaling.kernels import flash_attention_mgpu_bwd as bwd
 from scaling.kernels.flash_attention_mgpu import mosaic_forward
@@ -86,22 +87,23 @@ def _row(name, shape, **kw):
     return dict(impl=name, B=b, T=t, H=h, KV=kv, D=d, causal=causal, **kw)
 
 
-def timing(shape, variants, reps):
+def timing(shape, variants, reps, peers=True):
+    """Every implementation of this shape timed in interleaved rounds (bench_attention's
+    time_interleaved), then the backward's parts of every variant, also interleaved."""
     b, t, h, kv, d, causal = shape
     q, k, v, do = make_inputs(b, t, h, kv, d)
     f = flops_fwd(b, t, h, d, causal)
-    impls = {
-        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
-        "triton": lambda q, k, v: flash_attention(q, k, v, causal=causal),
-        "mosaic+triton_bwd": lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic",
-                                                            mosaic_backward=False),
-    }
+    impls = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")}
+    if peers:
+        impls["triton"] = lambda q, k, v: flash_attention(q, k, v, causal=causal)
+        impls["mosaic+triton_bwd"] = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="mosaic",
+                                                                     mosaic_backward=False)
     for name, cfg in variants.items():
         impls[f"mosaic+mbwd-{name}"] = (lambda cfg: lambda q, k, v: flash_attention(
             q, k, v, causal=causal, backend="mosaic", mosaic_bwd_config=cfg))(cfg)
-    rows, g_ref = [], None
+    rows, calls, g_ref = {}, {}, None
     for name, fn in impls.items():
-        row = _row(name, shape)
+        row = rows[name] = _row(name, shape)
         try:
             jb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
             g = jb(q, k, v, do)
@@ -109,24 +111,26 @@ def timing(shape, variants, reps):
                 g_ref = g
             else:
                 row["err_grad_vs_cudnn"] = max(rel_err(a, r) for a, r in zip(g, g_ref))
-            sec = time_fn(jb, q, k, v, do, reps=reps)
-            row.update(ms_fwdbwd=sec * 1e3, tflops_fwdbwd=3.5 * f / sec / 1e12)
+            calls[name] = (lambda jb=jb: jb(q, k, v, do))
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    times = time_interleaved(calls, reps=reps)
+    for name, ts in times.items():
+        sec = float(np.median(ts))
+        rows[name].update(ms_fwdbwd=sec * 1e3, tflops_fwdbwd=3.5 * f / sec / 1e12)
+        if "cudnn" in times:
+            med, lo, hi = ratio_stats(times["cudnn"], ts)
+            rows[name].update(vs_cudnn_fwdbwd=med, vs_cudnn_q1=lo, vs_cudnn_q3=hi)
+    for row in rows.values():
         print("time", json.dumps(row), flush=True)
-        rows.append(row)
-    base = rows[0].get("tflops_fwdbwd")
-    for r in rows:
-        if base and "tflops_fwdbwd" in r:
-            r["vs_cudnn_fwdbwd"] = r["tflops_fwdbwd"] / base
+    rows = list(rows.values())
     # The backward alone and its parts (same inputs; o and lse from the Mosaic forward).
     o, lse = jax.jit(lambda q, k, v: mosaic_forward(q, k, v, causal=causal))(q, k, v)
     delta_fn = jax.jit(lambda o, do: jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)))
     delta = delta_fn(o, do)
-    row = _row("delta (XLA)", shape)
-    row["ms"] = time_fn(delta_fn, o, do, reps=reps) * 1e3
-    print("part", json.dumps(row), flush=True)
-    rows.append(row)
+    part_calls, part_rows = {("delta (XLA)", "ms"): lambda: delta_fn(o, do)}, {}
+    # FLOPs: dK/dV 4 matmuls, dQ 3 (each 2·B·H·T²·D, halved when causal).
+    part_flops = {}
     for name, cfg in variants.items():
         geo = bwd._Geometry(batch=b, q_len=t, kv_len=t, heads=h, kv_heads=kv, head_dim=d, causal=causal,
                             sm_scale=1 / math.sqrt(d), cfg=cfg)
@@ -145,16 +149,24 @@ def timing(shape, variants, reps):
                 return acc[...], dk, dv
 
             parts = {"bwd": parts["bwd"], "dkv": jax.jit(fused_dkv)}
-        row = _row(f"mbwd-{name} parts", shape)
+        part_rows[name] = _row(f"mbwd-{name} parts", shape)
         for part, fn in parts.items():
             try:
-                sec = time_fn(fn, q, k, v, o, lse, do, reps=reps)
-                # FLOPs: dK/dV 4 matmuls, dQ 3 (each 2·B·H·T²·D, halved when causal).
-                pf = {"bwd": 2.5 * f, "dkv": (2.5 if cfg.fused_dq else 2.0) * f, "dq": 1.5 * f}[part]
-                row[f"ms_{part}"] = sec * 1e3
-                row[f"tflops_{part}"] = pf / sec / 1e12
+                jax.block_until_ready(fn(q, k, v, o, lse, do))
+                part_calls[(name, part)] = (lambda fn=fn: fn(q, k, v, o, lse, do))
+                part_flops[(name, part)] = {"bwd": 2.5 * f, "dkv": (2.5 if cfg.fused_dq else 2.0) * f, "dq": 1.5 * f}[part]
             except Exception as e:
-                row[f"error_{part}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                part_rows[name][f"error_{part}"] = f"{type(e).__name__}: {str(e)[:300]}"
+    times = time_interleaved(part_calls, reps=reps)
+    row = _row("delta (XLA)", shape)
+    row["ms"] = float(np.median(times.pop(("delta (XLA)", "ms")))) * 1e3
+    print("part", json.dumps(row), flush=True)
+    rows.append(row)
+    for (name, part), ts in times.items():
+        sec = float(np.median(ts))
+        part_rows[name][f"ms_{part}"] = sec * 1e3
+        part_rows[name][f"tflops_{part}"] = part_flops[(name, part)] / sec / 1e12
+    for row in part_rows.values():
         print("part", json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -166,6 +178,8 @@ def main():
     p.add_argument("--variants", default="d,dkv3,dq128,dkv3-dq128")
     p.add_argument("--shapes", default="4,4096,32,32,128,1;4,4096,32,32,128,0;4,4096,32,8,128,1;4,4096,32,32,64,1")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--no-peers", action="store_true", help="time only cuDNN and the Mosaic backward variants "
+                   "(not the Triton kernels)")
     p.add_argument("--check-configs", default=",f", help="variant names for the correctness checks "
                    "('' = the default tiles)")
     args = p.parse_args()
@@ -189,7 +203,7 @@ def main():
                     if bwd.unsupported_reason((b, t, h, d), (b, t, kv, d), jnp.bfloat16, causal=bool(c),
                                               segmented=False, config=VARIANTS[n]) is None
                     and (d == 64 or VARIANTS[n].block_kv_dkv == 64 and VARIANTS[n].block_q_dkv == 64)}
-        rows += timing((b, t, h, kv, d, bool(c)), variants, args.reps)
+        rows += timing((b, t, h, kv, d, bool(c)), variants, args.reps, peers=not args.no_peers)
     print(header())
     for r in checks:
         print("check", {k: (f"{x:.1e}" if isinstance(x, float) else x) for k, x in r.items()})
@@ -197,6 +211,7 @@ def main():
         if "ms_fwdbwd" in r or "error" in r:
             print(f"{r['impl']:30s} T{r['T']} H{r['H']} KV{r['KV']} D{r['D']} causal={r['causal']!s:5s} "
                   f"fwd+bwd {r.get('tflops_fwdbwd', float('nan')):6.0f} x{r.get('vs_cudnn_fwdbwd', float('nan')):.2f} "
+                  f"[{r.get('vs_cudnn_q1', float('nan')):.2f}-{r.get('vs_cudnn_q3', float('nan')):.2f}] "
                   f"err {r.get('err_grad_vs_cudnn', float('nan')):.1e} {r.get('error', '')[:150]}")
         else:
             print(f"{r['impl']:30s} " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"

@@ -245,7 +245,7 @@ class Residual:
 
 def is_flash(impl: AttentionImpl, hw: Hardware | None) -> bool:
     """Does the attention core avoid materialising [T, T] probabilities? (attention.resolve_impl:
-    auto is cudnn on a GPU, the xla reference elsewhere)."""
+    auto is ours or cuDNN on a GPU, both flash kernels, the xla reference elsewhere)."""
     if impl == AttentionImpl.auto:
         return hw is not None and not hw.name.startswith("TPU")
     return impl in (AttentionImpl.cudnn, AttentionImpl.pallas)

@@ -75,16 +75,42 @@ ATTENTION_CORES: dict[AttentionImpl, Callable] = {
     AttentionImpl.pallas: pallas_attention,
 }
 
+# `auto` on a Hopper GPU runs our kernels up to this many query tokens and cuDNN beyond.
+# Measured (docs/benchmarks.md, eighth session; forward+backward, causal, interleaved rounds):
+# at the model presets' shapes with T <= 4096 ours is 1.03-1.45x cuDNN on an H100; at D=128
+# MHA, T=8k-16k it is 0.93-0.98x (the backward is behind).
+AUTO_PALLAS_MAX_LEN = 4096
 
-def resolve_impl(impl: AttentionImpl) -> AttentionImpl:
-    """`auto` picks the fastest implementation measured on the current backend."""
+
+def _is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: bool = False) -> AttentionImpl:
+    """`auto` picks the fastest implementation measured on the current backend for this call:
+    the xla reference off GPU; on a Hopper GPU our Pallas kernels for rows up to
+    AUTO_PALLAS_MAX_LEN tokens without segment ids (their Mosaic kernels take none; the Triton
+    fallback is slower than cuDNN), cuDNN otherwise; cuDNN on other GPUs. With seq_len None
+    (not known yet) the answer is for a short row."""
     if impl != AttentionImpl.auto:
         return impl
-    return AttentionImpl.cudnn if jax.default_backend() == "gpu" else AttentionImpl.xla
+    if jax.default_backend() != "gpu":
+        return AttentionImpl.xla
+    if _is_hopper() and not segmented and (seq_len is None or seq_len <= AUTO_PALLAS_MAX_LEN):
+        return AttentionImpl.pallas
+    return AttentionImpl.cudnn
+
+
+def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
+    """The `auto` core: resolved per call (shapes are static under jit)."""
+    impl = resolve_impl(AttentionImpl.auto, seq_len=max(q_btnh.shape[1], k_bskh.shape[1]),
+                        segmented=segment_ids is not None)
+    return ATTENTION_CORES[impl](q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
 
 
 def attention_core(impl: AttentionImpl) -> Callable:
-    return ATTENTION_CORES[resolve_impl(impl)]
+    return auto_attention if impl == AttentionImpl.auto else ATTENTION_CORES[impl]
 
 
 class Attention(nnx.Module):

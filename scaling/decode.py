@@ -517,8 +517,9 @@ class Decoder:
         self.attn_impl = resolve_decode_impl(attention, self.cfg)
         if self.attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.fused):
             prime_lowering()
-        self.core_impl = resolve_impl(model.attention_cfg.impl)
-        if self.core_impl == AttentionImpl.cudnn and jnp.dtype(self.dtype) == jnp.float32:
+        # The prefill's attention core; `auto` is resolved per prompt length (attention.resolve_impl).
+        self.core_impl = model.attention_cfg.impl
+        if jnp.dtype(self.dtype) == jnp.float32 and resolve_impl(self.core_impl, seq_len=max_len) == AttentionImpl.cudnn:
             self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")

@@ -32,7 +32,8 @@ Persistent grid (`MosaicConfig.persistent`, the default for head dims 64 and 128
 SM instead of one per work item (query tile x head slot x batch). CTA c runs items c, c + N,
 c + 2N, ... (N CTAs), numbered as the non-persistent grid launches them: tile rank fastest,
 heaviest causal tile first, then head slot, then batch, so the CTAs running together share a
-few heads' K/V in L2. The producer's ring runs on across items (it streams the next item's K/V
+few heads' K/V in L2; under the causal mask the unit dealt is a pair of tiles, one heavy and its
+light mirror, so that every CTA gets the same amount of work (`item_of`). The producer's ring runs on across items (it streams the next item's K/V
 while the consumers finish the current one), each consumer loads its next Q tile as soon as its
 last Q Kᵀ has completed, and outputs are staged in a buffer of their own. This hides the per-CTA
 start-up (Q load, ring fill) and epilogue that dominated short rows: on an H100, causal D=128
@@ -78,8 +79,8 @@ class MosaicConfig:
       default is 2048); D=128 with block_kv=128 and 3 stages is 120 bytes over the 227 KiB
       limit with the default, and fits with 1024.
     persistent: launch one CTA per SM instead of one per query tile; each CTA loops over its
-      share of the tiles (numbered head by head, heaviest causal tile first, dealt round-robin:
-      `work_item`), the
+      share of the tiles (numbered head by head, heaviest causal tile first, dealt round-robin,
+      in heavy/light pairs under the causal mask: `item_of`), the
       producer streams the next tile's K/V while the consumers finish the current one, and a
       consumer loads its next Q tile as soon as its last Q Kᵀ is done (the output is staged in
       a buffer of its own). Hides the per-CTA start-up and epilogue that dominate short causal
@@ -137,19 +138,41 @@ def persistent_items(total: int, num_ctas: int):
     return lax.div(total - lax.axis_index("c") + num_ctas - 1, num_ctas)
 
 
-def work_item(k, *, tiles: int, heads: int, persistent: bool, num_ctas: int = 1, names=("t", "h", "b")):
-    """(tile rank, head, batch) of this CTA's k-th work item.
+def item_of(c, k, *, tiles: int, heads: int, num_ctas: int, paired: bool = False):
+    """(tile rank, head, batch) of CTA c's k-th item in a persistent grid of num_ctas CTAs.
 
-    Persistent grid: item c + k * num_ctas, numbered as the plain grid (tile, head, batch)
-    launches its CTAs, tile rank fastest, then head, then batch. The CTAs running together then
-    work on a few heads' tiles and share what those stream in L2, and with num_ctas not a
-    multiple of `tiles` each CTA's share sweeps all ranks, heavy and light. Plain grid: the
-    grid's own indices, `names`."""
+    Items are numbered as the plain grid (tile, head, batch) launches its CTAs, tile rank
+    fastest, then head, then batch, and dealt round-robin: CTA c runs items c, c + N, ... The
+    CTAs running together then work on a few heads' tiles and share what those stream in L2.
+
+    paired (causal, even `tiles`): the dealt unit is a pair of tiles of one head, rank r (heavy)
+    and its mirror tiles - 1 - r (light), run one after the other (k even, k odd). Every pair
+    costs the same under the causal mask, so the CTAs' shares are equal to within one pair.
+    Dealing single tiles lets the stride alias with the tile count: at T=8k, B=1, GQA 4
+    (128 tiles per head slot, N=132) CTA c got ranks c, c+4, ..., c+60 only, the heavy half
+    for c < 64 and the light half for the others, and the forward ran at 0.79x cuDNN instead
+    of 1.10x on one CTA per tile (docs/attention.md).
+
+    Works on Python ints (tests) and traced int32 scalars (kernels): non-negative operands."""
+    if paired:
+        half = tiles // 2
+        w = c + lax.div(k, 2) * num_ctas
+        r = lax.rem(w, half)
+        rank = r + lax.rem(k, 2) * (tiles - 1 - 2 * r)  # k odd: the mirror tile
+        rest = lax.div(w, half)
+    else:
+        w = c + k * num_ctas
+        rank, rest = lax.rem(w, tiles), lax.div(w, tiles)
+    return rank, lax.rem(rest, heads), lax.div(rest, heads)
+
+
+def work_item(k, *, tiles: int, heads: int, persistent: bool, num_ctas: int = 1, paired: bool = False,
+              names=("t", "h", "b")):
+    """(tile rank, head, batch) of this CTA's k-th work item: `item_of` for the persistent grid,
+    the grid's own indices `names` for the plain one."""
     if not persistent:
         return tuple(lax.axis_index(n) for n in names)
-    w = lax.axis_index("c") + k * num_ctas
-    rest = lax.div(w, tiles)
-    return lax.rem(w, tiles), lax.rem(rest, heads), lax.div(rest, heads)
+    return item_of(lax.axis_index("c"), k, tiles=tiles, heads=heads, num_ctas=num_ctas, paired=paired)
 
 
 def default_config(head_dim: int, kind: str | None = None) -> MosaicConfig | None:
@@ -210,10 +233,16 @@ class _Geometry:
         return math.prod(self.grid)
 
     @property
+    def paired(self) -> bool:
+        """Whether the persistent grid deals tiles in heavy/light pairs (`item_of`)."""
+        return self.persistent and self.causal and self.grid[0] % 2 == 0
+
+    @property
     def num_ctas(self) -> int:
-        """CTAs of the persistent grid (one per SM unless the config says otherwise)."""
+        """CTAs of the persistent grid (one per SM unless the config says otherwise, never
+        more than there are units to deal: items, or pairs of them)."""
         n = self.cfg.persistent_ctas or sm_count()
-        return max(1, min(n, self.num_items))
+        return max(1, min(n, self.num_items // 2 if self.paired else self.num_items))
 
 
 def common_unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool, kernel: str,
@@ -300,13 +329,18 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
     wg = lax.axis_index("wg")
     num_tiles, head_slots, _ = geo.grid
 
-    num_items = persistent_items(geo.num_items, geo.num_ctas) if geo.persistent else 1
+    if not geo.persistent:
+        num_items = 1
+    elif geo.paired:
+        num_items = 2 * persistent_items(geo.num_items // 2, geo.num_ctas)
+    else:
+        num_items = persistent_items(geo.num_items, geo.num_ctas)
 
     def work(k):
         # Ordering by rank first, all heads side by side, measured 4% slower at 8k-16k on an
         # H100: every CTA streamed another head's K/V from HBM (docs/attention.md).
         return work_item(k, tiles=num_tiles, heads=head_slots, persistent=geo.persistent,
-                         num_ctas=geo.num_ctas if geo.persistent else 1)
+                         num_ctas=geo.num_ctas if geo.persistent else 1, paired=geo.paired)
 
     def item(k):
         """Facts of this CTA's k-th item: (b, head slot, first query row, kv head, K/V steps)."""
