@@ -75,7 +75,7 @@ ATTENTION_CORES: dict[AttentionImpl, Callable] = {
     AttentionImpl.pallas: pallas_attention,
 }
 
-# `auto` on a Hopper GPU runs our kernels up to this many query tokens and cuDNN beyond.
+# `auto` on a Hopper GPU runs our kernels for rows (query or key) up to this many tokens and cuDNN beyond.
 # Measured (docs/benchmarks.md, eighth session; forward+backward, causal, interleaved rounds):
 # at the model presets' shapes with T <= 4096 ours is 1.03-1.45x cuDNN on an H100; at D=128
 # MHA, T=8k-16k it is 0.93-0.98x (the backward is behind).
