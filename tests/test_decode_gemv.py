@@ -189,7 +189,10 @@ def test_vector_tiles_per_device():
     for hidden, n, k in ((2048, 2, 1024), (4096, 4, 512), (8192, 8, 256)):
         lb = g.default_blocks(1, 64, hidden=hidden, device_kind="NVIDIA H200")
         assert (lb.down.block_n, lb.down.block_k) == (n, k) and hidden // lb.down.block_n == 1024
-        assert lb.head == g.VECTOR_GEMV_H200.head and lb.gate_up == g.VECTOR_GEMV_H200.gate_up
+        assert lb.head == g.VECTOR_GEMV_H200.head
+        # gate/up: one tile spans a reduction of up to 2048 (the 1b), the table's tiles beyond
+        want = (2048, 1) if hidden <= 2048 else (g.VECTOR_GEMV_H200.gate_up.block_k, g.VECTOR_GEMV_H200.gate_up.num_stages)
+        assert (lb.gate_up.block_k, lb.gate_up.num_stages) == want and lb.gate_up.block_n == 2
     # both presets tile with the H200 table
     for hidden, mlp, heads, vocab in ((2048, 8192, 32, 32000), (4096, 11008, 32, 32000)):
         lb = g.default_blocks(1, hidden // heads, hidden=hidden, device_kind="NVIDIA H200")
