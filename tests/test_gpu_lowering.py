@@ -89,8 +89,8 @@ def test_decode_layer_kernels_lower_for_hopper(as_h100, b):
 
 
 def test_h200_vector_tiles_lower_for_hopper(as_h100):
-    """The H200's vector-path tiles (16/256 head, 2/1024 gate/up, the hidden-dependent down
-    projection) lower at the 1b and llama2_7b shapes, batch 1."""
+    """The H200's vector-path tiles (16/256 head, the hidden-dependent gate/up and down
+    projections) lower at the 1b and llama2_7b shapes, batch 1."""
     from scaling.kernels import decode_gemv as g
 
     for d, f, v in ((2048, 8192, 32000), (4096, 11008, 32000)):
