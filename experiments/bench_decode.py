@@ -199,7 +199,42 @@ def check_on_gpu() -> list[str]:
     outs = {impl: decode.Decoder(model, attention=impl, chunk=8, layers="xla").generate(prompts, 20)
             for impl in ("xla", "pallas")}
     fails += _compare("decode f32 attention pallas vs xla", outs["pallas"], outs["xla"])
+    fails += check_combined_on_gpu()
     fails += check_layers_on_gpu(prompts)
+    return fails
+
+
+def check_combined_on_gpu(repeats: int = 20) -> list[str]:
+    """The flash-decoding kernel with its in-kernel combine (the last split program merges;
+    `tickets`) against the reference, and `repeats` more calls that must give the same bits:
+    a missing fence between the partial stores and the merge would show as a wrong or a
+    varying result."""
+    from scaling.kernels.decode_attention import decode_attention_grouped, decode_attention_reference
+
+    fails = []
+    for b, n, kh, h, s, lens in ((1, 32, 8, 64, 2304, (1500,)), (3, 32, 8, 64, 2304, (1, 1000, 2304)),
+                                 (2, 32, 32, 128, 384, (129, 300)), (1, 32, 8, 64, 384, (200,))):
+        ks = jax.random.split(jax.random.key(b * h + s), 3)
+        q = jax.random.normal(ks[0], (b, n, h), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, s, kh, h), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, s, kh, h), jnp.bfloat16)
+        lengths = jnp.asarray(lens, jnp.int32)
+        g = n // kh
+        qg = jnp.zeros((b, kh, 16, h), jnp.bfloat16).at[:, :, :g].set(q.reshape(b, kh, g, h))
+        call = jax.jit(lambda qg, k, v, lengths, t: decode_attention_grouped(qg, k, v, lengths, num_heads=n, tickets=t))
+        tickets = jnp.zeros((b, kh, 1), jnp.int32)
+        first, tickets = call(qg, k, v, lengths, tickets)
+        ref = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lengths)
+        err = float(jnp.linalg.norm(first.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+        differing = 0
+        for _ in range(repeats):
+            again, tickets = call(qg, k, v, lengths, tickets)
+            differing += int(not bool(jnp.array_equal(again, first)))
+        msg = (f"combined kernel bf16 b{b} n{n} k{kh} h{h} s{s}: rel err {err:.2e}, "
+               f"{differing}/{repeats} repeats differed")
+        print(msg, flush=True)
+        if not (err < 2e-2 and differing == 0):
+            fails.append(msg)
     return fails
 
 
@@ -266,8 +301,10 @@ def check_layers_on_gpu(prompts) -> list[str]:
                 for li in ("xla", "pallas")}
         one = {li: decode.Decoder(model, attention="pallas", chunk=8, layers=li).generate(prompts[:1], 20)
                for li in ("xla", "pallas")}
+        combined = decode.Decoder(model, attention="pallas_combined", chunk=8, layers="pallas").generate(prompts, 20)
     return (fails + _compare("decode f32 layers pallas vs xla", outs["pallas"], outs["xla"])
-            + _compare("decode f32 layers pallas vs xla, batch 1", one["pallas"], one["xla"]))
+            + _compare("decode f32 layers pallas vs xla, batch 1", one["pallas"], one["xla"])
+            + _compare("decode f32 layers pallas + in-kernel combine vs xla", combined, outs["xla"]))
 
 
 # ----------------------------------------------------------------------------- main

@@ -50,6 +50,8 @@ VARIANTS = {
     # scaling.kernels.decode_gemv: norm/RoPE/cache write/SwiGLU/residuals folded into 4 kernels
     "pallas_layers": ("", None, "pallas", "pallas"),
     "pallas_layers_concurrent": (CONCURRENT, None, "pallas", "pallas"),
+    # + the flash-decoding splits merged by the kernel's last program (no combine kernel)
+    "pallas_layers_combined": ("", None, "pallas_combined", "pallas"),
     # the decoder's default: Pallas layers for small batches, XLA above (on the row layout)
     "auto_layers": ("", None, "pallas", "auto"),
 }

@@ -50,6 +50,7 @@ from scaling.config import AttentionImpl, ModelConfig
 from scaling.kernels import decode_gemv
 from scaling.kernels.decode_attention import (
     decode_attention,
+    combine_in_kernel_reason,
     decode_attention_fused,
     decode_attention_grouped,
     decode_attention_reference,
@@ -86,6 +87,11 @@ class DecodeAttentionImpl(str, enum.Enum):
     # The kernel with RoPE and the cache write folded in: 13% fewer launches, but its CUDA-core
     # dot products make the kernel itself 2x slower; no faster on an H200 (docs/decoding.md).
     fused = "fused"
+    # The flash-decoding kernel with the splits' combine done by the last program of each
+    # (row, KV head) instead of an XLA kernel of its own (one kernel fewer per layer); on the
+    # Pallas layer path with a power-of-two group size, else as `pallas`. Measured 1.2% (1b)
+    # and 0.4% (7b) slower per step than `pallas` on an H200 (docs/decoding.md): opt-in.
+    pallas_combined = "pallas_combined"
     auto = "auto"  # pallas on GPU, xla elsewhere
 
 
@@ -136,7 +142,8 @@ def _pallas_decode(q_bnh, k_bskh, v_bskh, lengths_b):
     return decode_attention(q_bnh, k_bskh, v_bskh, lengths_b)
 
 
-DECODE_ATTENTION = {DecodeAttentionImpl.xla: _xla_decode, DecodeAttentionImpl.pallas: _pallas_decode}
+DECODE_ATTENTION = {DecodeAttentionImpl.xla: _xla_decode, DecodeAttentionImpl.pallas: _pallas_decode,
+                    DecodeAttentionImpl.pallas_combined: _pallas_decode}
 
 
 def resolve_decode_impl(impl: DecodeAttentionImpl | str, cfg: ModelConfig) -> DecodeAttentionImpl:
@@ -352,13 +359,20 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
     b = tokens_b.shape[0]
     eps = cfg.norm_eps
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
+    # The flash-decoding kernel takes q in its own tile layout, written so by qkv_rope.
+    grouped = (attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.pallas_combined)
+               and cfg.num_heads // cfg.num_kv_heads <= decode_gemv.MIN_ROWS)
+    combined = (grouped and attn_impl == DecodeAttentionImpl.pallas_combined
+                and combine_in_kernel_reason(cfg.num_heads, cfg.num_kv_heads) is None)
+    # the in-kernel combine's counters, one set for every layer of the step (each call adds its splits)
+    tickets = jnp.zeros((b, cfg.num_kv_heads, 1), jnp.int32) if combined else None
     ks, vs = [], []
     for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
-        # The flash-decoding kernel takes q in its own tile layout, written so by qkv_rope.
-        grouped = attn_impl == DecodeAttentionImpl.pallas and cfg.num_heads // cfg.num_kv_heads <= decode_gemv.MIN_ROWS
         q, ck, cv = decode_gemv.qkv_rope(x, w["wqkv_xd"], inv_freq, write_b, ck, cv, num_heads=cfg.num_heads, eps=eps,
                                          blocks=blocks.qkv, q_layout="groups" if grouped else "heads")
-        if grouped:
+        if combined:
+            attn, tickets = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads, tickets=tickets)
+        elif grouped:
             attn = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads)
         else:
             attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
@@ -515,7 +529,7 @@ class Decoder:
         self.max_batch = max_batch
         self.max_len = max_len
         self.attn_impl = resolve_decode_impl(attention, self.cfg)
-        if self.attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.fused):
+        if self.attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.pallas_combined, DecodeAttentionImpl.fused):
             prime_lowering()
         # The prefill's attention core; `auto` is resolved per prompt length (attention.resolve_impl).
         self.core_impl = model.attention_cfg.impl

@@ -173,6 +173,36 @@ def test_decode_kernel_interpret_matches_reference():
         decode_attention_grouped(q.reshape(b, kh, g, h), k, v, lengths, num_heads=n)
 
 
+@pytest.mark.parametrize("s,block_s,min_programs", [(64, 16, 12), (48, 16, 12), (64, 16, 1)])
+def test_grouped_kernel_combines_in_kernel(s, block_s, min_programs):
+    """tickets: the last program of each (row, KV head) merges the splits (2 and 3 splits, and a
+    single one); equal to the XLA combine's result and the f32 reference, and again on a second
+    call that starts from the first call's counters."""
+    b, n, kh, h = 3, 8, 2, 16
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(ks[0], (b, n, h), jnp.float32)
+    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32)
+    v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32)
+    lengths = jnp.asarray([1, 23, s], jnp.int32)
+    blocks = DecodeBlockSizes(block_s=block_s, min_programs=min_programs)
+    g = n // kh
+    q_grouped = jnp.zeros((b, kh, 16, h), jnp.float32).at[:, :, :g].set(q.reshape(b, kh, g, h))
+    plain = decode_attention_grouped(q_grouped, k, v, lengths, num_heads=n, blocks=blocks, interpret=True)
+    ref = decode_attention_reference(q, k, v, lengths)
+    tickets = jnp.zeros((b, kh, 1), jnp.int32)
+    for call in range(2):
+        out, tickets = decode_attention_grouped(q_grouped, k, v, lengths, num_heads=n, blocks=blocks, interpret=True,
+                                                tickets=tickets)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(plain), rtol=1e-6, atol=1e-6)
+        assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 1e-5
+    splits = {(64, 12): 2, (48, 12): 3, (64, 1): 1}[(s, min_programs)]
+    np.testing.assert_array_equal(np.asarray(tickets), 2 * splits)  # each call adds its splits to every counter
+    with pytest.raises(ValueError, match="not a power of two"):
+        decode_attention_grouped(jnp.zeros((1, 2, 16, h)), k[:1], v[:1], lengths[:1], num_heads=6, tickets=tickets[:1])
+    with pytest.raises(ValueError, match="tickets"):
+        decode_attention_grouped(q_grouped, k, v, lengths, num_heads=n, tickets=jnp.zeros((b, kh), jnp.int32))
+
+
 @pytest.mark.parametrize("n,kh,h,dtype,tol", [(8, 2, 32, jnp.float32, 1e-5), (4, 4, 16, jnp.float32, 1e-5),
                                                 (8, 1, 64, jnp.float32, 1e-5), (8, 2, 32, jnp.bfloat16, 2e-2)])
 def test_fused_decode_kernel_matches_rope_scatter_and_reference(n, kh, h, dtype, tol):

@@ -132,17 +132,20 @@ def test_errors_name_the_shape():
                    jnp.zeros((16, 8, 2, 16)), jnp.zeros((16, 8, 2, 16)), num_heads=2, eps=1e-5)
 
 
-def test_decoder_with_pallas_layers_equals_xla():
+@pytest.mark.parametrize("attention", ["xla", "pallas_combined"])
+def test_decoder_with_pallas_layers_equals_xla(attention):
     """The whole decode loop on the Pallas layers (f32, interpret mode): same tokens and
     log-probs as the XLA layers, ragged prompts, GQA 2, head_dim 64; the vector path (3 rows,
-    no padding rows). (q in the flash-decoding kernel's layout is checked by the qkv_rope test
-    and test_decode.py's kernel test; bench_decode.py --check decodes with both on the GPU.)"""
+    no padding rows). With attention="pallas_combined" also the flash-decoding kernel with its
+    in-kernel combine, its counters carried from layer to layer. (q in the flash-decoding
+    kernel's layout is checked by the qkv_rope test and test_decode.py's kernel test;
+    bench_decode.py --check decodes with both on the GPU.)"""
     cfg = ModelConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                       mlp_dim=96, init_std=0.3, compute_dtype=DType.float32)
     model = build_model(cfg, seed=3)
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]
     ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="xla").generate(prompts, 6)
-    dec = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas")
+    dec = decode.Decoder(model, max_len=32, attention=attention, chunk=4, layers="pallas")
     assert dec.bucket(3) == 4 and dec._step_layers(4) == decode.DecodeLayerImpl.pallas
     out = dec.generate(prompts, 6)
     assert out.tokens == ref.tokens

@@ -89,12 +89,8 @@ def _dot(a, b, contract: tuple[int, int]):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_s: int, chunk: int, sm_scale: float):
-    """One (row b, KV head, chunk) program: online softmax over the chunk's filled tiles.
-
-    Refs: len_ref [1]; q_ref [G16, H]; k_ref, v_ref [chunk, H] (this row, head and chunk);
-    outputs o_ref [G16, H] (unnormalised), m_ref, l_ref [G16] (running max and sum).
-    """
+def _chunk_softmax(len_ref, q_ref, k_ref, v_ref, *, block_s: int, chunk: int, sm_scale: float):
+    """This program's chunk: online softmax over its filled tiles -> (m, l, acc) in f32."""
     split = pl.program_id(2)
     length = len_ref[0]
     start = split * chunk
@@ -125,10 +121,70 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_s
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros(q.shape, jnp.float32),
     )
-    m, l, acc = lax.fori_loop(0, n_tiles, body, init)
+    return lax.fori_loop(0, n_tiles, body, init)
+
+
+def _decode_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_s: int, chunk: int, sm_scale: float):
+    """One (row b, KV head, chunk) program: online softmax over the chunk's filled tiles.
+
+    Refs: len_ref [1]; q_ref [G16, H]; k_ref, v_ref [chunk, H] (this row, head and chunk);
+    outputs o_ref [G16, H] (unnormalised), m_ref, l_ref [G16] (running max and sum).
+    """
+    m, l, acc = _chunk_softmax(len_ref, q_ref, k_ref, v_ref, block_s=block_s, chunk=chunk, sm_scale=sm_scale)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _decode_combine_kernel(len_ref, q_ref, k_ref, v_ref, _tickets_in, o_ref, m_ref, l_ref, out_ref, tickets_ref, *,
+                           block_s: int, chunk: int, sm_scale: float, splits: int, g: int, interpret: bool):
+    """_decode_kernel plus the combine, done by the last of the (row, KV head)'s split programs
+    to finish ("last block reduces", as CUTLASS's split-K semaphore does), which saves the
+    combine's own kernel per layer.
+
+    Refs: as _decode_kernel, but o_ref [splits, G16, H] and m_ref, l_ref [splits, G16] hold all
+    splits of this (row, KV head); out_ref [G, H] the normalised result; tickets_ref [1] int32,
+    this (row, KV head)'s counter (aliased to the _tickets_in input). Each call adds `splits` to
+    every counter, so the program that draws a ticket t with (t + 1) % splits == 0 is the
+    last of its call, with no reset between calls.
+
+    Ordering on the GPU: every thread's partial stores, a CTA barrier, then the ticket's atomic
+    add (acquire-release, GPU scope) publishes them; the last program reads the others'
+    partials with volatile loads (past L1, which is not coherent across SMs)."""
+    split = pl.program_id(2)
+    m, l, acc = _chunk_softmax(len_ref, q_ref, k_ref, v_ref, block_s=block_s, chunk=chunk, sm_scale=sm_scale)
+    o_ref[split] = acc
+    m_ref[split] = m
+    l_ref[split] = l
+    from jax.experimental.pallas import triton as plgpu
+
+    if interpret:  # programs run one after another: plain loads see every store
+        load = lambda ref: ref[...]
+    else:
+        plgpu.debug_barrier()
+        # volatile: past L1 (jax 0.11.2's Pallas rejects cache_modifier=".cg": it looks the
+        # string up without its dot)
+        load = lambda ref: plgpu.load(ref, volatile=True)
+    ticket = plgpu.atomic_add(tickets_ref, jnp.int32(0), jnp.int32(1))
+
+    @pl.when(lax.rem(ticket + 1, splits) == 0)
+    def _combine():
+        if not interpret:
+            plgpu.debug_barrier()  # the acquire (one thread's) before every thread's loads
+
+        def merge(sp, carry):  # the online softmax's rescaling, one split at a time
+            m_run, l_run, acc_run = carry
+            m_s = load(m_ref.at[sp, pl.ds(0, g)])
+            m_new = jnp.maximum(m_run, m_s)
+            a_run, a_s = jnp.exp(m_run - m_new), jnp.exp(m_s - m_new)  # empty splits: exp(MASK - m) = 0
+            l_new = a_run * l_run + a_s * load(l_ref.at[sp, pl.ds(0, g)])
+            acc_new = acc_run * a_run[:, None] + load(o_ref.at[sp, pl.ds(0, g), :]) * a_s[:, None]
+            return m_new, l_new, acc_new
+
+        h = out_ref.shape[-1]
+        init = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), jnp.zeros((g, h), jnp.float32))
+        _, l_tot, acc_tot = lax.fori_loop(0, splits, merge, init)
+        out_ref[...] = (acc_tot / jnp.maximum(l_tot, 1e-30)[:, None]).astype(out_ref.dtype)
 
 
 def _partials(q_bkgh, k_bskh, v_bskh, lengths_b, *, plan: _Plan, blocks: DecodeBlockSizes, sm_scale, interpret):
@@ -164,6 +220,59 @@ def _partials(q_bkgh, k_bskh, v_bskh, lengths_b, *, plan: _Plan, blocks: DecodeB
         interpret=interpret,
         name="decode_attention",
     )(lengths_b, q_bkgh, k_bskh, v_bskh)
+
+
+def _partials_combined(q_bkgh, k_bskh, v_bskh, lengths_b, tickets_bk1, *, g: int, plan: _Plan,
+                       blocks: DecodeBlockSizes, sm_scale, out_dtype, interpret):
+    """_partials with the combine in the kernel: (out [B, K, G, H] in out_dtype, tickets)."""
+    b, kh, g16, h = q_bkgh.shape
+    sp = plan.splits
+    kernel = functools.partial(_decode_combine_kernel, block_s=blocks.block_s, chunk=plan.chunk, sm_scale=sm_scale,
+                               splits=sp, g=g, interpret=interpret)
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    out_shape = (
+        jax.ShapeDtypeStruct((b, kh, sp, g16, h), jnp.float32),  # partials: scratch the last program reads
+        jax.ShapeDtypeStruct((b, kh, sp, g16), jnp.float32),
+        jax.ShapeDtypeStruct((b, kh, sp, g16), jnp.float32),
+        jax.ShapeDtypeStruct((b, kh, g, h), out_dtype),
+        jax.ShapeDtypeStruct((b, kh, 1), jnp.int32),
+    )
+    _, _, _, out, tickets = pl.pallas_call(
+        kernel,
+        grid=(b, kh, sp),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, s: (i,)),
+            pl.BlockSpec((None, None, g16, h), lambda i, j, s: (i, j, 0, 0)),
+            pl.BlockSpec((None, plan.chunk, None, h), lambda i, j, s: (i, s, j, 0)),
+            pl.BlockSpec((None, plan.chunk, None, h), lambda i, j, s: (i, s, j, 0)),
+            pl.BlockSpec((None, None, 1), lambda i, j, s: (i, j, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, sp, g16, h), lambda i, j, s: (i, j, 0, 0, 0)),
+            pl.BlockSpec((None, None, sp, g16), lambda i, j, s: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, sp, g16), lambda i, j, s: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, g, h), lambda i, j, s: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, 1), lambda i, j, s: (i, j, 0)),
+        ],
+        out_shape=out_shape,
+        input_output_aliases={4: 4},
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="decode_attention_combined",
+    )(lengths_b, q_bkgh, k_bskh, v_bskh, tickets_bk1)
+    return out, tickets
+
+
+def combine_in_kernel_reason(num_heads: int, kv_heads: int) -> str | None:
+    """Why decode_attention_grouped cannot combine in the kernel (None when it can)."""
+    g = num_heads // kv_heads
+    if g & (g - 1):
+        return f"group size {g} (query heads per KV head) is not a power of two (a Triton tile's rows)"
+    return None
 
 
 def _combine(o_bkpgh, m_bkpg, l_bkpg):
@@ -208,21 +317,38 @@ def _grouped(q_bkgh, k_bskh, v_bskh, lengths_b, g: int, blocks: DecodeBlockSizes
     return out.reshape(b, kh * g, h)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "blocks", "interpret"), donate_argnames=("tickets",))
 def decode_attention_grouped(q_bkgh, k_bskh, v_bskh, lengths_b, *, num_heads: int,
-                             blocks: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False):
+                             blocks: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False, tickets=None):
     """decode_attention with q already in the kernel's layout: [B, K, 16, H], the G = N / K query
     heads of each KV head in rows [0, G) (what decode_gemv.qkv_rope(q_layout="groups") writes;
     rows [G, 16) are never read into the result, so they may hold anything). Saves the pad
-    kernel of decode_attention. Returns [B, N, H] in q's dtype."""
+    kernel of decode_attention. Returns [B, N, H] in q's dtype.
+
+    tickets: int32 [B, K, 1] counters (zeros to start; pass the returned ones to the next call)
+    to combine the splits inside the kernel (`_decode_combine_kernel`) instead of in a separate
+    XLA kernel; then returns (out, tickets). G must be a power of two (`combine_in_kernel_reason`)."""
     b, kh, rows, h = q_bkgh.shape
     if rows != MIN_ROWS or num_heads % kh or num_heads // kh > MIN_ROWS:
         raise ValueError(f"q {q_bkgh.shape} must be [B, K, {MIN_ROWS}, H] with num_heads={num_heads} a multiple of K "
                          f"and at most {MIN_ROWS} per KV head")
     if k_bskh.shape[0] != b or k_bskh.shape[2:] != (kh, h) or v_bskh.shape != k_bskh.shape:
         raise ValueError(f"shapes disagree: q {q_bkgh.shape}, k {k_bskh.shape}, v {v_bskh.shape}")
-    return _grouped(q_bkgh.astype(k_bskh.dtype), k_bskh, v_bskh, lengths_b, num_heads // kh, blocks,
-                    interpret).astype(q_bkgh.dtype)
+    g = num_heads // kh
+    if tickets is None:
+        return _grouped(q_bkgh.astype(k_bskh.dtype), k_bskh, v_bskh, lengths_b, g, blocks,
+                        interpret).astype(q_bkgh.dtype)
+    if tickets.shape != (b, kh, 1) or tickets.dtype != jnp.int32:
+        raise ValueError(f"tickets {tickets.shape} {tickets.dtype} must be int32 [{b}, {kh}, 1]")
+    why = combine_in_kernel_reason(num_heads, kh)
+    if why:
+        raise ValueError(f"cannot combine in the kernel: {why}")
+    interpret = bool(interpret) or jax.default_backend() == "cpu"
+    plan = _plan(b, kh, k_bskh.shape[1], blocks)
+    out, tickets = _partials_combined(q_bkgh.astype(k_bskh.dtype), k_bskh, v_bskh, lengths_b.astype(jnp.int32), tickets,
+                                      g=g, plan=plan, blocks=blocks, sm_scale=1.0 / math.sqrt(h),
+                                      out_dtype=q_bkgh.dtype, interpret=interpret)
+    return out.reshape(b, kh * g, h), tickets
 
 
 # ----------------------------------------------------------------------------------------------
