@@ -52,6 +52,19 @@ def test_decode_kernels_lower_for_hopper(as_h100):
     assert text.count(TRITON_CALL) == 1
 
 
+@pytest.mark.parametrize("s, kh", [(384, 8), (192, 8), (2304, 32)])  # 1, 3 (not a power of two) and 36 splits
+def test_decode_kernel_with_in_kernel_combine_lowers_for_hopper(as_h100, s, kh):
+    """The combined flash-decoding kernel (atomic ticket, CTA barriers, volatile loads, the
+    merge loop) through the Triton lowering: one kernel, no XLA combine after it."""
+    from scaling.kernels.decode_attention import decode_attention_grouped
+
+    n, h = 32, 64
+    text = lower_for_cuda(lambda q, k, v, lens, t: decode_attention_grouped(q, k, v, lens, num_heads=n, tickets=t),
+                          sds((1, kh, 16, h)), sds((1, s, kh, h)), sds((1, s, kh, h)), sds((1,), jnp.int32),
+                          sds((1, kh, 1), jnp.int32))
+    assert text.count(TRITON_CALL) == 1 and "stablehlo.exponential" not in text
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal):
     q, kv = sds((2, 256, 8, 64)), sds((2, 256, 2, 64))
