@@ -27,6 +27,7 @@ import numpy as np
 
 from bench_attention import flops_fwd, header, make_inputs, ratio_stats, rel_err, time_fn, time_interleaved
 from scaling.kernels import attention_reference, flash_attention
+from scaling.kernels import flash_attention_mgpu as mgpu
 from scaling.kernels.flash_attention_mgpu import MosaicConfig, mosaic_forward
 
 
@@ -84,6 +85,10 @@ def timing(b, t, h, kv, d, causal, variants, reps, fwd_only=False):
     calls = {}
     for name, fn in fwd.items():  # compile and check all, then time them in interleaved rounds
         row = dict(impl=name, B=b, T=t, H=h, KV=kv, D=d, causal=causal)
+        cfg = variants.get(name)
+        if cfg is not None and cfg.persistent and causal and t > mgpu.PERSISTENT_MAX_CAUSAL_LEN:
+            row["note"] = (f"runs one CTA per tile: causal T={t} > PERSISTENT_MAX_CAUSAL_LEN="
+                           f"{mgpu.PERSISTENT_MAX_CAUSAL_LEN} (--persistent-max-causal-len)")
         try:
             jf = jax.jit(fn)
             row["err_vs_cudnn"] = rel_err(jf(q, k, v), o_ref)
@@ -156,8 +161,6 @@ def main():
                         "on the persistent grid; the -pers variants otherwise run one CTA per tile there)")
     args = p.parse_args()
     if args.persistent_max_causal_len:
-        import scaling.kernels.flash_attention_mgpu as mgpu
-
         mgpu.PERSISTENT_MAX_CAUSAL_LEN = args.persistent_max_causal_len
     print(header(), flush=True)
     checks = []
@@ -190,7 +193,7 @@ def main():
               f"fwd {r.get('tflops_fwd', float('nan')):6.0f} x{r.get('vs_cudnn_fwd', float('nan')):.2f} "
               f"({r.get('vs_cudnn_q1', float('nan')):.2f}-{r.get('vs_cudnn_q3', float('nan')):.2f})  "
               f"fwd+bwd {r.get('tflops_fwdbwd', float('nan')):6.0f}  "
-              f"err {r.get('err_vs_cudnn', float('nan')):.1e} {r.get('error', '')[:120]}")
+              f"err {r.get('err_vs_cudnn', float('nan')):.1e} {r.get('error', '')[:120]}{r.get('note', '')}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], args.out_name + ".json"), "w") as fh:
             json.dump(dict(header=header(), checks=checks, rows=rows), fh, indent=1)
