@@ -75,10 +75,10 @@ ATTENTION_CORES: dict[AttentionImpl, Callable] = {
     AttentionImpl.pallas: pallas_attention,
 }
 
-# `auto` on a Hopper GPU runs our kernels for rows (query or key) up to this many tokens and cuDNN beyond.
-# Measured (docs/benchmarks.md, eighth session; forward+backward, causal, interleaved rounds):
-# at the model presets' shapes with T <= 4096 ours is 1.03-1.45x cuDNN on an H100; at D=128
-# MHA, T=8k-16k it is 0.93-0.98x (the backward is behind).
+# `auto` on a Hopper GPU runs our kernels for rows (query or key) up to this many tokens and
+# cuDNN beyond. Measured (docs/benchmarks.md, eighth session; forward+backward, causal,
+# interleaved rounds): at the model presets' shapes ours is 1.05-1.49x cuDNN on an H100 and
+# 1.02-1.42x on an H200; at D=128 MHA, T=8k-16k 0.92-0.97x (the backward is behind).
 AUTO_PALLAS_MAX_LEN = 4096
 
 

@@ -33,9 +33,10 @@ SM instead of one per work item (query tile x head slot x batch). CTA c runs ite
 c + 2N, ... (N CTAs), numbered as the non-persistent grid launches them: tile rank fastest,
 heaviest causal tile first, then head slot, then batch, so the CTAs running together share a
 few heads' K/V in L2; under the causal mask the unit dealt is a pair of tiles, one heavy and its
-light mirror, so that every CTA gets the same amount of work (`item_of`). The producer's ring runs on across items (it streams the next item's K/V
-while the consumers finish the current one), each consumer loads its next Q tile as soon as its
-last Q Kᵀ has completed, and outputs are staged in a buffer of their own. This hides the per-CTA
+light mirror, so that every CTA gets the same amount of work (`item_of`). The producer's ring
+runs on across items (it streams the next item's K/V while the consumers finish the current
+one), each consumer loads its next Q tile as soon as its last Q Kᵀ has completed, and outputs
+are staged in a buffer of their own. This hides the per-CTA
 start-up (Q load, ring fill) and epilogue that dominated short rows: on an H100, causal D=128
 at T=4k went from 0.70x to 1.01x cuDNN's forward (docs/attention.md, "Persistent forward").
 
