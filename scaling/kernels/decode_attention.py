@@ -14,7 +14,9 @@ Layout (one layer of the cache, as scaling.decode stores it):
 Decoding has one query per row, so the parallelism of FlashAttention's query tiles is gone;
 flash-decoding gets it back by splitting the cache length S into `splits` chunks that run
 as separate programs, each writing an unnormalised partial output with its running max and
-sum, which a small second step combines (the same rescaling as the online softmax).
+sum, which a small second step combines (the same rescaling as the online softmax). With
+`tickets` (decode_attention_grouped) the last split program of each row and KV head does the
+combine instead (`_decode_combine_kernel`; measured slightly slower, opt-in).
 
 Grid: (B, K, splits). A program owns one row, one KV head and one chunk of S. Its q tile is
 the G query heads of that KV head, zero-padded to 16 rows (the smallest tensor-core M), so
