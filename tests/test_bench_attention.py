@@ -31,3 +31,32 @@ def test_ratio_stats_is_the_median_of_per_round_ratios():
     # a drift that slows both alike leaves every per-round ratio, hence the median, unchanged
     drift = np.linspace(1.0, 1.3, 11)
     assert bench.ratio_stats(list(base * drift), list(base * drift * 0.9))[0] == pytest.approx(1 / 0.9)
+
+
+def test_check_repeat_counts_calls_that_change_their_bits(monkeypatch):
+    """experiments/check_repeat.py: a deterministic core gives 0 differing calls and a small error
+    against the f32 reference; a core whose output moves from call to call is caught on every
+    repeat (the check can fail)."""
+    import itertools
+
+    import check_repeat
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    shape = (1, 64, 4, 2, 16, 1)
+    rec = check_repeat.run(shape, "xla", repeats=3)
+    assert rec["differing_calls"] == 0 and rec["max_abs_diff"] == 0 and max(rec["err"].values()) < 1e-2
+
+    counter = itertools.count()
+
+    def drifting(name, causal):
+        def fn(q, k, v):
+            bump = io_callback(lambda: np.float32(next(counter)), jax.ShapeDtypeStruct((), jnp.float32))
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal), implementation="xla")
+            return out + (bump * 1e-2).astype(out.dtype)
+        return fn
+
+    monkeypatch.setattr(check_repeat, "impl_fn", drifting)
+    rec = check_repeat.run(shape, "drifting", repeats=3)
+    assert rec["differing_calls"] == 3 and rec["max_abs_diff"] > 0
