@@ -10,7 +10,8 @@
    FLOPs, bench_attention.py's convention) and the ratio to cuDNN (median and quartiles over
    interleaved rounds, bench_attention.time_interleaved); then the backward alone split into its
    parts (delta, dK/dV kernel, dQ kernel) for each variant, also interleaved, so the slow part
-   is visible (--no-peers leaves out the two Triton-backward rows). Writes $OUT/check_mgpu_bwd.json when $OUT is set.
+   is visible (--no-peers leaves out the two Triton-backward rows). Writes
+   $OUT/check_mgpu_bwd.json when $OUT is set.
 """
 
 from __future__ import annotations
