@@ -6,6 +6,7 @@
     PYTHONPATH=. python experiments/bench_attention.py --head-dims 64 --out-name bench_d64
     PYTHONPATH=. python experiments/bench_attention.py --check    # GPU correctness suite first
     PYTHONPATH=. python experiments/bench_attention.py --impls cudnn,ours,mosaic   # + Mosaic forward
+    PYTHONPATH=. python experiments/bench_attention.py --impls cudnn,auto,tokamax_mosaic,tokamax_triton
 
 Implementations: `ours` = our Pallas kernels with the Triton forward (backend="triton"),
 `mosaic` = flash_attention(backend="mosaic"): the Mosaic GPU (Hopper) forward of
@@ -14,7 +15,9 @@ either kernel does not support falls back to the Triton kernel for that pass; th
 says so), `mosaic_tbwd` = the Mosaic forward with the Triton backward (mosaic_backward=False),
 `auto` = flash_attention(backend="auto"), what the model's pallas path runs (on Hopper the
 faster measured forward and the Mosaic backward; the row's note says which),
-`cudnn` and `xla` via jax.nn.dot_product_attention.
+`cudnn` and `xla` via jax.nn.dot_product_attention, `tokamax_mosaic` / `tokamax_triton` the
+tokamax library's kernels (a peer, installed only where it is benchmarked; docs/attention.md
+says which wheels to carry).
 
 FLOPs (FlashAttention-2 paper convention): forward 4·B·H·T²·D, halved when causal; backward
 2.5× the forward, so forward+backward counts 3.5× the forward. TFLOP/s = FLOPs / median time.
@@ -120,6 +123,11 @@ def make_inputs(b, t, h, kv, d, dtype=jnp.bfloat16, seed=None):
     return q, k, v, do
 
 
+# tokamax_*: the tokamax library's kernels (implementation="mosaic" | "triton" | "xla"), the
+# best public Pallas attention the issue names as a peer.
+IMPLS = ("cudnn", "ours", "mosaic", "mosaic_tbwd", "auto", "xla", "tokamax_mosaic", "tokamax_triton", "tokamax_xla")
+
+
 def impl_fn(name: str, causal: bool, block_sizes: BlockSizes | None = None):
     """attention(q, k, v) for one implementation."""
     if name == "ours":
@@ -131,7 +139,15 @@ def impl_fn(name: str, causal: bool, block_sizes: BlockSizes | None = None):
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, backend="auto")
     if name in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=name)
-    raise ValueError(f"unknown implementation {name!r}")
+    if name.startswith("tokamax_"):  # a peer, not a dependency: carried to the GPU machine as wheels
+        try:
+            import tokamax
+        except ImportError as e:
+            raise ValueError(f"implementation {name!r} needs the tokamax package ({e}); "
+                             "see docs/benchmarks.md for the wheels to carry") from None
+        impl = name.removeprefix("tokamax_")
+        return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    raise ValueError(f"unknown implementation {name!r}; allowed: {', '.join(IMPLS)}")
 
 
 def fwd_and_fwdbwd(fn):
@@ -286,7 +302,7 @@ def main(argv=None):
     p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384", help="sequence lengths of the sweep")
     p.add_argument("--out-name", default="bench_attention", help="file name (no suffix) under $OUT")
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    p.add_argument("--impls", default="cudnn,ours,xla", help="comma list of cudnn, ours, mosaic, mosaic_tbwd, auto, xla")
+    p.add_argument("--impls", default="cudnn,ours,xla", help=f"comma list of {', '.join(IMPLS)}")
     p.add_argument("--check", nargs="?", const="all", help="run the GPU correctness suite first (or cases i,j)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", help="JSON of BlockSizes fields for ours (default: the tuned table)")
@@ -303,6 +319,8 @@ def main(argv=None):
             per_dim = {int(d): BlockSizes(**fields) for d, fields in json.load(f)["best"].items()}
         print("block sizes from", args.block_sizes_from, per_dim, flush=True)
     impls = args.impls.split(",")
+    if unknown := [i for i in impls if i not in IMPLS]:
+        p.error(f"--impls: unknown {unknown}; allowed: {', '.join(IMPLS)}")
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
     if args.shape:
         shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shape]

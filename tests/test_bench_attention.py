@@ -60,3 +60,23 @@ def test_check_repeat_counts_calls_that_change_their_bits(monkeypatch):
     monkeypatch.setattr(check_repeat, "impl_fn", drifting)
     rec = check_repeat.run(shape, "drifting", repeats=3)
     assert rec["differing_calls"] == 3 and rec["max_abs_diff"] > 0
+
+
+def test_impl_fn_names_the_allowed_implementations_and_the_missing_peer(monkeypatch):
+    """tokamax is a peer carried to the GPU machine, not a dependency: without it the
+    error says what is missing; an unknown name lists the allowed ones."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tokamax(name, *a, **kw):
+        if name == "tokamax":
+            raise ImportError("No module named 'tokamax'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_tokamax)
+    with pytest.raises(ValueError, match="needs the tokamax package"):
+        bench.impl_fn("tokamax_mosaic", True)
+    with pytest.raises(ValueError, match="allowed: cudnn, ours"):
+        bench.impl_fn("flash3", True)
+    assert all(i in bench.IMPLS for i in ("cudnn", "auto", "tokamax_mosaic", "tokamax_triton"))
