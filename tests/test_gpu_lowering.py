@@ -52,6 +52,24 @@ def test_decode_kernels_lower_for_hopper(as_h100):
     assert text.count(TRITON_CALL) == 1
 
 
+def test_grid_barrier_kernels_lower_for_hopper(as_h100):
+    """experiments/bench_grid_barrier.py: the spinning grid barrier (atomic arrive, a polling
+    while loop, CTA barriers) and its prefetching variant lower as one Triton kernel for all
+    phases; the baseline as one kernel per phase."""
+    import functools
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_grid_barrier as gb
+
+    w = sds((4, 132, 4096))
+    for prefetch in (False, True):
+        fn = functools.partial(gb.run_phases, block=2048, barrier=True, prefetch=prefetch)
+        assert lower_for_cuda(fn, w).count(TRITON_CALL) == 1
+    assert lower_for_cuda(functools.partial(gb.run_kernels, block=2048), w).count(TRITON_CALL) == 4
+
+
 @pytest.mark.parametrize("s, kh", [(384, 8), (192, 8), (2304, 32)])  # 1, 3 (not a power of two) and 36 splits
 def test_decode_kernel_with_in_kernel_combine_lowers_for_hopper(as_h100, s, kh):
     """The combined flash-decoding kernel (atomic ticket, CTA barriers, volatile loads, the
