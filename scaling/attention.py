@@ -7,6 +7,7 @@ with N query heads and K key/value heads (GQA when K < N, N % K == 0).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -17,8 +18,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from scaling import layers
 from scaling.config import AttentionImpl, ModelConfig
+from scaling.sharding import active as active_sharding
 from scaling.sharding import axes as A
-from scaling.sharding import constrain
+from scaling.sharding import constrain, logical_to_spec
 
 
 def _segment_mask(segment_ids):
@@ -61,12 +63,31 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=
 
 
 def pallas_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
+    """Our flash-attention kernels, run per device under a mesh.
+
+    XLA's SPMD partitioner cannot split an opaque custom call such as a pallas_call: it would
+    run it on q, k and v gathered onto every device. Under `use_sharding` the kernels
+    therefore run inside a shard_map, on each device's batch rows and heads (the activations'
+    own layout: batch over data x fsdp, heads over tensor, whole rows), which needs no
+    communication: attention is independent per row and per KV-head group."""
     from scaling.kernels import flash_attention  # imported lazily: the kernel is optional
 
-    # "auto": on Hopper the faster measured forward (Triton or Mosaic GPU) and the Mosaic GPU
-    # backward where they support the call (docs/attention.md, "Choosing the backend");
-    # the Triton kernels everywhere else and for what the Mosaic kernels refuse.
-    return flash_attention(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids, backend="auto")
+    def local(q, k, v, seg):
+        # "auto": on Hopper the faster measured forward (Triton or Mosaic GPU) and the Mosaic GPU
+        # backward where they support the call (docs/attention.md, "Choosing the backend");
+        # the Triton kernels everywhere else and for what the Mosaic kernels refuse.
+        return flash_attention(q, k, v, causal=causal, segment_ids=seg, backend="auto")
+
+    ctx = active_sharding()
+    if ctx is None or ctx[0].size == 1:
+        return local(q_btnh, k_bskh, v_bskh, segment_ids)
+    mesh, rules = ctx
+    spec = functools.partial(logical_to_spec, mapping=rules.activations, mesh=mesh)
+    q_spec = spec((A.BATCH, A.SEQ, A.ACT_HEADS, A.HEAD_DIM))
+    kv_spec = spec((A.BATCH, A.SEQ, A.ACT_KV_HEADS, A.HEAD_DIM))
+    seg_spec = jax.tree.map(lambda _: spec((A.BATCH, A.SEQ)), segment_ids)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                         check_vma=False)(q_btnh, k_bskh, v_bskh, segment_ids)
 
 
 ATTENTION_CORES: dict[AttentionImpl, Callable] = {

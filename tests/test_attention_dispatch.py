@@ -1,5 +1,7 @@
 """`attention.impl=auto`: which core each call runs, per backend, device and shape."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,3 +68,61 @@ def test_auto_core_dispatches_each_call_by_its_length(monkeypatch, recorded):
     core(*short, causal=True)
     assert recorded[-1] == (AttentionImpl.xla, 256)
     assert attention_core(AttentionImpl.cudnn) is attention.ATTENTION_CORES[AttentionImpl.cudnn]
+
+
+def _mesh_222(devices):
+    from scaling.config import MeshConfig
+    from scaling.sharding import make_mesh
+
+    return make_mesh(MeshConfig(data=2, fsdp=2, tensor=2), devices=devices)
+
+
+def _sharded_inputs(b=8, t=64, n=4, kh=2, h=16):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+    seg = jnp.asarray(np.repeat(np.arange(2), t // 2)[None].repeat(b, 0), jnp.int32)
+    return q, k, v, seg
+
+
+def test_pallas_core_runs_per_device_under_a_mesh(monkeypatch, devices):
+    """Under use_sharding the kernel sees each device's rows and heads (batch over data x fsdp,
+    heads over tensor), never the gathered arrays, and the result is the unsharded one."""
+    import scaling.kernels
+    from scaling.sharding import use_sharding
+
+    seen = []
+
+    def recording_kernel(q, k, v, *, causal, segment_ids, backend):
+        seen.append((q.shape, k.shape, None if segment_ids is None else segment_ids.shape))
+        return attention.xla_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+    monkeypatch.setattr(scaling.kernels, "flash_attention", recording_kernel)
+    q, k, v, seg = _sharded_inputs()
+    mesh = _mesh_222(devices)
+    with use_sharding(mesh, "default"):
+        for segment_ids in (None, seg):
+            out = jax.jit(lambda q, k, v, s: attention.pallas_attention(q, k, v, causal=True, segment_ids=s))(
+                q, k, v, segment_ids)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(attention.xla_attention(q, k, v, segment_ids=segment_ids)),
+                                       rtol=1e-5, atol=1e-5)
+    assert seen == [((2, 64, 2, 16), (2, 64, 1, 16), None), ((2, 64, 2, 16), (2, 64, 1, 16), (2, 64))]
+
+
+def test_pallas_core_under_a_mesh_runs_the_kernel(devices):
+    """The real kernel (interpret mode) inside the shard_map: output and gradients equal the
+    unsharded reference's."""
+    from scaling.sharding import use_sharding
+
+    q, k, v, _ = _sharded_inputs(b=4, t=32)
+    mesh = _mesh_222(devices)
+
+    def loss(core, q, k, v):
+        return jnp.sum(core(q, k, v, causal=True, segment_ids=None) ** 2)
+
+    with use_sharding(mesh, "default"):
+        got = jax.jit(jax.value_and_grad(functools.partial(loss, attention.pallas_attention), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(functools.partial(loss, attention.xla_attention), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
