@@ -20,7 +20,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench_attention import header, impl_fn, make_inputs, rel_err
 from scaling.kernels import attention_reference

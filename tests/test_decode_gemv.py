@@ -6,7 +6,6 @@ from an unseeded generator (the seed is printed on failure through the test id's
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
