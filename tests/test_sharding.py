@@ -143,6 +143,18 @@ def test_param_specs_by_hand(devices):
     assert any(k.endswith("mu.blocks.mlp.down_fd") and v.spec == P(None, "tensor", "fsdp") for k, v in mu.items())
 
 
+def test_sharded_training_with_the_pallas_kernels_matches_one_device(reference, devices):
+    """attention.impl=pallas on a (2, 2, 2) mesh: the kernels run per device inside a shard_map
+    (attention.pallas_attention), in the scanned, rematerialised train step; the losses and
+    gradient norms are the one-device xla run's (the kernels' f32 math differs from the
+    reference's only in summation order)."""
+    setup = make_setup(tiny_config((2, 2, 2), "attention.impl=pallas"), devices=devices)
+    state = jax.device_put(reference["init"], setup.state_shardings)
+    losses, norms, _ = train_steps(setup, state)
+    np.testing.assert_allclose(losses, reference["losses"], rtol=1e-4, atol=0)
+    np.testing.assert_allclose(norms, reference["norms"], rtol=1e-4, atol=0)
+
+
 @pytest.mark.parametrize("rules,expected", [("fsdp", P(None, ("fsdp", "tensor"), None, None)), ("dp", P(None, None, None, None))])
 def test_other_rule_sets(rules, expected, devices):
     setup = make_setup(tiny_config((1, 4, 2), f"mesh.rules={rules}"), devices=devices)
