@@ -103,11 +103,6 @@ ATTENTION_CORES: dict[AttentionImpl, Callable] = {
 AUTO_PALLAS_MAX_LEN = 4096
 
 
-def _is_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
-
-
 def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: bool = False) -> AttentionImpl:
     """`auto` picks the fastest implementation measured on the current backend for this call:
     the xla reference off GPU; on a Hopper GPU our Pallas kernels for rows up to
@@ -118,7 +113,9 @@ def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: 
         return impl
     if jax.default_backend() != "gpu":
         return AttentionImpl.xla
-    if _is_hopper() and not segmented and (seq_len is None or seq_len <= AUTO_PALLAS_MAX_LEN):
+    from scaling.kernels.flash_attention import is_hopper  # lazily: the kernels are optional
+
+    if is_hopper() and not segmented and (seq_len is None or seq_len <= AUTO_PALLAS_MAX_LEN):
         return AttentionImpl.pallas
     return AttentionImpl.cudnn
 

@@ -49,8 +49,8 @@ from scaling.attention import attention_core, resolve_impl
 from scaling.config import AttentionImpl, ModelConfig
 from scaling.kernels import decode_gemv
 from scaling.kernels.decode_attention import (
-    decode_attention,
     combine_in_kernel_reason,
+    decode_attention,
     decode_attention_fused,
     decode_attention_grouped,
     decode_attention_reference,

@@ -1,6 +1,7 @@
 """`attention.impl=auto`: which core each call runs, per backend, device and shape."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ def recorded(monkeypatch):
 
 def place(monkeypatch, backend: str, hopper: bool):
     monkeypatch.setattr(attention.jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(attention, "_is_hopper", lambda: hopper)
+    monkeypatch.setattr(importlib.import_module("scaling.kernels.flash_attention"), "is_hopper", lambda: hopper)
 
 
 def qkv(t, s=None):

@@ -127,9 +127,9 @@ def test_auto_backend_rule(monkeypatch):
     z = lambda t, h, d: jnp.zeros((1, t, h, d), jnp.bfloat16)
     run = lambda q, k, **kw: flash_attention(q, k, k, backend="auto", **kw)
 
-    monkeypatch.setattr(fa, "_is_hopper", lambda: False)
+    monkeypatch.setattr(fa, "is_hopper", lambda: False)
     run(z(128, 2, 128), z(128, 2, 128))  # not Hopper: all Triton
-    monkeypatch.setattr(fa, "_is_hopper", lambda: True)
+    monkeypatch.setattr(fa, "is_hopper", lambda: True)
     run(z(128, 2, 128), z(128, 2, 128))  # H100, MHA D=128 short: Mosaic fwd + bwd (persistent fwd)
     run(z(128, 4, 128), z(128, 1, 128))  # H100, GQA 4 (head pairing): Mosaic fwd + bwd
     run(z(128, 2, 128), z(128, 2, 128), causal=False)  # non-causal MHA D=128: Mosaic fwd + bwd
@@ -158,7 +158,7 @@ def test_triton_forward_mosaic_backward_interpret(monkeypatch):
     real = fa.mgpu_bwd.mosaic_backward
     monkeypatch.setattr(fa.mgpu_bwd, "mosaic_backward", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     monkeypatch.setattr(fa.mgpu, "mosaic_forward", lambda *a, **kw: pytest.fail("Mosaic forward used"))
-    monkeypatch.setattr(fa, "_is_hopper", lambda: True)
+    monkeypatch.setattr(fa, "is_hopper", lambda: True)
     monkeypatch.setattr(fa, "mosaic_forward_preferred", lambda *a, **kw: False)
     seed = _seed()
     b, t, h, kv, d, dtype = 1, 128, 4, 2, 64, jnp.bfloat16

@@ -845,7 +845,7 @@ def flash_attention(
         plan = dataclasses.replace(plan, mosaic=mosaic_config or mgpu.default_config(d))
     # "mosaic": the Mosaic backward behind the Mosaic forward; "auto" (Hopper): the Mosaic
     # backward whenever it supports the call, whichever forward ran.
-    want_bwd = use_fwd or (backend == "auto" and _is_hopper())
+    want_bwd = use_fwd or (backend == "auto" and is_hopper())
     if (mosaic_backward and want_bwd and seg is None
             and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal), segmented=False,
                                             config=mosaic_bwd_config) is None):
@@ -856,7 +856,8 @@ def flash_attention(
 BACKENDS = ("triton", "mosaic", "auto")
 
 
-def _is_hopper() -> bool:
+def is_hopper() -> bool:
+    """Whether the first device is an sm_90 (H100 / H200) GPU."""
     dev = jax.devices()[0]
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
@@ -867,7 +868,7 @@ def _use_mosaic(backend, q, k, *, causal, segmented, config) -> bool:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
     if config is not None and not isinstance(config, mgpu.MosaicConfig):
         raise TypeError(f"mosaic_config must be a MosaicConfig or None, got {type(config).__name__}")
-    if backend == "triton" or (backend == "auto" and not _is_hopper()):
+    if backend == "triton" or (backend == "auto" and not is_hopper()):
         return False
     reason = mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=segmented, config=config)
     if reason is not None:
