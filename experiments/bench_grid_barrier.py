@@ -8,9 +8,11 @@ A persistent kernel per layer would replace the boundaries by grid barriers; tha
 a barrier is cheaper than a boundary, and more so if each program can issue the next phase's
 first loads before it waits.
 
-Work per phase: stream `mb` MB of bf16 "weights" ([programs, n] rows, a row per program per
-phase, read in `block`-wide tiles) and write one f32 sum per program: a stand-in for a weight
-read with almost no arithmetic. Three ways to run `phases` phases, timed in interleaved rounds:
+Work per phase: stream `mb` MB of bf16 "weights" ([programs * rows, n]; `rows` rows per program
+per phase, read as [rows, block] tiles) and write one f32 sum per program: a stand-in for a
+weight read with almost no arithmetic. With rows=1 a program has one 4 KB load in flight and the
+read is latency-bound (0.7-1.6 TB/s on an H200); more rows put more bytes in flight, as the
+decoder's kernels do. Three ways to run `phases` phases, timed in interleaved rounds:
   kernels    one pallas_call per phase, in one jitted program (what the decoder does now);
   barrier    one pallas_call, the phases separated by a grid barrier (an atomic counter in
              global memory that every program increments and then spins on; every program is
@@ -65,42 +67,50 @@ def grid_barrier(count_ref, target, *, interpret: bool = False):
     plgpu.debug_barrier()
 
 
-def _row_sum(w_ref, phase, pid, n: int, block: int, first=None):
-    """Sum of row `pid` of phase `phase` in `block`-wide tiles (f32); `first` = its first tile, loaded already."""
-    def body(i, acc):
-        return acc + w_ref[phase, pid, pl.ds(i * block, block)].astype(jnp.float32)
+def _tile(w_ref, phase, pid, i, rows: int, block: int):
+    return w_ref[phase, pl.ds(pid * rows, rows), pl.ds(i * block, block)]
 
-    acc = jnp.zeros((block,), jnp.float32) if first is None else first.astype(jnp.float32)
+
+def _rows_sum(w_ref, phase, pid, n: int, rows: int, block: int, first=None):
+    """Sum of program `pid`'s `rows` rows of phase `phase`, in [rows, block] tiles (f32); `first` =
+    its first tile, loaded already."""
+    def body(i, acc):
+        return acc + _tile(w_ref, phase, pid, i, rows, block).astype(jnp.float32)
+
+    acc = jnp.zeros((rows, block), jnp.float32) if first is None else first.astype(jnp.float32)
     return jnp.sum(lax.fori_loop(0 if first is None else 1, n // block, body, acc))
 
 
-def _phases_kernel(w_ref, _count_in, out_ref, count_ref, *, first_phase: int, phases: int, n: int, block: int,
-                   barrier: bool, prefetch: bool, interpret: bool):
+def _phases_kernel(w_ref, _count_in, out_ref, count_ref, *, first_phase: int, phases: int, n: int, rows: int,
+                   block: int, barrier: bool, prefetch: bool, interpret: bool):
     pid = pl.program_id(0)
     programs = pl.num_programs(0)
-    first = w_ref[first_phase, pid, pl.ds(0, block)] if prefetch else None
+    first = _tile(w_ref, first_phase, pid, 0, rows, block) if prefetch else None
     for phase in range(phases):
-        total = _row_sum(w_ref, first_phase + phase, pid, n, block, first)
+        total = _rows_sum(w_ref, first_phase + phase, pid, n, rows, block, first)
         out_ref[phase, pid] = total
         if phase + 1 < phases:
             if prefetch:  # the next phase's first tile is in flight while this program waits
-                first = w_ref[first_phase + phase + 1, pid, pl.ds(0, block)]
+                first = _tile(w_ref, first_phase + phase + 1, pid, 0, rows, block)
             if barrier:
                 grid_barrier(count_ref, programs * (phase + 1), interpret=interpret)
 
 
 def run_phases(w, *, block: int, barrier: bool, prefetch: bool, first_phase: int = 0, phases: int | None = None,
-               num_warps: int = 4):
-    """Phases [first_phase, first_phase + phases) of w [P, programs, n] bf16 -> sums [phases,
-    programs] f32, in one pallas_call."""
+               rows: int = 1, num_warps: int = 4):
+    """Phases [first_phase, first_phase + phases) of w [P, programs * rows, n] bf16 -> per-program
+    sums [phases, programs] f32, in one pallas_call."""
     from jax.experimental.pallas import triton as plgpu
 
-    _, programs, n = w.shape
+    _, all_rows, n = w.shape
+    if all_rows % rows:
+        raise ValueError(f"w has {all_rows} rows per phase, not a multiple of rows={rows}")
+    programs = all_rows // rows
     phases = w.shape[0] - first_phase if phases is None else phases
     interpret = jax.default_backend() == "cpu"
     if interpret and barrier and programs > 1:
         raise ValueError(f"a grid barrier over {programs} programs cannot run in interpret mode (one program at a time)")
-    kernel = functools.partial(_phases_kernel, first_phase=first_phase, phases=phases, n=n, block=block,
+    kernel = functools.partial(_phases_kernel, first_phase=first_phase, phases=phases, n=n, rows=rows, block=block,
                                barrier=barrier, prefetch=prefetch, interpret=interpret)
     out, _ = pl.pallas_call(
         kernel,
@@ -116,10 +126,11 @@ def run_phases(w, *, block: int, barrier: bool, prefetch: bool, first_phase: int
     return out
 
 
-def run_kernels(w, *, block: int):
+def run_kernels(w, *, block: int, rows: int = 1, num_warps: int = 4):
     """The same sums, one pallas_call per phase (each reads its phase of the same w: no slicing
     copies; the one concatenate at the end moves phases x programs floats)."""
-    return jnp.concatenate([run_phases(w, block=block, barrier=False, prefetch=False, first_phase=p, phases=1)
+    return jnp.concatenate([run_phases(w, block=block, barrier=False, prefetch=False, first_phase=p, phases=1,
+                                       rows=rows, num_warps=num_warps)
                             for p in range(w.shape[0])])
 
 
@@ -130,21 +141,28 @@ def main():
     p.add_argument("--mb", default="8,32,128", help="MB read per phase (comma list)")
     p.add_argument("--phases", type=int, default=16)
     p.add_argument("--block", type=int, default=2048, help="elements per tile load")
+    p.add_argument("--rows", default="1", help="rows each program reads at once (comma list: one table row each)")
+    p.add_argument("--warps", type=int, default=4)
     p.add_argument("--programs", type=int, default=0, help="0 = one per SM")
     p.add_argument("--reps", type=int, default=30)
     args = p.parse_args()
     dev = jax.devices()[0]
     programs = args.programs or int(getattr(dev, "core_count", 0) or 132)
     print(header(), f"programs {programs}", flush=True)
-    rows = []
-    for mb in (float(x) for x in args.mb.split(",")):
-        n = max(args.block, int(mb * 2**20 / 2 / programs) // args.block * args.block)
-        w = jax.random.normal(jax.random.key(0), (args.phases, programs, n), jnp.bfloat16)
-        expect = np.asarray(jnp.sum(w.astype(jnp.float32), axis=-1))
-        fns = {"kernels": jax.jit(functools.partial(run_kernels, block=args.block)),
-               "barrier": jax.jit(functools.partial(run_phases, block=args.block, barrier=True, prefetch=False)),
-               "prefetch": jax.jit(functools.partial(run_phases, block=args.block, barrier=True, prefetch=True))}
-        row = dict(mb_per_phase=programs * n * 2 / 2**20, phases=args.phases, programs=programs)
+    rows, seen = [], set()
+    for r, mb in ((int(r), float(x)) for r in args.rows.split(",") for x in args.mb.split(",")):
+        n = max(args.block, int(mb * 2**20 / 2 / programs / r) // args.block * args.block)
+        if (r, n) in seen:  # a small --mb rounded up to the same one-tile rows
+            continue
+        seen.add((r, n))
+        w = jax.random.normal(jax.random.key(0), (args.phases, programs * r, n), jnp.bfloat16)
+        expect = np.asarray(jnp.sum(w.astype(jnp.float32).reshape(args.phases, programs, r * n), axis=-1))
+        common = dict(block=args.block, rows=r, num_warps=args.warps)
+        fns = {"kernels": jax.jit(functools.partial(run_kernels, **common)),
+               "barrier": jax.jit(functools.partial(run_phases, barrier=True, prefetch=False, **common)),
+               "prefetch": jax.jit(functools.partial(run_phases, barrier=True, prefetch=True, **common))}
+        row = dict(mb_per_phase=w[0].size * 2 / 2**20, phases=args.phases, programs=programs, rows=r,
+                   warps=args.warps)
         for name, fn in fns.items():
             err = float(np.max(np.abs(np.asarray(fn(w)) - expect)))
             row[f"err_{name}"] = err
@@ -155,12 +173,12 @@ def main():
             row[f"tbps_{name}"] = w.size * 2 / sec / 1e12
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print("| MB/phase | phases | kernels µs/phase (TB/s) | barrier | prefetch | max err |")
-    print("|---|---|---|---|---|---|")
+    print("| rows/program | MB/phase | phases | kernels µs/phase (TB/s) | barrier | prefetch | max err |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r[f'us_per_phase_{k}']:.2f} ({r[f'tbps_{k}']:.2f})" for k in ("kernels", "barrier", "prefetch")]
         err = max(r[f"err_{k}"] for k in ("kernels", "barrier", "prefetch"))
-        print(f"| {r['mb_per_phase']:.1f} | {r['phases']} | " + " | ".join(cells) + f" | {err:.1e} |")
+        print(f"| {r['rows']} | {r['mb_per_phase']:.1f} | {r['phases']} | " + " | ".join(cells) + f" | {err:.1e} |")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_grid_barrier.json"), "w") as fh:
             json.dump(dict(header=header(), rows=rows), fh, indent=1)

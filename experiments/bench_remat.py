@@ -178,7 +178,7 @@ def calibrate(args) -> None:
     def attention():
         """The model's attention core forward + backward at the benchmark's shapes, FLOPs
         counted as 3 x the causal forward (the accounting's convention)."""
-        impl = resolve_impl(cfg.attention.impl, seq_len=t)
+        impl = resolve_impl(cfg.attention.impl, seq_len=t, head_dim=cfg.model.resolved_head_dim)
         out["attention_impl"] = impl.value
         core = attention_core(cfg.attention.impl)
         ks = jax.random.split(jax.random.key(2), 4)

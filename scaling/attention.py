@@ -96,26 +96,31 @@ ATTENTION_CORES: dict[AttentionImpl, Callable] = {
     AttentionImpl.pallas: pallas_attention,
 }
 
-# `auto` on a Hopper GPU runs our kernels for rows (query or key) up to this many tokens and
-# cuDNN beyond. Measured (docs/benchmarks.md, eighth session; forward+backward, causal,
-# interleaved rounds): at the model presets' shapes ours is 1.05-1.49x cuDNN on an H100 and
-# 1.02-1.42x on an H200; at D=128 MHA, T=8k-16k 0.92-0.97x (the backward is behind).
-AUTO_PALLAS_MAX_LEN = 4096
+# `auto` on a Hopper GPU runs our kernels for rows (query or key) up to this many tokens, per
+# head dim, and cuDNN beyond and at other head dims (their backward is the Triton kernel's,
+# slower than cuDNN's). Measured (docs/benchmarks.md, eighth and ninth sessions; forward+backward,
+# causal, interleaved rounds): at the model presets' shapes ours is 1.05-1.49x cuDNN on an H100
+# and 1.02-1.42x on an H200; D=64 at T=8k 1.07x (H200); D=128 at T=8k-16k 0.92-1.00x (the
+# backward is behind).
+AUTO_PALLAS_MAX_LEN: dict[int, int] = {64: 8192, 128: 4096}
 
 
-def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: bool = False) -> AttentionImpl:
+def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: bool = False,
+                 head_dim: int | None = None) -> AttentionImpl:
     """`auto` picks the fastest implementation measured on the current backend for this call:
     the xla reference off GPU; on a Hopper GPU our Pallas kernels for rows up to
-    AUTO_PALLAS_MAX_LEN tokens without segment ids (their Mosaic kernels take none; the Triton
-    fallback is slower than cuDNN), cuDNN otherwise; cuDNN on other GPUs. With seq_len None
-    (not known yet) the answer is for a short row."""
+    AUTO_PALLAS_MAX_LEN[head_dim] tokens without segment ids (their Mosaic kernels take none; the
+    Triton fallback is slower than cuDNN), cuDNN otherwise; cuDNN on other GPUs. With seq_len
+    None (not known yet) the answer is for a short row; with head_dim None, for the strictest
+    head dim of the table."""
     if impl != AttentionImpl.auto:
         return impl
     if jax.default_backend() != "gpu":
         return AttentionImpl.xla
     from scaling.kernels.flash_attention import is_hopper  # lazily: the kernels are optional
 
-    if is_hopper() and not segmented and (seq_len is None or seq_len <= AUTO_PALLAS_MAX_LEN):
+    limit = min(AUTO_PALLAS_MAX_LEN.values()) if head_dim is None else AUTO_PALLAS_MAX_LEN.get(head_dim, 0)
+    if is_hopper() and not segmented and limit and (seq_len is None or seq_len <= limit):
         return AttentionImpl.pallas
     return AttentionImpl.cudnn
 
@@ -123,7 +128,7 @@ def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: 
 def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
     """The `auto` core: resolved per call (shapes are static under jit)."""
     impl = resolve_impl(AttentionImpl.auto, seq_len=max(q_btnh.shape[1], k_bskh.shape[1]),
-                        segmented=segment_ids is not None)
+                        segmented=segment_ids is not None, head_dim=q_btnh.shape[-1])
     return ATTENTION_CORES[impl](q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
 
 

@@ -533,7 +533,7 @@ class Decoder:
             prime_lowering()
         # The prefill's attention core; `auto` is resolved per prompt length (attention.resolve_impl).
         self.core_impl = model.attention_cfg.impl
-        if jnp.dtype(self.dtype) == jnp.float32 and resolve_impl(self.core_impl, seq_len=max_len) == AttentionImpl.cudnn:
+        if jnp.dtype(self.dtype) == jnp.float32 and resolve_impl(self.core_impl, seq_len=max_len, head_dim=self.cfg.resolved_head_dim) == AttentionImpl.cudnn:
             self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")

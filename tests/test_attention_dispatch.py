@@ -33,10 +33,10 @@ def place(monkeypatch, backend: str, hopper: bool):
     monkeypatch.setattr(importlib.import_module("scaling.kernels.flash_attention"), "is_hopper", lambda: hopper)
 
 
-def qkv(t, s=None):
+def qkv(t, s=None, d=128):
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((1, t, 4, 16)), jnp.float32)
-    kv = jnp.asarray(rng.standard_normal((1, s or t, 2, 16)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((1, t, 4, d)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((1, s or t, 2, d)), jnp.float32)
     return q, kv, kv
 
 
@@ -44,9 +44,15 @@ def test_auto_resolves_per_backend_device_and_shape(monkeypatch):
     place(monkeypatch, "cpu", False)
     assert resolve_impl(AttentionImpl.auto, seq_len=128) == AttentionImpl.xla
     place(monkeypatch, "gpu", True)  # Hopper: ours up to the measured length, cuDNN beyond and with segment ids
-    assert resolve_impl(AttentionImpl.auto, seq_len=AUTO_PALLAS_MAX_LEN) == AttentionImpl.pallas
-    assert resolve_impl(AttentionImpl.auto, seq_len=AUTO_PALLAS_MAX_LEN + 1) == AttentionImpl.cudnn
-    assert resolve_impl(AttentionImpl.auto, seq_len=1024, segmented=True) == AttentionImpl.cudnn
+    assert AUTO_PALLAS_MAX_LEN == {64: 8192, 128: 4096}
+    for d, limit in AUTO_PALLAS_MAX_LEN.items():
+        assert resolve_impl(AttentionImpl.auto, seq_len=limit, head_dim=d) == AttentionImpl.pallas
+        assert resolve_impl(AttentionImpl.auto, seq_len=limit + 1, head_dim=d) == AttentionImpl.cudnn
+    assert resolve_impl(AttentionImpl.auto, seq_len=6144, head_dim=64) == AttentionImpl.pallas
+    assert resolve_impl(AttentionImpl.auto, seq_len=6144) == AttentionImpl.cudnn  # head dim unknown: the strictest
+    for d in (32, 96, 256):  # head dims without the Mosaic backward: cuDNN at any length
+        assert resolve_impl(AttentionImpl.auto, seq_len=1024, head_dim=d) == AttentionImpl.cudnn
+    assert resolve_impl(AttentionImpl.auto, seq_len=1024, segmented=True, head_dim=64) == AttentionImpl.cudnn
     assert resolve_impl(AttentionImpl.auto) == AttentionImpl.pallas
     place(monkeypatch, "gpu", False)  # other GPUs: cuDNN
     assert resolve_impl(AttentionImpl.auto, seq_len=1024) == AttentionImpl.cudnn
@@ -57,13 +63,16 @@ def test_auto_resolves_per_backend_device_and_shape(monkeypatch):
 def test_auto_core_dispatches_each_call_by_its_length(monkeypatch, recorded):
     place(monkeypatch, "gpu", True)
     core = attention_core(AttentionImpl.auto)
-    short, long = qkv(256), qkv(AUTO_PALLAS_MAX_LEN * 2)
+    limit = AUTO_PALLAS_MAX_LEN[128]
+    short, long = qkv(256), qkv(limit * 2)
     got = core(*short, causal=True)
     core(*long, causal=True)
     seg = jnp.zeros((1, 256), jnp.int32)
     core(*short, causal=True, segment_ids=seg)
-    assert recorded == [(AttentionImpl.pallas, 256), (AttentionImpl.cudnn, AUTO_PALLAS_MAX_LEN * 2),
-                        (AttentionImpl.cudnn, 256)]
+    core(*qkv(limit * 2, d=64), causal=True)  # the head dim is read off q: D=64 runs ours at 8k
+    core(*qkv(256, d=32), causal=True)
+    assert recorded == [(AttentionImpl.pallas, 256), (AttentionImpl.cudnn, limit * 2), (AttentionImpl.cudnn, 256),
+                        (AttentionImpl.pallas, limit * 2), (AttentionImpl.cudnn, 256)]
     np.testing.assert_allclose(got, attention.xla_attention(*short, causal=True), rtol=1e-6)
     place(monkeypatch, "cpu", False)
     core(*short, causal=True)

@@ -141,6 +141,15 @@ def test_auto_backend_rule(monkeypatch):
     assert [(p.mosaic is not None, p.mosaic_bwd is not None) for p in plans] == [
         (False, False), (True, True), (True, True), (True, True), (False, False), (False, False),
         (True, False), (True, True)]
+    assert plans[1].mosaic_bwd.block_kv_dq == 64
+    long_t = fa.mgpu_bwd.LONG_KV_DQ[0]  # rows from here on take 128-key dQ slots at D=128 (not at D=64)
+    run(z(long_t, 1, 128), z(long_t, 1, 128))
+    run(z(long_t - 128, 1, 128), z(long_t - 128, 1, 128))
+    assert [p.mosaic_bwd.block_kv_dq for p in plans[-2:]] == [128, 64]
+    assert fa.mgpu_bwd.default_config(64, long_t) == fa.mgpu_bwd.DEFAULT_CONFIGS[64]
+    assert fa.mgpu_bwd.unsupported_reason((1, long_t, 2, 128), (1, long_t, 2, 128), jnp.bfloat16, causal=True,
+                                          segmented=False) is None
+    plans[8:] = []
     assert plans[2].mosaic == fa.mgpu.H100_CONFIGS[128] and plans[7].mosaic == fa.mgpu.DEFAULT_CONFIGS[128]
     for kind in (H100, "NVIDIA H200"):
         cfg = fa.mgpu.default_config(128, kind)

@@ -67,6 +67,8 @@ def test_grid_barrier_kernels_lower_for_hopper(as_h100):
     for prefetch in (False, True):
         fn = functools.partial(gb.run_phases, block=2048, barrier=True, prefetch=prefetch)
         assert lower_for_cuda(fn, w).count(TRITON_CALL) == 1
+    fn = functools.partial(gb.run_phases, block=2048, barrier=True, prefetch=True, rows=8, num_warps=8)
+    assert lower_for_cuda(fn, sds((4, 132 * 8, 4096))).count(TRITON_CALL) == 1
     assert lower_for_cuda(functools.partial(gb.run_kernels, block=2048), w).count(TRITON_CALL) == 4
 
 

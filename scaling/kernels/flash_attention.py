@@ -818,8 +818,8 @@ def flash_attention(
     mosaic_config: tiles of the Mosaic forward; default per head dim and device (`mgpu.default_config`).
     mosaic_backward: False keeps the Triton backward behind the Mosaic forward (a switch for
       comparisons and a fallback; no effect with backend="triton").
-    mosaic_bwd_config: tiles of the Mosaic backward; default per head dim
-      (`mgpu_bwd.DEFAULT_CONFIGS`).
+    mosaic_bwd_config: tiles of the Mosaic backward; default per head dim and key length
+      (`mgpu_bwd.default_config`).
 
     Returns [B, T, H, D] in q's dtype. The backward pass saves only q, k, v, the output and the
     per-row log-sum-exp, and recomputes the probabilities in two Pallas kernels (dK/dV, dQ).
@@ -849,7 +849,7 @@ def flash_attention(
     if (mosaic_backward and want_bwd and seg is None
             and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal), segmented=False,
                                             config=mosaic_bwd_config) is None):
-        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d))
+        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d, k.shape[1]))
     return _flash(q, k, v, seg, plan)
 
 

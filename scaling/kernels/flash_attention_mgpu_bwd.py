@@ -128,9 +128,17 @@ DEFAULT_CONFIGS = {
     64: MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128),
     128: MosaicBwdConfig(),
 }
+# Long rows at D=128 take 128-key dQ slots: forward+backward 0.96 vs 0.94 (H100, eighth session)
+# and 0.95 vs 0.94 (H200, ninth session) of cuDNN at T=16k, the dQ kernel 4% faster in both
+# runs; at 8k they were 1-2% slower on both GPUs (docs/benchmarks.md).
+LONG_KV_DQ = (16384, MosaicBwdConfig(block_kv_dq=128))
 
 
-def default_config(head_dim: int) -> MosaicBwdConfig:
+def default_config(head_dim: int, kv_len: int | None = None) -> MosaicBwdConfig:
+    """The tiles for this head dim (and key length, where it matters; None: a short row)."""
+    min_len, long_cfg = LONG_KV_DQ
+    if head_dim == 128 and kv_len is not None and kv_len >= min_len:
+        return long_cfg
     return DEFAULT_CONFIGS[head_dim]
 
 
@@ -143,7 +151,7 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
                                        head_dims=HEAD_DIMS)
     if reason:
         return reason
-    cfg = config or default_config(d)
+    cfg = config or default_config(d, s)
     if cfg.fused_dq and d != FUSED_HEAD_DIM:
         return f"fused_dq needs head dim {FUSED_HEAD_DIM} (its dQ product splits D into 64-column halves), got {d}"
     dq = not cfg.fused_dq  # the dQ kernel's tiles count too
@@ -889,7 +897,7 @@ def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float
         raise ValueError(f"lse must be float32 [B, H, T]={(b, h, t)}, got {lse.dtype} {lse.shape}")
     if d not in HEAD_DIMS:
         raise ValueError(f"Mosaic flash attention backward does not support head dim {d} (only {HEAD_DIMS})")
-    cfg = config if config is not None else default_config(d)
+    cfg = config if config is not None else default_config(d, k.shape[1])
     validate_config(cfg)
     reason = unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False, config=cfg)
     if reason is not None:
