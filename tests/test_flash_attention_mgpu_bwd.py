@@ -260,3 +260,15 @@ def test_backward_on_hopper(causal, h, kv, d, dtype):
     with jax.default_matmul_precision("highest"):
         ref = _ref_grads(q, k, v, do, causal)
     _check(seed, dtype, grads, ref)
+
+
+def test_output_row_dot_matches_float64():
+    """delta = rowsum(dO ∘ O), [B, H, T] from [B, T, H, D] bf16 inputs, against numpy float64."""
+    from scaling.kernels.flash_attention_mgpu_bwd import output_row_dot
+
+    rng = np.random.default_rng()
+    o, do = (jnp.asarray(rng.standard_normal((2, 5, 3, 64)), jnp.bfloat16) for _ in range(2))
+    got = np.asarray(output_row_dot(o, do))
+    want = np.einsum("bthd,bthd->bht", np.asarray(o, np.float64), np.asarray(do, np.float64))
+    assert got.shape == (2, 3, 5) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -849,6 +849,14 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: bool):
     )(q, k, v, do, lse, delta_or_o)
 
 
+def output_row_dot(o, do):
+    """delta = rowsum(dO ∘ O) as [B, H, T] f32 from [B, T, H, D] inputs: a multiply and a
+    reduction XLA fuses into one memory-bound kernel. (Written as einsum("bthd,bthd->bht") it
+    became a batched dot on GPU: 0.38-0.40 ms at B·T = 16k, H = 32, D = 128 on an H200, against
+    ~0.06 ms of bytes.)"""
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Public entry point.
 
@@ -861,7 +869,7 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: bool):
         dq, delta = _dq_call(q, k, v, do, lse, o, geo, interpret)
         dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
         return dq, dk, dv
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = output_row_dot(o, do)
     if geo.cfg.fused_dq:  # dQ accumulates in f32 inside the dK/dV kernel (docstring of MosaicBwdConfig)
         slices = (geo.kv_len // (CONSUMERS * geo.cfg.block_kv_dkv),) if interpret else ()  # one per CTA
         dq_acc = jax.new_ref(jnp.zeros((*slices, *q.shape), jnp.float32))
