@@ -128,13 +128,8 @@ def timing(shape, variants, reps, peers=True):
     # The backward alone and its parts (same inputs; o and lse from the Mosaic forward).
     o, lse = jax.jit(lambda q, k, v: mosaic_forward(q, k, v, causal=causal))(q, k, v)
     delta_fn = jax.jit(bwd.output_row_dot)
-    einsum_fn = jax.jit(lambda o, do: jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)))
     delta = delta_fn(o, do)
-    np.testing.assert_allclose(np.asarray(einsum_fn(o, do)), np.asarray(delta), rtol=1e-4, atol=1e-3)
-    bth_fn = jax.jit(lambda o, do: jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1))
-    part_calls = {("delta (XLA)", "ms"): lambda: delta_fn(o, do),  # what the backward runs
-                  ("delta (einsum form)", "ms"): lambda: einsum_fn(o, do),  # what it ran before the ninth session
-                  ("delta ([B, T, H], no transpose)", "ms"): lambda: bth_fn(o, do)}  # the floor of the reduction
+    part_calls = {("delta (XLA)", "ms"): lambda: delta_fn(o, do)}
     part_rows = {}
     # FLOPs: dK/dV 4 matmuls, dQ 3 (each 2·B·H·T²·D, halved when causal).
     part_flops = {}
@@ -165,11 +160,10 @@ def timing(shape, variants, reps, peers=True):
             except Exception as e:
                 part_rows[name][f"error_{part}"] = f"{type(e).__name__}: {str(e)[:300]}"
     times = time_interleaved(part_calls, reps=reps)
-    for label in ("delta (XLA)", "delta (einsum form)", "delta ([B, T, H], no transpose)"):
-        row = _row(label, shape)
-        row["ms"] = float(np.median(times.pop((label, "ms")))) * 1e3
-        print("part", json.dumps(row), flush=True)
-        rows.append(row)
+    row = _row("delta (XLA)", shape)
+    row["ms"] = float(np.median(times.pop(("delta (XLA)", "ms")))) * 1e3
+    print("part", json.dumps(row), flush=True)
+    rows.append(row)
     for (name, part), ts in times.items():
         sec = float(np.median(ts))
         part_rows[name][f"ms_{part}"] = sec * 1e3

@@ -850,11 +850,11 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: bool):
 
 
 def output_row_dot(o, do):
-    """delta = rowsum(dO ∘ O) as [B, H, T] f32 from [B, T, H, D] inputs: a multiply and a
-    reduction XLA fuses into one memory-bound kernel. (Written as einsum("bthd,bthd->bht") it
-    became a batched dot on GPU: 0.38-0.40 ms at B·T = 16k, H = 32, D = 128 on an H200, against
-    ~0.06 ms of bytes.)"""
-    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    """delta = rowsum(dO ∘ O) as [B, H, T] f32 from [B, T, H, D] inputs (FA2 Algorithm 2, line 4).
+    One XLA kernel. Timed on an H100 (ninth session) at 0.23 ms for B·T = 16k, H = 32, D = 128.
+    A multiply-and-sum form took 0.25-0.28 ms, and the reduction alone, without the layout
+    change to [B, H, T], 0.23 ms."""
+    return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------
