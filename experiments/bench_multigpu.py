@@ -44,9 +44,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto", help="attention.impl (auto, cudnn, pallas, xla)")
     p.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (smoke test without a GPU)")
     p.add_argument("--override", action="append", default=[], help="extra config override, e.g. model.num_layers=2")
-    return p.parse_args(argv)
+    p.add_argument("--runs", default="single,data,fsdp", help=f"comma list of {', '.join(RUNS)} (the first is the "
+                   "scaling baseline)")
+    args = p.parse_args(argv)
+    names = [r for r in args.runs.split(",") if r]
+    bad = [r for r in names if r not in RUNS]
+    if bad or not names:
+        p.error(f"--runs: unknown {bad or 'empty list'}; choose from {', '.join(RUNS)}")
+    args.runs = names
+    return args
 
 
+RUNS = {  # name: (label, devices, data, fsdp, tensor)
+    "single": ("1 device", 1, 1, 1, 1),
+    "data": ("2 devices, data=2", 2, 2, 1, 1),
+    "fsdp": ("2 devices, fsdp=2", 2, 1, 2, 1),
+    "tensor": ("2 devices, tensor=2", 2, 1, 1, 2),
+}
 ARGS = parse_args()
 if ARGS.cpu_devices:
     # Must precede the first `import jax`.
@@ -63,13 +77,6 @@ from scaling.data import make_dataset  # noqa: E402
 from scaling.sharding import use_sharding  # noqa: E402
 from scaling.train import global_batch, init_state, make_setup, make_train_step  # noqa: E402
 
-RUNS = [  # (label, devices, data, fsdp)
-    ("1 device", 1, 1, 1),
-    ("2 devices, data=2", 2, 2, 1),
-    ("2 devices, fsdp=2", 2, 1, 2),
-]
-
-
 @dataclasses.dataclass
 class Result:
     label: str
@@ -83,7 +90,7 @@ class Result:
     efficiency: float | None = None
 
 
-def make_config(n_devices: int, data: int, fsdp: int, batch_per_device: int, seq_len: int):
+def make_config(n_devices: int, data: int, fsdp: int, batch_per_device: int, seq_len: int, tensor: int = 1):
     overrides = [
         "data.source=synthetic",
         f"model.compute_dtype={ARGS.dtype}",
@@ -96,7 +103,7 @@ def make_config(n_devices: int, data: int, fsdp: int, batch_per_device: int, seq
         f"attention.impl={ARGS.attention}",
         f"mesh.data={data}",
         f"mesh.fsdp={fsdp}",
-        "mesh.tensor=1",
+        f"mesh.tensor={tensor}",
         *ARGS.override,
     ]
     return load_config(ROOT / "configs" / "models" / f"{ARGS.model}.yaml", overrides)
@@ -153,9 +160,9 @@ def is_oom(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
-def bench(label: str, n: int, data: int, fsdp: int, batch_per_device: int, seq_len: int) -> Result:
+def bench(label: str, n: int, data: int, fsdp: int, tensor: int, batch_per_device: int, seq_len: int) -> Result:
     devices = jax.devices()[:n]
-    cfg = make_config(n, data, fsdp, batch_per_device, seq_len)
+    cfg = make_config(n, data, fsdp, batch_per_device, seq_len, tensor)
     setup, state, batches, step = compiled_step(cfg, devices)
     with use_sharding(setup.mesh, setup.rules):
         for i in range(ARGS.warmup):
@@ -223,9 +230,9 @@ def main() -> int:
 def run_all(batch: int, seq_len: int) -> list[Result]:
     """Every run at the same batch per device (weak scaling)."""
     results = []
-    for label, n, data, fsdp in RUNS:
+    for label, n, data, fsdp, tensor in (RUNS[name] for name in ARGS.runs):
         print(f"{label}: batch {batch} per device x {n}, seq {seq_len} ...", flush=True)
-        results.append(bench(label, n, data, fsdp, batch, seq_len))
+        results.append(bench(label, n, data, fsdp, tensor, batch, seq_len))
         r = results[-1]
         print(f"  {r.tokens_per_sec:,.0f} tokens/s, step {r.step_time * 1e3:,.1f} ms", flush=True)
         gc.collect()
