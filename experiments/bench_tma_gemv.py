@@ -156,7 +156,8 @@ def candidates(n: int, k: int, sms: int = 132) -> list[TmaGemvConfig]:
     """A few tilings, each with K split until the grid has about `ctas_per_sm` CTAs per SM
     (resident at once where shared memory allows: one wave, no tail of a second)."""
     out = []
-    for bn, bk, stages, ctas_per_sm in ((128, 128, 4, 1), (64, 128, 4, 3), (128, 256, 3, 1), (64, 256, 2, 2)):
+    for bn, bk, stages, ctas_per_sm in ((128, 128, 4, 1), (64, 128, 4, 3), (128, 256, 3, 1), (64, 256, 2, 2),
+                                         (64, 64, 4, 6)):
         if n % bn:
             continue
         if k % bk:
@@ -169,6 +170,12 @@ def candidates(n: int, k: int, sms: int = 132) -> list[TmaGemvConfig]:
     return out
 
 
+def head_dim(model: str) -> int:
+    from scaling.config import load_config
+
+    return load_config(ROOT / "configs" / "models" / f"{model}.yaml", []).model.resolved_head_dim
+
+
 def shapes(model: str) -> dict[str, tuple[int, int]]:
     from scaling.config import load_config
 
@@ -178,17 +185,31 @@ def shapes(model: str) -> dict[str, tuple[int, int]]:
     return {"qkv": ((n + 2 * kv) * h, d), "out": (d, n * h), "gate_up": (2 * f, d), "down": (d, f), "head": (vocab, d)}
 
 
-def profile_us(fn, args, reps: int, calls_per_rep: int) -> float:
-    """Median summed device-kernel time per weight read (all kernels of the trace window)."""
-    from bench_gemv import kernel_durations
+def profile(fn, args, reps: int, calls_per_rep: int) -> tuple[float, str, float]:
+    """(summed device-kernel time per weight read, the name of the kernel that took most of it,
+    that kernel's median duration), from a profile of `reps` calls."""
+    from scaling.profile_summary import load_trace
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for _ in range(reps):
                 jax.block_until_ready(fn(*args))
-        _, total = kernel_durations(Path(tmp), None)
-    return total / (reps * calls_per_rep)
+        trace, _ = load_trace(Path(tmp))
+    events = trace["traceEvents"]
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
+    streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+               and e["pid"] in gpu and "Stream" in str(e.get("args", {}).get("name", ""))}
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+            by_name.setdefault(e.get("name", "?"), []).append(e["dur"])
+    if not by_name:
+        raise RuntimeError("no GPU kernels in the profile (this script times GPUs only)")
+    total = sum(sum(d) for d in by_name.values())
+    main_name = max(by_name, key=lambda n: sum(by_name[n]))
+    return total / (reps * calls_per_rep), main_name, statistics.median(by_name[main_name])
 
 
 def main():
@@ -220,29 +241,51 @@ def main():
             xla = jax.jit(lambda x, ws: [jnp.einsum("bk,nk->bn", x, w, preferred_element_type=jnp.float32) for w in ws])
             wbytes = n * k * 2
             row = dict(model=model, kernel=name, N=n, K=k, MB=wbytes / 1e6, copies=copies)
-            row["xla_us"] = profile_us(xla, (x, ws), args.reps, copies)
+            row["xla_us"], _, _ = profile(xla, (x, ws), args.reps, copies)
+            # The decoder's Triton kernel for a plain projection (matmul_residual, r = 0) with this
+            # GPU's tiles for the layer kernel of the same weight shape (qkv: the output projection's).
+            from scaling.kernels import decode_gemv as dg
+
+            layer = dg.default_blocks(args.batch, head_dim(model), hidden=k if name != "down" else n,
+                                      device_kind=jax.devices()[0].device_kind)
+            blocks = getattr(layer, {"qkv": "out"}.get(name, name))
+            r = jnp.zeros((args.batch, n), jnp.bfloat16)
+            try:
+                tri = jax.jit(lambda x, ws, r: [dg.matmul_residual(x, w, r, blocks=blocks) for w in ws])
+                row["triton_total_us"], _, row["triton_us"] = profile(tri, (x, ws, r), args.reps, copies)
+                row["triton_tiles"] = f"{blocks.block_n}/{blocks.block_k}/{blocks.num_warps}/{blocks.num_stages}"
+            except Exception as e:  # noqa: BLE001
+                row["triton_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             for cfg in cands:
                 label = f"{cfg.block_n}/{cfg.block_k}/{cfg.stages}/{cfg.splits}"
                 try:
                     got = np.asarray(tma_gemv(x, ws[0], cfg))
                     err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
                     ours = jax.jit(lambda x, ws, cfg=cfg: [tma_gemv(x, w, cfg) for w in ws])
-                    row[f"tma_{label}_us"] = profile_us(ours, (x, ws), args.reps, copies)
+                    total, kname, kernel_us = profile(ours, (x, ws), args.reps, copies)
+                    row[f"tma_{label}_us"] = kernel_us  # the Mosaic kernel alone
+                    row[f"tma_{label}_total_us"] = total  # with x's padding and the sum over splits
+                    row["tma_kernel_name"] = kname
                     row[f"tma_{label}_err"] = err
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not a crash
                     row[f"tma_{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             for key in [kk for kk in row if kk.endswith("_us")]:
-                row[key.replace("_us", "_pct_bw")] = 100 * wbytes / (row[key] * 1e-6) / bw
+                row[key[:-3] + "_pct_bw"] = 100 * wbytes / (row[key] * 1e-6) / bw
             print(json.dumps(row), flush=True)
             rows.append(row)
             del ws
-    print("| model | kernel | MB | XLA µs (% copy BW) | TMA µs (% copy BW) | tiles n/k/stages/splits |")
-    print("|---|---|---|---|---|---|")
+    print("| model | kernel | MB | XLA, all kernels µs (% copy BW) | Triton kernel (tiles) | TMA kernel, per tiling "
+          "n/k/stages/splits | best TMA with its glue kernels |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        tma = [kk[4:-3] for kk in r if kk.startswith("tma_") and kk.endswith("_us")]
-        cells = "; ".join(f"{r[f'tma_{t}_us']:.1f} ({r[f'tma_{t}_pct_bw']:.0f}%)" for t in tma) or "error"
-        print(f"| {r['model']} | {r['kernel']} | {r['MB']:.1f} | {r['xla_us']:.1f} ({r['xla_pct_bw']:.0f}%) | {cells} "
-              f"| {', '.join(tma)} |")
+        tma = [kk[4:-3] for kk in r if kk.startswith("tma_") and kk.endswith("_us") and not kk.endswith("total_us")]
+        cells = "; ".join(f"{t}: {r[f'tma_{t}_us']:.1f} ({r[f'tma_{t}_pct_bw']:.0f}%)" for t in tma) or "error"
+        best = min(tma, key=lambda t: r[f"tma_{t}_us"]) if tma else None
+        glue = f"{r[f'tma_{best}_total_us']:.1f} ({r[f'tma_{best}_total_pct_bw']:.0f}%)" if best else "-"
+        tri = (f"{r['triton_us']:.1f} ({r['triton_pct_bw']:.0f}%, {r['triton_tiles']})" if "triton_us" in r
+               else r.get("triton_error", "-"))
+        print(f"| {r['model']} | {r['kernel']} | {r['MB']:.1f} | {r['xla_us']:.1f} ({r['xla_pct_bw']:.0f}%) | {tri} "
+              f"| {cells} | {glue} |")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_tma_gemv.json"), "w") as fh:
             json.dump(dict(header=header(), copy_bw=bw, rows=rows), fh, indent=1)
