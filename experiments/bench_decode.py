@@ -251,6 +251,7 @@ def check_layers_on_gpu(prompts) -> list[str]:
     small f32 model decoded on them against the XLA layers."""
     from scaling import layers
     from scaling.kernels import decode_gemv as g
+    from scaling.kernels import decode_tma
 
     fails = []
     cfg = preset("1b")
@@ -286,6 +287,12 @@ def check_layers_on_gpu(prompts) -> list[str]:
         a7, wd7 = rnd((b, 11008)), rnd((d, 11008), 11008 ** -0.5)  # a reduction with a tail (llama2_7b's mlp dim)
         errs[f"b{b} matmul_residual k=11008"] = rel(g.matmul_residual(a7, wd7, x, blocks=lb.down),
                                                     g.matmul_residual_reference(a7, wd7, x))
+        if b <= decode_tma.ROWS and decode_tma.unsupported_reason(d, f) is None:  # layers="pallas_tma"'s gate/up
+            x8 = jnp.concatenate([x, jnp.full((decode_tma.ROWS - b, d), jnp.nan, x.dtype)])  # padding rows: anything
+            h8 = decode_tma.gate_up_swiglu_tma(x8, wgu, eps=cfg.norm_eps)
+            errs[f"b{b} gate_up_swiglu_tma"] = rel(h8[:b], g.gate_up_swiglu_reference(x, wgu, eps=cfg.norm_eps))
+            errs[f"b{b} matmul_residual, padded input"] = rel(g.matmul_residual(h8, rnd((d, f), f ** -0.5) * 0, x,
+                                                                                 blocks=lb.down), x)
     for k, e in errs.items():
         msg = f"{k} bf16 1b shapes: rel err {e:.2e}"
         print(msg, flush=True)

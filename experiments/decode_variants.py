@@ -52,6 +52,8 @@ VARIANTS = {
     "pallas_layers_concurrent": (CONCURRENT, None, "pallas", "pallas"),
     # + the flash-decoding splits merged by the kernel's last program (no combine kernel)
     "pallas_layers_combined": ("", None, "pallas_combined", "pallas"),
+    # + the gate/up + SwiGLU streamed by TMA (scaling.kernels.decode_tma; Hopper)
+    "pallas_layers_tma": ("", None, "pallas", "pallas_tma"),
     # the decoder's default: Pallas layers for small batches, XLA above (on the row layout)
     "auto_layers": ("", None, "pallas", "auto"),
 }

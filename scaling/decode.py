@@ -47,7 +47,8 @@ from flax import nnx
 from scaling import layers
 from scaling.attention import attention_core, resolve_impl
 from scaling.config import AttentionImpl, ModelConfig
-from scaling.kernels import decode_gemv
+from scaling.kernels import decode_gemv, decode_tma
+from scaling.kernels.flash_attention import is_hopper
 from scaling.kernels.decode_attention import (
     combine_in_kernel_reason,
     decode_attention,
@@ -101,6 +102,9 @@ class DecodeLayerImpl(str, enum.Enum):
     # folded into the four weight reads (4 kernels + attention per layer), and the output head
     # with the final norm; batches up to PALLAS_MAX_BATCH
     pallas = "pallas"
+    # pallas, with the gate/up + SwiGLU streamed by TMA (scaling.kernels.decode_tma; Mosaic GPU,
+    # Hopper; batches up to decode_tma.ROWS). Opt-in: docs/decoding.md
+    pallas_tma = "pallas_tma"
     auto = "auto"  # on the GPU pallas for small batches (AUTO_PALLAS_MAX_BATCH), else xla
 
 
@@ -123,13 +127,20 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
         impl = DecodeLayerImpl(impl)
     except ValueError:
         raise ValueError(f"layers={impl!r}: allowed {[x.value for x in DecodeLayerImpl]}") from None
-    if impl == DecodeLayerImpl.pallas:
+    if impl in (DecodeLayerImpl.pallas, DecodeLayerImpl.pallas_tma):
         reason = pallas_layers_reason(cfg, min_batch, blocks)
         if reason:
-            raise ValueError(f"layers='pallas' cannot run this model at batch {min_batch}: {reason}; "
+            raise ValueError(f"layers='{impl.value}' cannot run this model at batch {min_batch}: {reason}; "
                              "use layers='xla' or other gemv_blocks")
         if attn == DecodeAttentionImpl.fused:
-            raise ValueError("layers='pallas' writes the cache itself; combine it with attention 'pallas' or 'xla', not 'fused'")
+            raise ValueError(f"layers='{impl.value}' writes the cache itself; combine it with attention 'pallas' or "
+                             "'xla', not 'fused'")
+        if impl == DecodeLayerImpl.pallas_tma:
+            reason = decode_tma.unsupported_reason(cfg.hidden_size, cfg.mlp_dim)
+            if jax.default_backend() == "gpu" and not is_hopper():
+                reason = "the TMA kernels need a Hopper GPU (sm_90)"
+            if reason:
+                raise ValueError(f"layers='pallas_tma' cannot run this model: {reason}; use layers='pallas'")
         return impl
     return impl
 
@@ -323,9 +334,9 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     # Finished rows may sit at the end; never write past it. (Their outputs are discarded.)
     write_b = jnp.minimum(pos_b, s - 1)
     lengths_b = write_b + 1
-    if layer_impl == DecodeLayerImpl.pallas:
+    if layer_impl in (DecodeLayerImpl.pallas, DecodeLayerImpl.pallas_tma):
         return _pallas_step(weights, cache, tokens_b, write_b, cfg=cfg, attn_impl=attn_impl, inv_freq=inv_freq,
-                            blocks=layer_blocks(cfg, b, blocks))
+                            blocks=layer_blocks(cfg, b, blocks), tma=layer_impl == DecodeLayerImpl.pallas_tma)
     fused = attn_impl == DecodeAttentionImpl.fused
     if fused:  # RoPE at each row's position, once per step for every layer
         angles_bf = write_b[:, None].astype(jnp.float32) * inv_freq
@@ -353,9 +364,11 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
 
 
 def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl, inv_freq,
-                 blocks: decode_gemv.LayerBlocks):
+                 blocks: decode_gemv.LayerBlocks, tma: bool = False):
     """_step_forward with the Pallas layer kernels: per layer qkv_rope (norm, projection, RoPE,
-    cache write), attention, out projection + residual, norm + gate/up + SwiGLU, down + residual."""
+    cache write), attention, out projection + residual, norm + gate/up + SwiGLU, down + residual.
+    tma: the gate/up + SwiGLU by decode_tma (x padded to its 8 rows; the down projection reads
+    the first B rows of its padded output)."""
     b = tokens_b.shape[0]
     eps = cfg.norm_eps
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
@@ -377,7 +390,11 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
         else:
             attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
         x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out)
-        h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
+        if tma:
+            x8 = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
+            h = decode_tma.gate_up_swiglu_tma(x8, w["wgu_xd"], eps=eps)
+        else:
+            h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
         x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down)
         ks.append(ck)
         vs.append(cv)
@@ -546,7 +563,7 @@ class Decoder:
         self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, self.pallas_min_batch)
         if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):
             self.layer_impl = DecodeLayerImpl.xla
-        self.pallas_max_batch = {DecodeLayerImpl.pallas: PALLAS_MAX_BATCH,
+        self.pallas_max_batch = {DecodeLayerImpl.pallas: PALLAS_MAX_BATCH, DecodeLayerImpl.pallas_tma: decode_tma.ROWS,
                                  DecodeLayerImpl.auto: AUTO_PALLAS_MAX_BATCH}.get(self.layer_impl, 0)
         self.gemv_blocks = gemv_blocks
         if max_len is not None and max_len < 1:
@@ -556,14 +573,14 @@ class Decoder:
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
         if batch <= self.pallas_max_batch and pallas_layers_reason(self.cfg, batch, self.gemv_blocks) is None:
-            return DecodeLayerImpl.pallas
+            return DecodeLayerImpl.pallas_tma if self.layer_impl == DecodeLayerImpl.pallas_tma else DecodeLayerImpl.pallas
         return DecodeLayerImpl.xla
 
     def bucket(self, n_rows: int) -> int:
         """The batch a call of n_rows prompts runs at: a power of two, padded to the minimum of
         the layer implementation that batch runs (the Pallas layers need no padding rows)."""
         b = max(_next_pow2(n_rows), self.pallas_min_batch)
-        if self._step_layers(b) == DecodeLayerImpl.pallas:
+        if self._step_layers(b) != DecodeLayerImpl.xla:
             return b
         return max(_next_pow2(n_rows), self.min_batch)
 

@@ -92,6 +92,21 @@ def test_matmul_residual_swiglu_and_head_match_reference(rng, dtype, path):
     assert rel(logits, g.norm_matmul_reference(x, wgu, eps=1e-6)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("b", [1, 2])
+def test_matmul_residual_reads_the_batch_rows_of_a_padded_input(rng, b):
+    """a padded to 8 rows (the TMA gate/up kernel's output) with NaN padding: only r's B rows count."""
+    k, d = 128, 32
+    a = jnp.asarray(rng.normal(size=(b, k)), jnp.float32)
+    a8 = jnp.concatenate([a, jnp.full((8 - b, k), jnp.nan, jnp.float32)])
+    w = jnp.asarray(rng.normal(size=(d, k)) / np.sqrt(k), jnp.float32)
+    r = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
+    got = g.matmul_residual(a8, w, r, blocks=g.GemvBlocks(block_k=64, block_n=4))
+    assert got.shape == (b, d)
+    assert rel(got, g.matmul_residual_reference(a, w, r)) < TOL[jnp.float32]
+    with pytest.raises(ValueError, match=r"want \[>= 2, K\]"):
+        g.matmul_residual(a8[:1], w, jnp.zeros((2, d)))
+
+
 def test_fold_norm_is_rmsnorm_then_matmul(rng):
     """(x * r * s) W = r * (x diag(s) W): the folded layout gives the model's RMSNorm."""
     d, x_dim = 64, 48
@@ -149,7 +164,7 @@ def test_decoder_with_pallas_layers_equals_xla(attention):
     out = dec.generate(prompts, 6)
     assert out.tokens == ref.tokens
     np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=2e-5, rtol=0)
-    with pytest.raises(ValueError, match=r"layers='gpu': allowed \['xla', 'pallas', 'auto'\]"):
+    with pytest.raises(ValueError, match=r"layers='gpu': allowed \['xla', 'pallas', 'pallas_tma', 'auto'\]"):
         decode.Decoder(model, layers="gpu")
     with pytest.raises(ValueError, match="unknown kernel 'mlp'"):
         g.LayerBlocks.parse("mlp=256/16/1/4/4")
@@ -201,3 +216,23 @@ def test_vector_tiles_per_device():
         assert g.unsupported_reason(hidden, mlp, heads, hidden // heads, vocab, 1, lb) is None
     # batch 2 still shrinks the reduction tile (registers), never below 128
     assert g.default_blocks(4, 64, hidden=4096, device_kind="NVIDIA H200").down.block_k == 256
+
+
+def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers():
+    """layers="pallas_tma" (the gate/up + SwiGLU by decode_tma, interpret mode; x padded to its 8
+    rows, the down projection reading the batch rows of its padded output) decodes a bf16 model
+    like layers="pallas": same tokens, log-probs within bf16 rounding; 3 ragged prompts."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                      mlp_dim=128, init_std=0.3, compute_dtype=DType.bfloat16)
+    model = build_model(cfg, seed=5)
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]
+    ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas").generate(prompts, 6)
+    dec = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas_tma")
+    assert dec.bucket(3) == 4 and dec._step_layers(4) == decode.DecodeLayerImpl.pallas_tma
+    assert dec._step_layers(16) == decode.DecodeLayerImpl.xla  # the TMA kernel carries 8 rows at most
+    out = dec.generate(prompts, 6)
+    assert out.tokens == ref.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=0.05, rtol=0)
+    with pytest.raises(ValueError, match="layers='pallas_tma' cannot run this model: mlp_dim 96"):
+        decode.Decoder(build_model(dataclasses.replace(cfg, mlp_dim=96)), layers="pallas_tma")
+
