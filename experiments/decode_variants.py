@@ -75,6 +75,10 @@ def run_one(args) -> dict:
         from scaling.kernels.decode_gemv import LayerBlocks
 
         blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
+        if args.tma_blocks:
+            from scaling.kernels import decode_tma
+
+            decode_tma.DEFAULT_BLOCKS = decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/")))
         dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
                              layers=args.layers, gemv_blocks=blocks)
         del model
@@ -144,6 +148,8 @@ def main() -> int:
     ap.add_argument("--attention", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--layers", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--tma-blocks", default="", help="layers='pallas_tma': block_f/block_k/stages of the TMA "
+                    "gate/up kernel (default decode_tma.DEFAULT_BLOCKS)")
     ap.add_argument("--gemv-blocks", default="", help="Pallas layer tiles, a decode_gemv.LayerBlocks.parse spec "
                     "(e.g. qkv=256/16/2/4/4,gate_up=512/64/1/8/1)")
     args = ap.parse_args()
@@ -171,7 +177,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--one", name, "--models", args.models, "--batch", str(args.batch),
                "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
                "--min-batch", str(min_batch), "--attention", attention, "--layers", layer_impl,
-               "--gemv-blocks", args.gemv_blocks]
+               "--gemv-blocks", args.gemv_blocks, "--tma-blocks", args.tma_blocks]
         if args.profile and i == 0:
             cmd += ["--profile-dir", str(out_dir / f"trace_{args.tag}")]
         print(f"[{name}] XLA_FLAGS={env['XLA_FLAGS']!r} min_batch={min_batch} attention={attention} layers={layer_impl}",

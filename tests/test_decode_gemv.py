@@ -222,7 +222,7 @@ def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers():
     """layers="pallas_tma" (the gate/up + SwiGLU by decode_tma, interpret mode; x padded to its 8
     rows, the down projection reading the batch rows of its padded output) decodes a bf16 model
     like layers="pallas": same tokens, log-probs within bf16 rounding; 3 ragged prompts."""
-    cfg = ModelConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+    cfg = ModelConfig(vocab_size=97, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                       mlp_dim=128, init_std=0.3, compute_dtype=DType.bfloat16)
     model = build_model(cfg, seed=5)
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]

@@ -39,8 +39,11 @@ SMEM_BYTES = 232448  # dynamic shared memory per CTA on sm_90
 @dataclasses.dataclass(frozen=True)
 class TmaBlocks:
     block_f: int = 64  # features per CTA, of the gate and of the up half each (wgmma N)
-    block_k: int = 64  # reduction tile per ring slot
-    stages: int = 4  # ring depth
+    block_k: int = 256  # reduction tile per ring slot (few steps: each waits for its products)
+    stages: int = 2  # ring depth
+
+
+DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
@@ -48,10 +51,11 @@ def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
     return blocks.stages * per_slot + WGMMA_M * blocks.block_f * itemsize  # + the output tile
 
 
-def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks = TmaBlocks()) -> str | None:
+def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None) -> str | None:
     """Why gate_up_swiglu_tma cannot take these shapes (None: it can)."""
-    if blocks.block_f % 64 or not 64 <= blocks.block_f <= 128:
-        return f"block_f={blocks.block_f} must be 64 or 128"
+    blocks = blocks or DEFAULT_BLOCKS
+    if blocks.block_f % 8 or not 8 <= blocks.block_f <= 128:
+        return f"block_f={blocks.block_f} must be a multiple of 8 in [8, 128] (wgmma N)"
     if blocks.block_k % 64:
         return f"block_k={blocks.block_k} must be a multiple of 64 (one swizzled tile)"
     if blocks.stages < 2:
@@ -76,14 +80,17 @@ def _kernel(x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, out_smem, x_full, g_ful
 
     @pl.when(wg == 0)
     def _consumer():
-        def product(acc, a_ref, b_ref):
-            if interpret:  # the interpreter has no wgmma: a dot of the same operands
-                return acc + jnp.dot(a_ref[...], b_ref[...].T, preferred_element_type=jnp.float32)
+        def products(accs, a_ref, b_refs):
+            """acc_i += a b_iᵀ for each i: the wgmmas issued together, one wait."""
+            if interpret:  # the interpreter has no wgmma: dots of the same operands
+                return tuple(acc + jnp.dot(a_ref[...], b[...].T, preferred_element_type=jnp.float32)
+                             for acc, b in zip(accs, b_refs))
 
-            def issue(acc_ref):
-                plgpu.wgmma(acc_ref, a_ref, b_ref.T)
+            def issue(acc_refs):
+                for acc_ref, b in zip(acc_refs, b_refs):
+                    plgpu.wgmma(acc_ref, a_ref, b.T)
 
-            return pl.run_state(issue)(plgpu.ACC.init(acc))
+            return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
 
         def step(j, carry):
             acc_g, acc_u, ss = carry
@@ -91,8 +98,7 @@ def _kernel(x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, out_smem, x_full, g_ful
             for bar in (x_full, g_full, u_full):
                 plgpu.barrier_wait(bar.at[slot])
             x_slot = x_ring.at[slot]
-            acc_g = product(acc_g, x_slot, g_ring.at[slot])
-            acc_u = product(acc_u, x_slot, u_ring.at[slot])
+            acc_g, acc_u = products((acc_g, acc_u), x_slot, (g_ring.at[slot], u_ring.at[slot]))
             xt = x_slot[...] if interpret else plgpu.load(x_slot, layout=plgpu.Layout.WGMMA)
             xt = xt.astype(jnp.float32)
             ss = ss + (xt * xt).sum(axis=1)
@@ -133,11 +139,13 @@ def _kernel(x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, out_smem, x_full, g_ful
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
-def gate_up_swiglu_tma(x8, wgu, *, eps: float, blocks: TmaBlocks = TmaBlocks(), interpret: bool = False):
+def gate_up_swiglu_tma(x8, wgu, *, eps: float, blocks: TmaBlocks | None = None, interpret: bool = False):
     """silu(n(x) Wg) * (n(x) Wu): x8 [8, D] (rows past the batch are padding), wgu [2F, D] =
-    decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows first). Returns [8, F] in x8's dtype."""
+    decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows first). Returns [8, F] in x8's dtype.
+    blocks: None = DEFAULT_BLOCKS."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    blocks = blocks or DEFAULT_BLOCKS
     d = x8.shape[1]
     two_f = wgu.shape[0]
     if x8.ndim != 2 or x8.shape[0] != ROWS:
