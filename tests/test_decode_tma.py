@@ -21,23 +21,26 @@ def test_gate_up_swiglu_matches_reference_interpret(b, d, f, blocks):
     w = jnp.asarray(rng.standard_normal((2 * f, d)) * 0.05, jnp.bfloat16)
     # padding rows hold anything, even NaN: the rows of the product are independent
     x8 = jnp.concatenate([x, jnp.full((8 - b, d), jnp.nan, jnp.bfloat16)])
-    got = np.asarray(t.gate_up_swiglu_tma(x8, w, eps=1e-5, blocks=blocks), np.float32)
-    assert got.shape == (8, f)
+    got = np.asarray(t.gate_up_swiglu_tma(x8, t.row_rsqrt(x8, 1e-5), w, blocks=blocks), np.float32)
+    assert got.shape == (f, 8)  # feature-major
     want = np.asarray(g.gate_up_swiglu_reference(x, w, eps=1e-5), np.float32)
-    np.testing.assert_allclose(got[:b], want, rtol=2e-2, atol=2e-2)  # both rounded to bf16 once
+    np.testing.assert_allclose(got[:, :b].T, want, rtol=2e-2, atol=2e-2)  # both rounded to bf16 once
 
 
 def test_refusals_name_the_problem():
-    x8, w = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((256, 256), jnp.bfloat16)
+    x8, w, r8 = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((256, 256), jnp.bfloat16), jnp.ones((8,), jnp.float32)
     with pytest.raises(ValueError, match=r"x8 must be \[8, D\]"):
-        t.gate_up_swiglu_tma(x8[:1], w, eps=1e-5)
+        t.gate_up_swiglu_tma(x8[:1], r8, w)
+    with pytest.raises(ValueError, match=r"r8 must be float32 \[8\]"):
+        t.gate_up_swiglu_tma(x8, r8[:1], w)
     with pytest.raises(ValueError, match="must be \\[2F, D=256\\]"):
-        t.gate_up_swiglu_tma(x8, w[:, :128], eps=1e-5)
+        t.gate_up_swiglu_tma(x8, r8, w[:, :128])
     with pytest.raises(ValueError, match="mlp_dim 96 is not a multiple of block_f 64"):
-        t.gate_up_swiglu_tma(x8, w[:192], eps=1e-5)
+        t.gate_up_swiglu_tma(x8, r8, w[:192])
     with pytest.raises(ValueError, match="16-bit dtype"):
-        t.gate_up_swiglu_tma(x8.astype(jnp.float32), w.astype(jnp.float32), eps=1e-5)
+        t.gate_up_swiglu_tma(x8.astype(jnp.float32), r8, w.astype(jnp.float32))
     assert "shared memory" in t.unsupported_reason(4096, 11008, t.TmaBlocks(block_f=128, block_k=256, stages=4))
+    assert "block_f=32" in t.unsupported_reason(4096, 11008, t.TmaBlocks(block_f=32))
     assert t.unsupported_reason(4096, 11008) is None and t.unsupported_reason(2048, 8192) is None
 
 
@@ -45,6 +48,6 @@ def test_lowers_for_hopper(monkeypatch):
     from test_gpu_lowering import MOSAIC_CALL, lower_for_cuda, sds
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    fn = lambda x8, w: t.gate_up_swiglu_tma(x8, w, eps=1e-5)  # noqa: E731
-    text = lower_for_cuda(fn, sds((8, 1024)), sds((512, 1024)))
+    fn = lambda x8, r8, w: t.gate_up_swiglu_tma(x8, r8, w)  # noqa: E731
+    text = lower_for_cuda(fn, sds((8, 1024)), sds((8,), jnp.float32), sds((512, 1024)))
     assert text.count(MOSAIC_CALL) == 1

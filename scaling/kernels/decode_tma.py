@@ -4,18 +4,18 @@ Why (docs/decoding.md, "A TMA-fed GEMV"): on an H200 the Triton kernels of decod
 plateau at 72-87% of the copy bandwidth for a batch-1 projection, while a kernel whose weight
 tiles arrive by TMA into a shared-memory ring reached 90-100% at the large ones.
 
-`gate_up_swiglu_tma(x8, wgu, eps=)`: h = silu(n(x) Wg) * (n(x) Wu) for up to 8 rows, n the
-RMSNorm (its scale folded into wgu's rows by decode_gemv.fold_norm, as for the Triton kernel).
-Per CTA, `block_f` features of both halves:
+`gate_up_swiglu_tma(x8, r8, wgu)`: hᵀ = (silu(n(x) Wg) * (n(x) Wu))ᵀ for up to 8 rows, n the
+RMSNorm: its scale is folded into wgu's rows (decode_gemv.fold_norm, as for the Triton kernel)
+and its row statistic r8 = rsqrt(mean(x²) + eps) comes in (`row_rsqrt`). Per CTA, `block_f`
+features of both halves:
   - a producer warpgroup streams, per ring slot, the x tile [8, block_k] and the gate and up
     weight tiles [block_f, block_k] by TMA;
-  - a consumer warpgroup issues acc_g += x Wgᵀ and acc_u += x Wuᵀ on the tensor cores with x as
-    the A operand, padded to wgmma's 64 rows (a ring slot holds 64 rows, the TMA fills the first
-    8; the others hold whatever shared memory held, and since the rows of a product are
-    independent, they only reach output rows that are never stored);
-  - the same x tiles give the row statistic rsqrt(mean(x²) + eps), applied to both accumulators
-    before the SwiGLU; rows 0-7 of the result are written back by TMA.
-In and out, activations are row-major [8, D] and [8, F]: rows past the batch are padding.
+  - a consumer warpgroup issues acc_g += Wg_tile x_tileᵀ and acc_u += Wu_tile x_tileᵀ on the
+    tensor cores (weights as the A operand, x as B with wgmma's N = 8), both, then one wait;
+  - the epilogue scales the columns by r8, applies the SwiGLU and writes [block_f, 8] by TMA.
+Activations: x8 [8, D] row-major in, hᵀ [F, 8] feature-major out (what the accumulator holds);
+rows (columns of hᵀ) past the batch are padding. decode_gemv.matmul_residual(...,
+a_transposed=True) reads hᵀ as the down projection's input.
 
 Interpret mode (CPU tests) replaces the wgmma by a dot of the same operands; the rest is the
 GPU code. The reference is decode_gemv.gate_up_swiglu_reference.
@@ -32,30 +32,29 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 ROWS = 8  # activation rows the kernels carry (a TMA box of one 8-row tile)
-WGMMA_M = 64  # the tensor cores' row block: x is padded to it inside shared memory
 SMEM_BYTES = 232448  # dynamic shared memory per CTA on sm_90
 
 
 @dataclasses.dataclass(frozen=True)
 class TmaBlocks:
-    block_f: int = 64  # features per CTA, of the gate and of the up half each (wgmma N)
-    block_k: int = 256  # reduction tile per ring slot (few steps: each waits for its products)
-    stages: int = 2  # ring depth
+    block_f: int = 64  # features per CTA, of the gate and of the up half each (wgmma M)
+    block_k: int = 256  # reduction tile per ring slot
+    stages: int = 3  # ring depth
 
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
-    per_slot = (WGMMA_M + 2 * blocks.block_f) * blocks.block_k * itemsize  # x (padded), gate, up
-    return blocks.stages * per_slot + WGMMA_M * blocks.block_f * itemsize  # + the output tile
+    per_slot = (ROWS + 2 * blocks.block_f) * blocks.block_k * itemsize  # x, gate, up
+    return blocks.stages * per_slot + blocks.block_f * ROWS * itemsize + ROWS * 4  # + the output tile, r
 
 
 def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None) -> str | None:
     """Why gate_up_swiglu_tma cannot take these shapes (None: it can)."""
     blocks = blocks or DEFAULT_BLOCKS
-    if blocks.block_f % 8 or not 8 <= blocks.block_f <= 128:
-        return f"block_f={blocks.block_f} must be a multiple of 8 in [8, 128] (wgmma N)"
+    if blocks.block_f not in (64, 128):
+        return f"block_f={blocks.block_f} must be 64 or 128 (wgmma M)"
     if blocks.block_k % 64:
         return f"block_k={blocks.block_k} must be a multiple of 64 (one swizzled tile)"
     if blocks.stages < 2:
@@ -69,8 +68,14 @@ def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = Non
     return None
 
 
-def _kernel(x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, out_smem, x_full, g_full, u_full, free, *,
-            blocks: TmaBlocks, d: int, f: int, eps: float, interpret: bool):
+def row_rsqrt(x8, eps: float):
+    """rsqrt(mean(x²) + eps) per row, f32: the RMSNorm statistic the kernel's epilogue applies."""
+    x = x8.astype(jnp.float32)
+    return lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
+
+
+def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem, x_full, g_full, u_full, free,
+            r_full, *, blocks: TmaBlocks, d: int, f: int, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
@@ -80,47 +85,44 @@ def _kernel(x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, out_smem, x_full, g_ful
 
     @pl.when(wg == 0)
     def _consumer():
-        def products(accs, a_ref, b_refs):
-            """acc_i += a b_iᵀ for each i: the wgmmas issued together, one wait."""
+        def products(accs, a_refs, b_ref):
+            """acc_i += a_i bᵀ for each i: the wgmmas issued together, one wait."""
             if interpret:  # the interpreter has no wgmma: dots of the same operands
-                return tuple(acc + jnp.dot(a_ref[...], b[...].T, preferred_element_type=jnp.float32)
-                             for acc, b in zip(accs, b_refs))
+                return tuple(acc + jnp.dot(a[...], b_ref[...].T, preferred_element_type=jnp.float32)
+                             for acc, a in zip(accs, a_refs))
 
             def issue(acc_refs):
-                for acc_ref, b in zip(acc_refs, b_refs):
-                    plgpu.wgmma(acc_ref, a_ref, b.T)
+                for acc_ref, a in zip(acc_refs, a_refs):
+                    plgpu.wgmma(acc_ref, a, b_ref.T)
 
             return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
 
         def step(j, carry):
-            acc_g, acc_u, ss = carry
             slot = lax.rem(j, stages)
             for bar in (x_full, g_full, u_full):
                 plgpu.barrier_wait(bar.at[slot])
-            x_slot = x_ring.at[slot]
-            acc_g, acc_u = products((acc_g, acc_u), x_slot, (g_ring.at[slot], u_ring.at[slot]))
-            xt = x_slot[...] if interpret else plgpu.load(x_slot, layout=plgpu.Layout.WGMMA)
-            xt = xt.astype(jnp.float32)
-            ss = ss + (xt * xt).sum(axis=1)
+            carry = products(carry, (g_ring.at[slot], u_ring.at[slot]), x_ring.at[slot])
             plgpu.barrier_arrive(free.at[slot])
-            return acc_g, acc_u, ss
+            return carry
 
-        acc0 = jnp.zeros((WGMMA_M, bf), jnp.float32)
-        ss0 = jnp.zeros((WGMMA_M,), jnp.float32)
+        acc0 = jnp.zeros((bf, ROWS), jnp.float32)
         if not interpret:
             acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-            ss0 = plgpu.layout_cast(ss0, plgpu.Layout.WGMMA.reduce(1))
-        acc_g, acc_u, ss = lax.fori_loop(0, steps, step, (acc0, acc0, ss0))
-        r = lax.broadcast_in_dim(lax.rsqrt(ss / d + eps), acc_g.shape, [0])
+        acc_g, acc_u = lax.fori_loop(0, steps, step, (acc0, acc0))
+        plgpu.barrier_wait(r_full)
+        r = r_smem[...] if interpret else plgpu.load(r_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+        r = lax.broadcast_in_dim(r, acc_g.shape, [1])  # column b is row b of x
         g, u = acc_g * r, acc_u * r
         h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
         out_smem[...] = h.astype(out_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, ROWS)], o_ref.at[:, pl.ds(f0, bf)])
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[pl.ds(f0, bf)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _producer():
+        plgpu.copy_gmem_to_smem(r_ref, r_smem, r_full)
+
         @pl.loop(0, steps)
         def _fetch(j):
             slot = lax.rem(j, stages)
@@ -129,7 +131,7 @@ def _kernel(x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, out_smem, x_full, g_ful
             @pl.when(j >= stages)
             def _():
                 plgpu.barrier_wait(free.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_ring.at[slot, pl.ds(0, ROWS)], x_full.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_ring.at[slot], x_full.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], g_ring.at[slot], g_full.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f + f0, bf), cols], u_ring.at[slot], u_full.at[slot])
 
@@ -138,11 +140,11 @@ def _kernel(x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, out_smem, x_full, g_ful
             plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
-def gate_up_swiglu_tma(x8, wgu, *, eps: float, blocks: TmaBlocks | None = None, interpret: bool = False):
-    """silu(n(x) Wg) * (n(x) Wu): x8 [8, D] (rows past the batch are padding), wgu [2F, D] =
-    decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows first). Returns [8, F] in x8's dtype.
-    blocks: None = DEFAULT_BLOCKS."""
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret: bool = False):
+    """(silu(n(x) Wg) * (n(x) Wu))ᵀ: x8 [8, D] (rows past the batch are padding), r8 [8] f32 =
+    row_rsqrt(x8, eps), wgu [2F, D] = decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows
+    first). Returns hᵀ [F, 8] in x8's dtype. blocks: None = DEFAULT_BLOCKS."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     blocks = blocks or DEFAULT_BLOCKS
@@ -150,6 +152,8 @@ def gate_up_swiglu_tma(x8, wgu, *, eps: float, blocks: TmaBlocks | None = None, 
     two_f = wgu.shape[0]
     if x8.ndim != 2 or x8.shape[0] != ROWS:
         raise ValueError(f"x8 must be [{ROWS}, D] (the batch padded to {ROWS} rows), got {x8.shape}")
+    if r8.shape != (ROWS,) or r8.dtype != jnp.float32:
+        raise ValueError(f"r8 must be float32 [{ROWS}] (row_rsqrt), got {r8.dtype} {r8.shape}")
     if wgu.shape != (two_f, d) or two_f % 2:
         raise ValueError(f"wgu {wgu.shape} must be [2F, D={d}]")
     if x8.dtype != wgu.dtype or x8.dtype not in (jnp.bfloat16, jnp.float16):
@@ -162,21 +166,23 @@ def gate_up_swiglu_tma(x8, wgu, *, eps: float, blocks: TmaBlocks | None = None, 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
     return plgpu.kernel(
-        functools.partial(_kernel, blocks=blocks, d=d, f=f, eps=float(eps), interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((ROWS, f), x8.dtype),
+        functools.partial(_kernel, blocks=blocks, d=d, f=f, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((f, ROWS), x8.dtype),
         scratch_types=(
-            plgpu.SMEM((stages, WGMMA_M, bk), x8.dtype, transforms=tiled),
+            plgpu.SMEM((stages, ROWS, bk), x8.dtype, transforms=tiled),
             plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
             plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
-            plgpu.SMEM((WGMMA_M, bf), x8.dtype, transforms=tiled),
+            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((bf, ROWS), x8.dtype),
             plgpu.Barrier(num_barriers=stages),  # x tile landed
             plgpu.Barrier(num_barriers=stages),  # gate tile landed
             plgpu.Barrier(num_barriers=stages),  # up tile landed
             plgpu.Barrier(num_barriers=stages),  # slot free again
+            plgpu.Barrier(),  # r landed
         ),
         grid=(f // bf,),
         grid_names=("f",),
         num_threads=2,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(x8, wgu)
+    )(x8, r8, wgu)
