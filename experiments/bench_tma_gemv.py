@@ -212,6 +212,35 @@ def profile(fn, args, reps: int, calls_per_rep: int) -> tuple[float, str, float]
     return total / (reps * calls_per_rep), main_name, statistics.median(by_name[main_name])
 
 
+def gate_up_row(model: str, args, bw: float) -> dict:
+    """Kernel-only µs of decode_gemv.gate_up_swiglu (this GPU's tiles) and decode_tma.gate_up_swiglu_tma."""
+    from scaling.config import load_config
+    from scaling.kernels import decode_gemv as dg
+    from scaling.kernels import decode_tma
+
+    m = load_config(ROOT / "configs" / "models" / f"{model}.yaml", []).model
+    d, f = m.hidden_size, m.mlp_dim
+    copies = max(2, -(-args.min_mb * 2**20 // (2 * f * d * 2)))
+    ws = [jax.random.normal(jax.random.key(i), (2 * f, d), jnp.bfloat16) * 0.02 for i in range(copies)]
+    x = jax.random.normal(jax.random.key(99), (args.batch, d), jnp.bfloat16)
+    x8 = jnp.pad(x, ((0, decode_tma.ROWS - args.batch), (0, 0)))
+    r8 = decode_tma.row_rsqrt(x8, 1e-5)
+    blocks = dg.default_blocks(args.batch, m.resolved_head_dim, hidden=d,
+                               device_kind=jax.devices()[0].device_kind).gate_up
+    tri = jax.jit(lambda x, ws: [dg.gate_up_swiglu(x, w, eps=1e-5, blocks=blocks) for w in ws])
+    tma = jax.jit(lambda x8, r8, ws: [decode_tma.gate_up_swiglu_tma(x8, r8, w) for w in ws])
+    want = np.asarray(dg.gate_up_swiglu_reference(x, ws[0], eps=1e-5), np.float32)
+    got = np.asarray(tma(x8, r8, ws[:1])[0], np.float32)[:, :args.batch].T
+    row = dict(model=model, kernel="gate_up_swiglu", MB=2 * f * d * 2 / 1e6, copies=copies,
+               tma_err=float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+               tma_blocks=str(decode_tma.DEFAULT_BLOCKS))
+    _, _, row["triton_us"] = profile(tri, (x, ws), args.reps, copies)
+    _, _, row["tma_us"] = profile(tma, (x8, r8, ws), args.reps, copies)
+    for key in ("triton", "tma"):
+        row[f"{key}_pct_bw"] = 100 * 2 * f * d * 2 / (row[f"{key}_us"] * 1e-6) / bw
+    return row
+
+
 def main():
     from bench_attention import header
     from bench_decode import measure_bandwidth
@@ -274,10 +303,17 @@ def main():
             print(json.dumps(row), flush=True)
             rows.append(row)
             del ws
+    for model in args.models.split(","):  # the decoder's gate/up kernels: Triton (in use) and decode_tma's
+        rows.append(gate_up_row(model, args, bw))
+        print(json.dumps(rows[-1]), flush=True)
     print("| model | kernel | MB | XLA, all kernels µs (% copy BW) | Triton kernel (tiles) | TMA kernel, per tiling "
           "n/k/stages/splits | best TMA with its glue kernels |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if r["kernel"] == "gate_up_swiglu":
+            print(f"| {r['model']} | gate/up + SwiGLU kernels | {r['MB']:.1f} | - | {r['triton_us']:.1f} "
+                  f"({r['triton_pct_bw']:.0f}%) | decode_tma: {r['tma_us']:.1f} ({r['tma_pct_bw']:.0f}%) | - |")
+            continue
         tma = [kk[4:-3] for kk in r if kk.startswith("tma_") and kk.endswith("_us") and not kk.endswith("total_us")]
         cells = "; ".join(f"{t}: {r[f'tma_{t}_us']:.1f} ({r[f'tma_{t}_pct_bw']:.0f}%)" for t in tma) or "error"
         best = min(tma, key=lambda t: r[f"tma_{t}_us"]) if tma else None

@@ -390,12 +390,16 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
         else:
             attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
         x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out)
-        if tma:  # hᵀ [F, 8], read transposed by the down projection
+        transposed = False
+        if tma:  # hᵀ [F, 8]
             x8 = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
             h = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, eps), w["wgu_xd"])
+            transposed = decode_tma.DOWN_READS_TRANSPOSED
+            if not transposed:  # one small XLA transpose: the down kernel's programs then read rows
+                h = h[:, :b].T
         else:
             h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
-        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down, a_transposed=tma)
+        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down, a_transposed=transposed)
         ks.append(ck)
         vs.append(cv)
     logits = decode_gemv.norm_matmul(x, weights["head_xd"], eps=eps, blocks=blocks.head)

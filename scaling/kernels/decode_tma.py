@@ -43,6 +43,8 @@ class TmaBlocks:
 
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
+# Whether the decoder's down projection reads hᵀ in place (strided) or after an XLA transpose.
+DOWN_READS_TRANSPOSED = False
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
