@@ -78,9 +78,7 @@ def run_one(args) -> dict:
         if args.tma_blocks:
             from scaling.kernels import decode_tma
 
-            f, k, stages, *transposed = (int(v) for v in args.tma_blocks.split("/"))
-            decode_tma.DEFAULT_BLOCKS = decode_tma.TmaBlocks(f, k, stages)
-            decode_tma.DOWN_READS_TRANSPOSED = bool(transposed and transposed[0])
+            decode_tma.DEFAULT_BLOCKS = decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/")))
         dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
                              layers=args.layers, gemv_blocks=blocks)
         del model
@@ -150,8 +148,8 @@ def main() -> int:
     ap.add_argument("--attention", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--layers", default="auto", help=argparse.SUPPRESS)
-    ap.add_argument("--tma-blocks", default="", help="layers='pallas_tma': block_f/block_k/stages[/1] of the TMA "
-                    "gate/up kernel (default decode_tma.DEFAULT_BLOCKS; /1: the down projection reads hᵀ in place)")
+    ap.add_argument("--tma-blocks", default="", help="layers='pallas_tma': block_f/block_k/stages of the TMA "
+                    "gate/up kernel (default decode_tma.DEFAULT_BLOCKS)")
     ap.add_argument("--gemv-blocks", default="", help="Pallas layer tiles, a decode_gemv.LayerBlocks.parse spec "
                     "(e.g. qkv=256/16/2/4/4,gate_up=512/64/1/8/1)")
     args = ap.parse_args()

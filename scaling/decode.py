@@ -367,8 +367,8 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
                  blocks: decode_gemv.LayerBlocks, tma: bool = False):
     """_step_forward with the Pallas layer kernels: per layer qkv_rope (norm, projection, RoPE,
     cache write), attention, out projection + residual, norm + gate/up + SwiGLU, down + residual.
-    tma: the gate/up + SwiGLU by decode_tma (x padded to its 8 rows; the down projection reads
-    the first B columns of its feature-major output)."""
+    tma: the gate/up + SwiGLU by decode_tma, with XLA's pad, norm statistic and transpose
+    around it (docs/decoding.md: those cost more than the kernel saves)."""
     b = tokens_b.shape[0]
     eps = cfg.norm_eps
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
@@ -390,16 +390,12 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
         else:
             attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
         x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out)
-        transposed = False
-        if tma:  # hᵀ [F, 8]
+        if tma:  # x padded to the kernel's 8 rows; hᵀ [F, 8] back to the down kernel's rows (XLA)
             x8 = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
-            h = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, eps), w["wgu_xd"])
-            transposed = decode_tma.DOWN_READS_TRANSPOSED
-            if not transposed:  # one small XLA transpose: the down kernel's programs then read rows
-                h = h[:, :b].T
+            h = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, eps), w["wgu_xd"])[:, :b].T
         else:
             h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
-        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down, a_transposed=transposed)
+        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down)
         ks.append(ck)
         vs.append(cv)
     logits = decode_gemv.norm_matmul(x, weights["head_xd"], eps=eps, blocks=blocks.head)

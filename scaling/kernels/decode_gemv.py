@@ -209,16 +209,15 @@ def _k_loop(n: int, load, step, init, prefetch: int):
 
 
 def _matmul_rows(x_ref, w_ref, row_blocks, n: int, *, k: int, bk: int, prefetch: int, norm_eps: float | None,
-                 b: int | None = None, x_transposed: bool = False):
+                 b: int | None = None):
     """x W^T for blocks of n rows of W^T ([B, n] f32 each), over the whole reduction k: full
     tiles of bk in a loop, then the _k_plan tail pieces. norm_eps: RMSNorm x first (the norm's
     scale folded into W), its statistic summed from the same x tiles the products load.
-    b: the first b rows of x only (x padded beyond the batch); None = all of them.
-    x_transposed: x_ref holds xᵀ [K, >= b] (decode_tma's feature-major output)."""
-    b = x_ref.shape[1 if x_transposed else 0] if b is None else b
+    b: the first b rows of x only (x padded beyond the batch); None = all of them."""
+    b = x_ref.shape[0] if b is None else b
 
     def x_cols(ks):
-        return x_ref[ks, pl.ds(0, b)].T if x_transposed else x_ref[pl.ds(0, b), ks]
+        return x_ref[pl.ds(0, b), ks]
     _, full, tail = _k_plan(k, bk, b)
 
     def load(i):
@@ -351,30 +350,28 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
 # matmul_residual
 
 
-def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, prefetch: int, a_transposed: bool):
+def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, prefetch: int):
     rows = pl.ds(pl.program_id(0) * bn, bn)
     (acc,) = _matmul_rows(a_ref, w_ref, (rows,), bn, k=k, bk=bk, prefetch=prefetch, norm_eps=None,
-                          b=r_ref.shape[0], x_transposed=a_transposed)
+                          b=r_ref.shape[0])
     o_ref[:, rows] = (_f32(r_ref[:, rows]) + acc).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "a_transposed"))
-def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), interpret: bool = False,
-                    a_transposed: bool = False):
-    """r + a W: a [B, K] (or more rows: a padded batch, whose first B rows are used; with
-    a_transposed, aᵀ [K, >= B]); w [D, K] (W^T, output-major); r [B, D]. Returns [B, D] in r's dtype."""
-    k = a_bk.shape[0 if a_transposed else 1]
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), interpret: bool = False):
+    """r + a W: a [B, K] (or more rows: a padded batch, whose first B rows are used); w [D, K]
+    (W^T, output-major); r [B, D]. Returns [B, D] in r's dtype."""
+    k = a_bk.shape[1]
     b, d = r_bd.shape
-    if w_dk.shape != (d, k) or a_bk.shape[1 if a_transposed else 0] < b:
-        want = f"[K, >= {b}]" if a_transposed else f"[>= {b}, K]"
-        raise ValueError(f"shapes disagree: a {a_bk.shape} (want {want}), w {w_dk.shape} (want [{d}, {k}]), "
+    if w_dk.shape != (d, k) or a_bk.shape[0] < b:
+        raise ValueError(f"shapes disagree: a {a_bk.shape} (want [>= {b}, K]), w {w_dk.shape} (want [{d}, {k}]), "
                          f"r {r_bd.shape}")
     _check_rows(b)
     bn = _check_block_n(d, blocks.block_n, b, "output dim")
     bk = _k_plan(k, blocks.block_k, b)[0]
     interpret = _interpret(interpret)
     return pl.pallas_call(
-        functools.partial(_residual_kernel, bn=bn, bk=bk, k=k, prefetch=blocks.prefetch, a_transposed=a_transposed),
+        functools.partial(_residual_kernel, bn=bn, bk=bk, k=k, prefetch=blocks.prefetch),
         grid=(d // bn,),
         out_shape=jax.ShapeDtypeStruct((b, d), r_bd.dtype),
         compiler_params=_params(blocks, interpret),

@@ -14,8 +14,9 @@ features of both halves:
     tensor cores (weights as the A operand, x as B with wgmma's N = 8), both, then one wait;
   - the epilogue scales the columns by r8, applies the SwiGLU and writes [block_f, 8] by TMA.
 Activations: x8 [8, D] row-major in, hᵀ [F, 8] feature-major out (what the accumulator holds);
-rows (columns of hᵀ) past the batch are padding. decode_gemv.matmul_residual(...,
-a_transposed=True) reads hᵀ as the down projection's input.
+rows (columns of hᵀ) past the batch are padding. The decoder (layers="pallas_tma") pads x, takes
+the statistic and transposes hᵀ back in XLA: three small kernels that cost more than this one
+saves (docs/decoding.md, "The TMA gate/up in the decoder").
 
 Interpret mode (CPU tests) replaces the wgmma by a dot of the same operands; the rest is the
 GPU code. The reference is decode_gemv.gate_up_swiglu_reference.
@@ -43,8 +44,6 @@ class TmaBlocks:
 
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
-# Whether the decoder's down projection reads hᵀ in place (strided) or after an XLA transpose.
-DOWN_READS_TRANSPOSED = False
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
