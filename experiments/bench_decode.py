@@ -289,9 +289,9 @@ def check_layers_on_gpu(prompts) -> list[str]:
                                                     g.matmul_residual_reference(a7, wd7, x))
         if b <= decode_tma.ROWS and decode_tma.unsupported_reason(d, f) is None:  # layers="pallas_tma"'s gate/up
             x8 = jnp.concatenate([x, jnp.full((decode_tma.ROWS - b, d), jnp.nan, x.dtype)])  # padding rows: anything
-            ht = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, cfg.norm_eps), wgu)  # [F, 8]
-            errs[f"b{b} gate_up_swiglu_tma"] = rel(ht[:, :b].T, g.gate_up_swiglu_reference(x, wgu, eps=cfg.norm_eps))
-            wd, h8 = rnd((d, f), f ** -0.5), ht.T  # [8, F]: rows past the batch are NaN
+            h8 = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, cfg.norm_eps), wgu)  # [8, F]
+            errs[f"b{b} gate_up_swiglu_tma"] = rel(h8[:b], g.gate_up_swiglu_reference(x, wgu, eps=cfg.norm_eps))
+            wd = rnd((d, f), f ** -0.5)  # h8's rows past the batch are NaN
             errs[f"b{b} matmul_residual, padded input"] = rel(g.matmul_residual(h8, wd, x, blocks=lb.down),
                                                                g.matmul_residual_reference(h8[:b], wd, x))
     for k, e in errs.items():

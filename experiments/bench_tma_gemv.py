@@ -230,7 +230,7 @@ def gate_up_row(model: str, args, bw: float) -> dict:
     tri = jax.jit(lambda x, ws: [dg.gate_up_swiglu(x, w, eps=1e-5, blocks=blocks) for w in ws])
     tma = jax.jit(lambda x8, r8, ws: [decode_tma.gate_up_swiglu_tma(x8, r8, w) for w in ws])
     want = np.asarray(dg.gate_up_swiglu_reference(x, ws[0], eps=1e-5), np.float32)
-    got = np.asarray(tma(x8, r8, ws[:1])[0], np.float32)[:, :args.batch].T
+    got = np.asarray(tma(x8, r8, ws[:1])[0], np.float32)[:args.batch]
     row = dict(model=model, kernel="gate_up_swiglu", MB=2 * f * d * 2 / 1e6, copies=copies,
                tma_err=float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
                tma_blocks=str(decode_tma.DEFAULT_BLOCKS))

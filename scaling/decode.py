@@ -367,8 +367,7 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
                  blocks: decode_gemv.LayerBlocks, tma: bool = False):
     """_step_forward with the Pallas layer kernels: per layer qkv_rope (norm, projection, RoPE,
     cache write), attention, out projection + residual, norm + gate/up + SwiGLU, down + residual.
-    tma: the gate/up + SwiGLU by decode_tma, with XLA's pad, norm statistic and transpose
-    around it (docs/decoding.md: those cost more than the kernel saves)."""
+    tma: the gate/up + SwiGLU by decode_tma, with XLA's pad and norm statistic before it."""
     b = tokens_b.shape[0]
     eps = cfg.norm_eps
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
@@ -390,9 +389,9 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
         else:
             attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
         x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out)
-        if tma:  # x padded to the kernel's 8 rows; hᵀ [F, 8] back to the down kernel's rows (XLA)
+        if tma:  # x padded to the kernel's 8 rows (XLA); the down kernel reads the batch rows of h8
             x8 = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
-            h = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, eps), w["wgu_xd"])[:, :b].T
+            h = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, eps), w["wgu_xd"])
         else:
             h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
         x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down)

@@ -22,9 +22,9 @@ def test_gate_up_swiglu_matches_reference_interpret(b, d, f, blocks):
     # padding rows hold anything, even NaN: the rows of the product are independent
     x8 = jnp.concatenate([x, jnp.full((8 - b, d), jnp.nan, jnp.bfloat16)])
     got = np.asarray(t.gate_up_swiglu_tma(x8, t.row_rsqrt(x8, 1e-5), w, blocks=blocks), np.float32)
-    assert got.shape == (f, 8)  # feature-major
+    assert got.shape == (8, f)
     want = np.asarray(g.gate_up_swiglu_reference(x, w, eps=1e-5), np.float32)
-    np.testing.assert_allclose(got[:, :b].T, want, rtol=2e-2, atol=2e-2)  # both rounded to bf16 once
+    np.testing.assert_allclose(got[:b], want, rtol=2e-2, atol=2e-2)  # both rounded to bf16 once
 
 
 def test_refusals_name_the_problem():

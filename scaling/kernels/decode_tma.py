@@ -4,7 +4,7 @@ Why (docs/decoding.md, "A TMA-fed GEMV"): on an H200 the Triton kernels of decod
 plateau at 72-87% of the copy bandwidth for a batch-1 projection, while a kernel whose weight
 tiles arrive by TMA into a shared-memory ring reached 90-100% at the large ones.
 
-`gate_up_swiglu_tma(x8, r8, wgu)`: hᵀ = (silu(n(x) Wg) * (n(x) Wu))ᵀ for up to 8 rows, n the
+`gate_up_swiglu_tma(x8, r8, wgu)`: h = silu(n(x) Wg) * (n(x) Wu) for up to 8 rows, n the
 RMSNorm: its scale is folded into wgu's rows (decode_gemv.fold_norm, as for the Triton kernel)
 and its row statistic r8 = rsqrt(mean(x²) + eps) comes in (`row_rsqrt`). Per CTA, `block_f`
 features of both halves:
@@ -12,11 +12,12 @@ features of both halves:
     weight tiles [block_f, block_k] by TMA;
   - a consumer warpgroup issues acc_g += Wg_tile x_tileᵀ and acc_u += Wu_tile x_tileᵀ on the
     tensor cores (weights as the A operand, x as B with wgmma's N = 8), both, then one wait;
-  - the epilogue scales the columns by r8, applies the SwiGLU and writes [block_f, 8] by TMA.
-Activations: x8 [8, D] row-major in, hᵀ [F, 8] feature-major out (what the accumulator holds);
-rows (columns of hᵀ) past the batch are padding. The decoder (layers="pallas_tma") pads x, takes
-the statistic and transposes hᵀ back in XLA: three small kernels that cost more than this one
-saves (docs/decoding.md, "The TMA gate/up in the decoder").
+  - the epilogue scales the columns by r8, applies the SwiGLU, stores the [block_f, 8] result
+    transposed into shared memory and writes it by TMA as [8, block_f] of h.
+Activations: x8 [8, D] in, h8 [8, F] out, row-major; rows past the batch are padding, and the
+down projection (decode_gemv.matmul_residual) reads the batch rows of h8 directly. The decoder
+(layers="pallas_tma") pads x and takes the statistic in XLA (docs/decoding.md, "The TMA gate/up
+in the decoder").
 
 Interpret mode (CPU tests) replaces the wgmma by a dot of the same operands; the rest is the
 GPU code. The reference is decode_gemv.gate_up_swiglu_reference.
@@ -115,9 +116,9 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
         r = lax.broadcast_in_dim(r, acc_g.shape, [1])  # column b is row b of x
         g, u = acc_g * r, acc_u * r
         h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
-        out_smem[...] = h.astype(out_smem.dtype)
+        out_smem.T[...] = h.astype(out_smem.dtype)  # [block_f, 8] stored as rows of x's layout
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[pl.ds(f0, bf)])
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[:, pl.ds(f0, bf)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -143,9 +144,9 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret: bool = False):
-    """(silu(n(x) Wg) * (n(x) Wu))ᵀ: x8 [8, D] (rows past the batch are padding), r8 [8] f32 =
+    """silu(n(x) Wg) * (n(x) Wu): x8 [8, D] (rows past the batch are padding), r8 [8] f32 =
     row_rsqrt(x8, eps), wgu [2F, D] = decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows
-    first). Returns hᵀ [F, 8] in x8's dtype. blocks: None = DEFAULT_BLOCKS."""
+    first). Returns h8 [8, F] in x8's dtype. blocks: None = DEFAULT_BLOCKS."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     blocks = blocks or DEFAULT_BLOCKS
@@ -168,13 +169,13 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
     return plgpu.kernel(
         functools.partial(_kernel, blocks=blocks, d=d, f=f, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((f, ROWS), x8.dtype),
+        out_type=jax.ShapeDtypeStruct((ROWS, f), x8.dtype),
         scratch_types=(
             plgpu.SMEM((stages, ROWS, bk), x8.dtype, transforms=tiled),
             plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
             plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
             plgpu.SMEM((ROWS,), jnp.float32),
-            plgpu.SMEM((bf, ROWS), x8.dtype),
+            plgpu.SMEM((ROWS, bf), x8.dtype),
             plgpu.Barrier(num_barriers=stages),  # x tile landed
             plgpu.Barrier(num_barriers=stages),  # gate tile landed
             plgpu.Barrier(num_barriers=stages),  # up tile landed
