@@ -549,7 +549,8 @@ class Decoder:
             prime_lowering()
         # The prefill's attention core; `auto` is resolved per prompt length (attention.resolve_impl).
         self.core_impl = model.attention_cfg.impl
-        if jnp.dtype(self.dtype) == jnp.float32 and resolve_impl(self.core_impl, seq_len=max_len, head_dim=self.cfg.resolved_head_dim) == AttentionImpl.cudnn:
+        prefill_core = resolve_impl(self.core_impl, seq_len=max_len, head_dim=self.cfg.resolved_head_dim)
+        if jnp.dtype(self.dtype) == jnp.float32 and prefill_core == AttentionImpl.cudnn:
             self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")
@@ -572,7 +573,8 @@ class Decoder:
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
         if batch <= self.pallas_max_batch and pallas_layers_reason(self.cfg, batch, self.gemv_blocks) is None:
-            return DecodeLayerImpl.pallas_tma if self.layer_impl == DecodeLayerImpl.pallas_tma else DecodeLayerImpl.pallas
+            tma = self.layer_impl == DecodeLayerImpl.pallas_tma
+            return DecodeLayerImpl.pallas_tma if tma else DecodeLayerImpl.pallas
         return DecodeLayerImpl.xla
 
     def bucket(self, n_rows: int) -> int:

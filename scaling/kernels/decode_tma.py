@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from scaling.kernels.flash_attention_mgpu_bwd import SMEM_BYTES  # shared memory per CTA on sm_90
+
 ROWS = 8  # activation rows the kernels carry (a TMA box of one 8-row tile)
-SMEM_BYTES = 232448  # dynamic shared memory per CTA on sm_90
 
 
 @dataclasses.dataclass(frozen=True)
