@@ -15,12 +15,15 @@ from scaling.config import AttentionImpl
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Replace the cores by recorders of (impl, q length) that return the xla reference."""
+    """Replace the cores by recorders of (impl, q length) that return the xla reference (zeros for
+    long rows)."""
     calls = []
 
     def recorder(impl):
         def core(q, k, v, *, causal=True, segment_ids=None):
             calls.append((impl, q.shape[1]))
+            if q.shape[1] > 1024:  # long rows only test the choice: skip the [T, T] reference on the CPU
+                return jnp.zeros_like(q)
             return attention.xla_attention(q, k, v, causal=causal, segment_ids=segment_ids)
         return core
 

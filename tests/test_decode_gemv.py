@@ -228,11 +228,11 @@ def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers():
                       mlp_dim=128, init_std=0.3, compute_dtype=DType.bfloat16)
     model = build_model(cfg, seed=5)
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]
-    ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas").generate(prompts, 6)
+    ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas").generate(prompts, 4)
     dec = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas_tma")
     assert dec.bucket(3) == 4 and dec._step_layers(4) == decode.DecodeLayerImpl.pallas_tma
     assert dec._step_layers(16) == decode.DecodeLayerImpl.xla  # the TMA kernel carries 8 rows at most
-    out = dec.generate(prompts, 6)
+    out = dec.generate(prompts, 4)
     assert out.tokens == ref.tokens
     np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=0.05, rtol=0)
     with pytest.raises(ValueError, match="layers='pallas_tma' cannot run this model: mlp_dim 96"):
