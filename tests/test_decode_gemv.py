@@ -238,3 +238,14 @@ def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers():
     with pytest.raises(ValueError, match="layers='pallas_tma' cannot run this model: mlp_dim 96"):
         decode.Decoder(build_model(dataclasses.replace(cfg, mlp_dim=96)), layers="pallas_tma")
 
+
+def test_tma_layers_refuse_a_gpu_other_than_hopper(monkeypatch):
+    cfg = ModelConfig(vocab_size=97, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                      mlp_dim=128, compute_dtype=DType.bfloat16)
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(decode, "is_hopper", lambda: False)
+    with pytest.raises(ValueError, match="the TMA kernels need a Hopper GPU"):
+        decode.resolve_layer_impl("pallas_tma", cfg, decode.DecodeAttentionImpl.pallas)
+    monkeypatch.setattr(decode, "is_hopper", lambda: True)
+    assert decode.resolve_layer_impl("pallas_tma", cfg, decode.DecodeAttentionImpl.pallas) == "pallas_tma"
+
