@@ -5,7 +5,8 @@
     python experiments/bench_multigpu.py --model tiny --steps 3 --cpu-devices 8   # CPU smoke run
 
 Weak scaling: every run keeps the same batch per device, so the 2-device runs process twice
-the tokens per step, and scaling efficiency = tokens/s(2 devices) / (2 x tokens/s(1 device)).
+the tokens per step, and scaling efficiency = tokens/s per device of a run / tokens/s per
+device of the first run in --runs (the single device by default).
 MFU = flops_per_token x tokens/s / (devices x peak bf16 FLOP/s), with the FLOPs of
 scaling.accounting (dense matmuls + causal attention, training = 3 x forward; remat
 recompute is not counted, as in PaLM's MFU) and the peak of scaling.hardware.
@@ -241,7 +242,7 @@ def run_all(batch: int, seq_len: int) -> list[Result]:
 
 
 def report(results: list[Result]) -> int:
-    base = results[0].tokens_per_sec
+    base = results[0].tokens_per_sec / results[0].devices  # per device, of the first run in --runs
     for r in results[1:]:
         r.efficiency = r.tokens_per_sec / (r.devices * base)
     dev = jax.devices()[0]

@@ -129,8 +129,7 @@ def timing(shape, variants, reps, peers=True):
     o, lse = jax.jit(lambda q, k, v: mosaic_forward(q, k, v, causal=causal))(q, k, v)
     delta_fn = jax.jit(bwd.output_row_dot)
     delta = delta_fn(o, do)
-    part_calls = {("delta (XLA)", "ms"): lambda: delta_fn(o, do)}
-    part_rows = {}
+    part_calls, part_rows = {("delta (XLA)", "ms"): lambda: delta_fn(o, do)}, {}
     # FLOPs: dK/dV 4 matmuls, dQ 3 (each 2·B·H·T²·D, halved when causal).
     part_flops = {}
     for name, cfg in variants.items():

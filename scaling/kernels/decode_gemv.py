@@ -215,9 +215,6 @@ def _matmul_rows(x_ref, w_ref, row_blocks, n: int, *, k: int, bk: int, prefetch:
     scale folded into W), its statistic summed from the same x tiles the products load.
     b: the first b rows of x only (x padded beyond the batch); None = all of them."""
     b = x_ref.shape[0] if b is None else b
-
-    def x_cols(ks):
-        return x_ref[pl.ds(0, b), ks]
     _, full, tail = _k_plan(k, bk, b)
 
     def load(i):
@@ -226,7 +223,7 @@ def _matmul_rows(x_ref, w_ref, row_blocks, n: int, *, k: int, bk: int, prefetch:
 
     def step(i, tiles, carry):
         accs, ss = carry
-        x = x_cols(_kslice(i, bk))
+        x = x_ref[pl.ds(0, b), _kslice(i, bk)]
         accs = tuple(_acc_add(a, x, w) for a, w in zip(accs, tiles))
         return accs, ss + jnp.sum(_f32(x) * _f32(x), axis=1)
 
@@ -234,7 +231,7 @@ def _matmul_rows(x_ref, w_ref, row_blocks, n: int, *, k: int, bk: int, prefetch:
     accs, ss = _k_loop(full, load, step, init, prefetch) if full else init
     outs = [_acc_done(a) for a in accs]
     for start, width in tail:  # static pieces: each reduced on its own
-        x = x_cols(pl.ds(start, width))
+        x = x_ref[pl.ds(0, b), pl.ds(start, width)]
         outs = [o + _acc_done(_acc_add(_acc_init(b, n, width), x, w_ref[rows, pl.ds(start, width)]))
                 for o, rows in zip(outs, row_blocks)]
         ss = ss + jnp.sum(_f32(x) * _f32(x), axis=1)
