@@ -6,22 +6,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from scaling.kernels import decode_gemv as g
 from scaling.kernels import decode_tma as t
+
+from mosaic_helpers import non_tma_races
 
 
 @pytest.mark.parametrize("b, d, f, blocks", [
     (1, 256, 128, t.TmaBlocks(block_f=64, block_k=64, stages=2)),  # the ring wraps twice; two CTAs
     (3, 512, 192, t.TmaBlocks(block_f=64, block_k=128, stages=3)),  # 3 rows; steps not a multiple of stages
 ])
-def test_gate_up_swiglu_matches_reference_interpret(b, d, f, blocks):
+def test_gate_up_swiglu_matches_reference_interpret(b, d, f, blocks, capfd):
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((b, d)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((2 * f, d)) * 0.05, jnp.bfloat16)
     # padding rows hold anything, even NaN: the rows of the product are independent
     x8 = jnp.concatenate([x, jnp.full((8 - b, d), jnp.nan, jnp.bfloat16)])
-    got = np.asarray(t.gate_up_swiglu_tma(x8, t.row_rsqrt(x8, 1e-5), w, blocks=blocks), np.float32)
+    capfd.readouterr()
+    got = np.asarray(t.gate_up_swiglu_tma(x8, t.row_rsqrt(x8, 1e-5), w, blocks=blocks,
+                                          interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float32)
+    assert not (races := non_tma_races(capfd.readouterr().out)), races  # mosaic_helpers says which are left out
     assert got.shape == (8, f)
     want = np.asarray(g.gate_up_swiglu_reference(x, w, eps=1e-5), np.float32)
     np.testing.assert_allclose(got[:b], want, rtol=2e-2, atol=2e-2)  # both rounded to bf16 once

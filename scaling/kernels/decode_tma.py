@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from scaling.kernels.flash_attention_mgpu import interpret_params
 from scaling.kernels.flash_attention_mgpu_bwd import SMEM_BYTES  # shared memory per CTA on sm_90
 
 ROWS = 8  # activation rows the kernels carry (a TMA box of one 8-row tile)
@@ -144,10 +145,11 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret: bool = False):
+def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret=False):
     """silu(n(x) Wg) * (n(x) Wu): x8 [8, D] (rows past the batch are padding), r8 [8] f32 =
     row_rsqrt(x8, eps), wgu [2F, D] = decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows
-    first). Returns h8 [8, F] in x8's dtype. blocks: None = DEFAULT_BLOCKS."""
+    first). Returns h8 [8, F] in x8's dtype. blocks: None = DEFAULT_BLOCKS. interpret: True, or
+    `plgpu.InterpretGPUParams` (e.g. `detect_races=True`); always interpreted on a CPU."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     blocks = blocks or DEFAULT_BLOCKS
@@ -165,7 +167,8 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
     reason = unsupported_reason(d, f, blocks)
     if reason:
         raise ValueError(f"gate_up_swiglu_tma: {reason}")
-    interpret = bool(interpret) or jax.default_backend() == "cpu"
+    params = interpret_params(interpret or jax.default_backend() == "cpu")
+    interpret = params is not None
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
     return plgpu.kernel(
@@ -187,5 +190,5 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
         grid_names=("f",),
         num_threads=2,
         thread_name="wg",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=params,
     )(x8, r8, wgu)

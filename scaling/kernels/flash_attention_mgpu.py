@@ -521,7 +521,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("geo", "interpret"))
-def _call(q, k, v, geo: _Geometry, interpret: bool):
+def _call(q, k, v, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None):
     cfg = geo.cfg
     dtype = q.dtype
     # 128-byte swizzle over (8, 64) tiles: the layout wgmma reads without bank conflicts.
@@ -555,17 +555,18 @@ def _call(q, k, v, geo: _Geometry, interpret: bool):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              reduction_scratch_bytes=cfg.reduction_scratch_bytes),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret,
     )(q, k, v)
 
 
 def mosaic_forward(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
-                   config: MosaicConfig | None = None, interpret: bool = False):
+                   config: MosaicConfig | None = None, interpret: bool | plgpu.InterpretGPUParams = False):
     """(out [B, T, H, D], lse [B, H, T] f32): attention forward and its log2-domain log-sum-exp.
 
     lse[b, h, t] = log2(sum_s exp2(q_t · k_s · sm_scale · log2 e)) over the visible keys s.
     Raises ValueError for what this kernel does not support (see `unsupported_reason`).
-    interpret: run under Pallas' GPU interpret mode (CPU; slow, for tests).
+    interpret: run under Pallas' GPU interpret mode (CPU; slow, for tests); True for the default
+      `plgpu.InterpretGPUParams()`, or the params themselves (e.g. `detect_races=True`).
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be 4-D, got {q.shape=}, {k.shape=}, {v.shape=}")
@@ -582,4 +583,11 @@ def mosaic_forward(q, k, v, *, causal: bool = True, sm_scale: float | None = Non
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     geo = _Geometry(batch=b, q_len=t, kv_len=k.shape[1], heads=h, kv_heads=k.shape[2], head_dim=d,
                     causal=bool(causal), scale_log2=scale * LOG2_E, cfg=cfg, in_place=not interpret)
-    return _call(q, k, v, geo, bool(interpret))
+    return _call(q, k, v, geo, interpret_params(interpret))
+
+
+def interpret_params(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGPUParams | None:
+    """The GPU interpret-mode params for an `interpret` argument (None: compile for the GPU)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else None

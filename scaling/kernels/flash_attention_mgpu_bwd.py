@@ -65,8 +65,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels.flash_attention_mgpu import (LOG2_E, common_unsupported_reason, persistent_items, sm_count,
-                                                  work_item)
+from scaling.kernels.flash_attention_mgpu import (LOG2_E, common_unsupported_reason, interpret_params,
+                                                  persistent_items, sm_count, work_item)
 
 HEAD_DIMS = (64, 128)
 FUSED_HEAD_DIM = 128  # fused_dq splits dS K's columns over the consumers in 64-column tiles
@@ -470,6 +470,10 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous outputs have left staging
                 out_k, out_v = dk_stage.at[wg], dv_stage.at[wg]
             else:
+                if fused:  # the partner's last dS K reads every key of K: one more ds_ready phase first
+                    last = lax.rem(ib + total, 2)
+                    plgpu.barrier_arrive(ds_ready.at[last])
+                    plgpu.barrier_wait(ds_ready.at[last])
                 out_k, out_v = my_k, my_v  # K, V are dead: stage the outputs there
             out_k[...] = (dk * geo.sm_scale).astype(out_k.dtype)
             out_v[...] = dv.astype(out_v.dtype)
@@ -570,7 +574,7 @@ def _grid(dims: dict[str, int], *, tiles_outermost: bool) -> dict:
     return dict(grid=tuple(dims[n] for n in names), grid_names=tuple(names))
 
 
-def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=None):
+def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, dq_acc=None):
     """(dk, dv); with `fused_dq` the kernel also reduce-adds into the Ref `dq_acc`."""
     cfg = geo.cfg
     d, dtype = geo.head_dim, q.dtype
@@ -617,7 +621,7 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: bool, dq_acc=N
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret,
     )(q, k, v, do, lse, delta, *(() if dq_acc is None else (dq_acc,)))
 
 
@@ -808,7 +812,7 @@ def _dq_kernel(*refs, geo: _Geometry):
             plgpu.barrier_wait(k_free.at[slot])
 
 
-def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: bool):
+def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None):
     """dq, or (dq, delta) with `delta_in_dq` (then `delta_or_o` is O)."""
     cfg = geo.cfg
     d, dtype = geo.head_dim, q.dtype
@@ -845,7 +849,7 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: bool):
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=interpret,
     )(q, k, v, do, lse, delta_or_o)
 
 
@@ -862,7 +866,7 @@ def output_row_dot(o, do):
 
 
 @functools.partial(jax.jit, static_argnames=("geo", "interpret"))
-def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: bool):
+def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None):
     # delta_i = rowsum(dO_i ∘ O_i) (FA2 Algorithm 2, line 4), [B, H, T]: inside the dQ kernel,
     # which then runs first, or one fused XLA reduction.
     if geo.cfg.delta_in_dq:
@@ -882,7 +886,7 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: bool):
 
 
 def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float | None = None,
-                    config: MosaicBwdConfig | None = None, interpret: bool = False):
+                    config: MosaicBwdConfig | None = None, interpret: bool | plgpu.InterpretGPUParams = False):
     """(dq, dk, dv) of softmax(q kᵀ · sm_scale + mask) v, given the forward's o and lse.
 
     q, o, do: [B, T, H, D]; k, v: [B, S, KV, D] (H % KV == 0); lse: [B, H, T] f32, log2 domain,
@@ -890,6 +894,7 @@ def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float
     (dK, dV summed over each GQA group in f32 before the single rounding).
     Raises ValueError (TypeError for a wrong config type) before any kernel runs for what this
     backward does not support (see `unsupported_reason`).
+    interpret: as for `flash_attention_mgpu.mosaic_forward`.
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
         if getattr(x, "ndim", None) != 4:
@@ -913,4 +918,4 @@ def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     geo = _Geometry(batch=b, q_len=t, kv_len=k.shape[1], heads=h, kv_heads=k.shape[2], head_dim=d,
                     causal=bool(causal), sm_scale=scale, cfg=cfg, in_place=not interpret)
-    return _backward(q, k, v, o, lse, do, geo, bool(interpret))
+    return _backward(q, k, v, o, lse, do, geo, interpret_params(interpret))
