@@ -9,7 +9,8 @@ with experiments/bench_decode.py's measurement (same roofline: weights + filled 
 over the copy bandwidth measured in the parent). A variant is a name, a set of XLA flags,
 the decoder's `min_batch` (rows padded up to it, so M = 1 matmuls take the M >= 8 path) and
 its decode attention (pallas: the flash-decoding kernel; fused: the kernel with RoPE and the
-cache write folded in) and its layers (xla, or pallas: scaling.kernels.decode_gemv).
+cache write folded in) and its layers (xla, or pallas: scaling.kernels.decode_gemv; pallas_tma
+with its TMA gate/up, "+pdl" launching that kernel by PDL).
 
 `--profile` traces one decode call of the first variant op by op (profiling turns command
 buffers off unless XLA is told otherwise) and prints the GPU kernels of one step: count,
@@ -54,6 +55,10 @@ VARIANTS = {
     "pallas_layers_combined": ("", None, "pallas_combined", "pallas"),
     # + the gate/up + SwiGLU streamed by TMA (scaling.kernels.decode_tma; Hopper)
     "pallas_layers_tma": ("", None, "pallas", "pallas_tma"),
+    # + that kernel launched early by PDL (decode_tma.DEFAULT_PDL; "+pdl" below), with XLA's own
+    # kernels as they are, and with XLA's PDL on too (its kernels wait at their start)
+    "pallas_layers_tma_pdl": ("", None, "pallas", "pallas_tma+pdl"),
+    "pallas_layers_tma_pdl_xla": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas_tma+pdl"),
     # the decoder's default: Pallas layers for small batches, XLA above (on the row layout)
     "auto_layers": ("", None, "pallas", "auto"),
 }
@@ -75,12 +80,14 @@ def run_one(args) -> dict:
         from scaling.kernels.decode_gemv import LayerBlocks
 
         blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
-        if args.tma_blocks:
-            from scaling.kernels import decode_tma
+        from scaling.kernels import decode_tma
 
+        if args.tma_blocks:
             decode_tma.DEFAULT_BLOCKS = decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/")))
+        layers, _, pdl = args.layers.partition("+")
+        decode_tma.DEFAULT_PDL = pdl == "pdl"
         dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
-                             layers=args.layers, gemv_blocks=blocks)
+                             layers=layers, gemv_blocks=blocks)
         del model
         t = time.perf_counter()
         r = bench_decode.bench_ours(dec, cfg, args.batch, args.prompt, args.new_tokens, np.random.default_rng(0))

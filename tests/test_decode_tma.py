@@ -54,6 +54,8 @@ def test_lowers_for_hopper(monkeypatch):
     from test_gpu_lowering import MOSAIC_CALL, lower_for_cuda, sds
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    fn = lambda x8, r8, w: t.gate_up_swiglu_tma(x8, r8, w)  # noqa: E731
-    text = lower_for_cuda(fn, sds((8, 1024)), sds((8,), jnp.float32), sds((512, 1024)))
-    assert text.count(MOSAIC_CALL) == 1
+    args = sds((8, 1024)), sds((8,), jnp.float32), sds((512, 1024))
+    for pdl in (False, True):  # pdl: the griddepcontrol instructions, and the kernel marked for a PDL launch
+        text = lower_for_cuda(lambda x8, r8, w, pdl=pdl: t.gate_up_swiglu_tma(x8, r8, w, pdl=pdl), *args)
+        assert text.count(MOSAIC_CALL) == 1
+        assert ("griddepcontrol.wait" in text, "mosaic_gpu.uses_pdl" in text) == (pdl, pdl)

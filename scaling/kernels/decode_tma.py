@@ -19,8 +19,18 @@ down projection (decode_gemv.matmul_residual) reads the batch rows of h8 directl
 (layers="pallas_tma") pads x and takes the statistic in XLA (docs/decoding.md, "The TMA gate/up
 in the decoder").
 
-Interpret mode (CPU tests) replaces the wgmma by a dot of the same operands; the rest is the
-GPU code. The reference is decode_gemv.gate_up_swiglu_reference.
+Programmatic dependent launch (`pdl=True`, opt-in, not yet timed): at batch 1 a projection's
+time is mostly bytes, but each kernel also pays a start and a tail (docs/decoding.md). With PDL
+the kernel may start while the previous one is still running: its producer fills the ring with
+weight tiles (which no earlier kernel writes), then waits at `griddepcontrol.wait` until the
+previous kernel's writes are visible, and only then loads x and r. Once it has issued its last
+load it signals `griddepcontrol.launch_dependents`, so a next kernel that waits the same way
+can start on the SMs this grid frees. Mosaic GPU marks such a kernel `mosaic_gpu.uses_pdl`; the
+launch with the programmatic-serialization attribute is the runtime's. A kernel that does not
+wait is launched as usual, so correctness never depends on the neighbours.
+
+Interpret mode (CPU tests) replaces the wgmma by a dot of the same operands and leaves out the
+griddepcontrol instructions; the rest is the GPU code. The reference is decode_gemv.gate_up_swiglu_reference.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ class TmaBlocks:
 
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
+DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py --tma-pdl)
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
@@ -79,7 +90,7 @@ def row_rsqrt(x8, eps: float):
 
 
 def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem, x_full, g_full, u_full, free,
-            r_full, *, blocks: TmaBlocks, d: int, f: int, interpret: bool):
+            r_full, *, blocks: TmaBlocks, d: int, f: int, interpret: bool, pdl: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
@@ -125,31 +136,50 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
 
     @pl.when(wg == 1)
     def _producer():
+        def load_x(j, slot):
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(j * bk, bk)], x_ring.at[slot], x_full.at[slot])
+
+        def load_w(j, slot):
+            cols = pl.ds(j * bk, bk)
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], g_ring.at[slot], g_full.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f + f0, bf), cols], u_ring.at[slot], u_full.at[slot])
+
+        first = 0
+        if pdl:  # the weights do not depend on the previous kernel: fill the ring with them first,
+            first = min(stages, steps)  # then wait for that kernel's writes (x, r) to be visible
+            for j in range(first):
+                load_w(j, j)
+            plgpu.griddepcontrol_wait()
+            for j in range(first):
+                load_x(j, j)
         plgpu.copy_gmem_to_smem(r_ref, r_smem, r_full)
 
-        @pl.loop(0, steps)
+        @pl.loop(first, steps)
         def _fetch(j):
             slot = lax.rem(j, stages)
-            cols = pl.ds(j * bk, bk)
 
             @pl.when(j >= stages)
             def _():
                 plgpu.barrier_wait(free.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_ring.at[slot], x_full.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], g_ring.at[slot], g_full.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f + f0, bf), cols], u_ring.at[slot], u_full.at[slot])
+            load_x(j, slot)
+            load_w(j, slot)
+
+        if pdl:  # every load is issued: the next kernel may start on the SMs this grid frees
+            plgpu.griddepcontrol_launch_dependents()
 
         @pl.loop(max(steps - stages, 0), steps)
         def _drain(j):  # observe the last releases: every barrier phase is waited on once
             plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "pdl"))
+def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret=False, pdl: bool | None = None):
     """silu(n(x) Wg) * (n(x) Wu): x8 [8, D] (rows past the batch are padding), r8 [8] f32 =
     row_rsqrt(x8, eps), wgu [2F, D] = decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows
     first). Returns h8 [8, F] in x8's dtype. blocks: None = DEFAULT_BLOCKS. interpret: True, or
-    `plgpu.InterpretGPUParams` (e.g. `detect_races=True`); always interpreted on a CPU."""
+    `plgpu.InterpretGPUParams` (e.g. `detect_races=True`); always interpreted on a CPU.
+    pdl: programmatic dependent launch (module docstring); None = DEFAULT_PDL. Ignored when
+    interpreted."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     blocks = blocks or DEFAULT_BLOCKS
@@ -169,10 +199,12 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
         raise ValueError(f"gate_up_swiglu_tma: {reason}")
     params = interpret_params(interpret or jax.default_backend() == "cpu")
     interpret = params is not None
+    pdl = DEFAULT_PDL if pdl is None else bool(pdl)
+    pdl = pdl and not interpret  # the interpreter has no griddepcontrol
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
     return plgpu.kernel(
-        functools.partial(_kernel, blocks=blocks, d=d, f=f, interpret=interpret),
+        functools.partial(_kernel, blocks=blocks, d=d, f=f, interpret=interpret, pdl=pdl),
         out_type=jax.ShapeDtypeStruct((ROWS, f), x8.dtype),
         scratch_types=(
             plgpu.SMEM((stages, ROWS, bk), x8.dtype, transforms=tiled),
