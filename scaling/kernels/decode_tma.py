@@ -57,7 +57,7 @@ class TmaBlocks:
 
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
-DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py --tma-pdl)
+DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py's *_tma_pdl variants)
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
@@ -179,7 +179,8 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
     first). Returns h8 [8, F] in x8's dtype. blocks: None = DEFAULT_BLOCKS. interpret: True, or
     `plgpu.InterpretGPUParams` (e.g. `detect_races=True`); always interpreted on a CPU.
     pdl: programmatic dependent launch (module docstring); None = DEFAULT_PDL. Ignored when
-    interpreted."""
+    interpreted. It reads wgu before the previous kernel has finished: only for weights that no
+    kernel of the same program writes (the decoder's are prepared once, outside the step)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     blocks = blocks or DEFAULT_BLOCKS
