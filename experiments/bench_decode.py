@@ -294,6 +294,14 @@ def check_layers_on_gpu(prompts) -> list[str]:
             wd = rnd((d, f), f ** -0.5)  # h8's rows past the batch are NaN
             errs[f"b{b} matmul_residual, padded input"] = rel(g.matmul_residual(h8, wd, x, blocks=lb.down),
                                                                g.matmul_residual_reference(h8[:b], wd, x))
+            # the statistic taken in the kernel, on the residual stream padded with zeros (the decoder's)
+            x8z = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
+            h8n = decode_tma.gate_up_swiglu_tma(x8z, None, wgu, norm_eps=cfg.norm_eps)
+            errs[f"b{b} gate_up_swiglu_tma, in-kernel norm"] = rel(
+                h8n[:b], g.gate_up_swiglu_reference(x, wgu, eps=cfg.norm_eps))
+            out8 = g.matmul_residual(h8n, wd, x8z, blocks=lb.down, rows=b)  # padding rows pass through
+            errs[f"b{b} matmul_residual, padded stream"] = rel(out8[:b], g.matmul_residual_reference(h8n[:b], wd, x))
+            errs[f"b{b} matmul_residual, padding rows kept (|out - 0|)"] = float(jnp.abs(out8[b:]).max())
     for k, e in errs.items():
         msg = f"{k} bf16 1b shapes: rel err {e:.2e}"
         print(msg, flush=True)

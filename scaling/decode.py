@@ -136,7 +136,7 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
             raise ValueError(f"layers='{impl.value}' writes the cache itself; combine it with attention 'pallas' or "
                              "'xla', not 'fused'")
         if impl == DecodeLayerImpl.pallas_tma:
-            reason = decode_tma.unsupported_reason(cfg.hidden_size, cfg.mlp_dim)
+            reason = decode_tma.unsupported_reason(cfg.hidden_size, cfg.mlp_dim, in_kernel_norm=True)
             if jax.default_backend() == "gpu" and not is_hopper():
                 reason = "the TMA kernels need a Hopper GPU (sm_90)"
             if reason:
@@ -367,10 +367,14 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
                  blocks: decode_gemv.LayerBlocks, tma: bool = False):
     """_step_forward with the Pallas layer kernels: per layer qkv_rope (norm, projection, RoPE,
     cache write), attention, out projection + residual, norm + gate/up + SwiGLU, down + residual.
-    tma: the gate/up + SwiGLU by decode_tma, with XLA's pad and norm statistic before it."""
+    tma: the gate/up + SwiGLU by decode_tma, which takes the norm statistic itself; the residual
+    stream then stays padded to its 8 rows through the step (padded once, after the embedding:
+    the other kernels compute the batch rows and pass the padding rows through)."""
     b = tokens_b.shape[0]
     eps = cfg.norm_eps
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
+    if tma:  # zeros: they stay zeros (norm of 0 is finite, SwiGLU of 0 is 0) and are never read back
+        x = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
     # The flash-decoding kernel takes q in its own tile layout, written so by qkv_rope.
     grouped = (attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.pallas_combined)
                and cfg.num_heads // cfg.num_kv_heads <= decode_gemv.MIN_ROWS)
@@ -388,16 +392,15 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
             attn = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads)
         else:
             attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
-        x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out)
-        if tma:  # x padded to the kernel's 8 rows (XLA); the down kernel reads the batch rows of h8
-            x8 = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
-            h = decode_tma.gate_up_swiglu_tma(x8, decode_tma.row_rsqrt(x8, eps), w["wgu_xd"])
+        x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out, rows=b)
+        if tma:  # the down kernel reads the batch rows of h8
+            h = decode_tma.gate_up_swiglu_tma(x, None, w["wgu_xd"], norm_eps=eps)
         else:
             h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
-        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down)
+        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down, rows=b)
         ks.append(ck)
         vs.append(cv)
-    logits = decode_gemv.norm_matmul(x, weights["head_xd"], eps=eps, blocks=blocks.head)
+    logits = decode_gemv.norm_matmul(x[:b], weights["head_xd"], eps=eps, blocks=blocks.head)
     return logits[:, : cfg.vocab_size], {"k": tuple(ks), "v": tuple(vs)}
 
 

@@ -108,6 +108,38 @@ def test_matmul_residual_reads_the_batch_rows_of_a_padded_input(rng, b):
         g.matmul_residual(a8[:1], w, jnp.zeros((2, d)))
 
 
+@pytest.mark.parametrize("b", [1, 4])  # the Pallas layers take power-of-two batches (the decoder's buckets)
+def test_padded_residual_stream_passes_its_padding_rows_through(rng, b):
+    """layers="pallas_tma"'s residual stream, padded to 8 rows once per step: matmul_residual
+    with rows=B computes the batch rows and copies r's padding rows (here NaN: copied, never
+    computed on); qkv_rope takes the first B rows of a padded x (B from the caches)."""
+    k, d = 128, 32
+    a8 = jnp.asarray(rng.normal(size=(8, k)), jnp.float32)  # a's padding rows are not read either
+    w = jnp.asarray(rng.normal(size=(d, k)) / np.sqrt(k), jnp.float32)
+    r8 = jnp.concatenate([jnp.asarray(rng.normal(size=(b, d)), jnp.float32), jnp.full((8 - b, d), jnp.nan)])
+    got = g.matmul_residual(a8, w, r8, blocks=g.GemvBlocks(block_k=64, block_n=4), rows=b)
+    assert got.shape == (8, d)
+    assert rel(got[:b], g.matmul_residual_reference(a8[:b], w, r8[:b])) < TOL[jnp.float32]
+    assert np.isnan(np.asarray(got[b:])).all()
+    with pytest.raises(ValueError, match="rows=9"):
+        g.matmul_residual(a8, w, r8, rows=9)
+    n, kv, h, s = 4, 2, 16, 8
+    x = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
+    x8 = jnp.concatenate([x, jnp.full((8 - b, d), jnp.nan)])
+    wqkv = jnp.asarray(rng.normal(size=((n + 2 * kv) * h, d)) / np.sqrt(d), jnp.float32)
+    inv_freq = layers.rope_frequencies(ModelConfig(vocab_size=8, hidden_size=n * h, num_layers=1, num_heads=n,
+                                                   num_kv_heads=kv))
+    pos = jnp.asarray(rng.integers(0, s, size=b), jnp.int32)
+    kc, vc = jnp.zeros((b, s, kv, h)), jnp.zeros((b, s, kv, h))
+    want = g.qkv_rope_reference(x, wqkv, inv_freq, pos, kc, vc, num_heads=n, eps=1e-5)
+    blocks = g.GemvBlocks(block_k=32, rope_parts=1)
+    got = g.qkv_rope(x8, wqkv, inv_freq, pos, kc.copy(), vc.copy(), num_heads=n, eps=1e-5, blocks=blocks)
+    for a, r in zip(got, want):
+        assert a.shape == r.shape and rel(a, r) < TOL[jnp.float32]
+    with pytest.raises(ValueError, match=r"want \[B\]"):
+        g.qkv_rope(x8, wqkv, inv_freq, pos[:1].repeat(2) if b == 1 else pos[:1], kc, vc, num_heads=n, eps=1e-5)
+
+
 
 def test_fold_norm_is_rmsnorm_then_matmul(rng):
     """(x * r * s) W = r * (x diag(s) W): the folded layout gives the model's RMSNorm."""
@@ -221,9 +253,10 @@ def test_vector_tiles_per_device():
 
 
 def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers():
-    """layers="pallas_tma" (the gate/up + SwiGLU by decode_tma, interpret mode; x padded to its 8
-    rows, the down projection reading the batch rows of its padded output) decodes a bf16 model
-    like layers="pallas": same tokens, log-probs within bf16 rounding; 3 ragged prompts."""
+    """layers="pallas_tma" (the gate/up + SwiGLU by decode_tma with the norm statistic taken in the
+    kernel, interpret mode; the residual stream padded to 8 rows once per step and passed through
+    the other kernels) decodes a bf16 model like layers="pallas": same tokens, log-probs within
+    bf16 rounding; 3 ragged prompts."""
     cfg = ModelConfig(vocab_size=97, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                       mlp_dim=128, init_std=0.3, compute_dtype=DType.bfloat16)
     model = build_model(cfg, seed=5)

@@ -14,18 +14,20 @@ from scaling.kernels import decode_tma as t
 from mosaic_helpers import non_tma_races
 
 
-@pytest.mark.parametrize("b, d, f, blocks", [
-    (1, 256, 128, t.TmaBlocks(block_f=64, block_k=64, stages=2)),  # the ring wraps twice; two CTAs
-    (3, 512, 192, t.TmaBlocks(block_f=64, block_k=128, stages=3)),  # 3 rows; steps not a multiple of stages
+@pytest.mark.parametrize("b, d, f, blocks, in_kernel_norm", [
+    (1, 256, 128, t.TmaBlocks(block_f=64, block_k=64, stages=2), False),  # the ring wraps twice; two CTAs
+    (3, 512, 192, t.TmaBlocks(block_f=64, block_k=128, stages=3), False),  # 3 rows; steps not a multiple of stages
+    (2, 768, 128, t.TmaBlocks(block_f=64, block_k=256, stages=2), True),  # the statistic in the kernel, ring wraps
 ])
-def test_gate_up_swiglu_matches_reference_interpret(b, d, f, blocks, capfd):
+def test_gate_up_swiglu_matches_reference_interpret(b, d, f, blocks, in_kernel_norm, capfd):
     rng = np.random.default_rng()
-    x = jnp.asarray(rng.standard_normal((b, d)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((b, d)) * rng.uniform(0.1, 10, (b, 1)), jnp.bfloat16)  # rows of unlike scale
     w = jnp.asarray(rng.standard_normal((2 * f, d)) * 0.05, jnp.bfloat16)
-    # padding rows hold anything, even NaN: the rows of the product are independent
+    # padding rows hold anything, even NaN: the rows of the product (and of the statistic) are independent
     x8 = jnp.concatenate([x, jnp.full((8 - b, d), jnp.nan, jnp.bfloat16)])
+    r8, eps = (None, 1e-5) if in_kernel_norm else (t.row_rsqrt(x8, 1e-5), None)
     capfd.readouterr()
-    got = np.asarray(t.gate_up_swiglu_tma(x8, t.row_rsqrt(x8, 1e-5), w, blocks=blocks,
+    got = np.asarray(t.gate_up_swiglu_tma(x8, r8, w, blocks=blocks, norm_eps=eps,
                                           interpret=plgpu.InterpretGPUParams(detect_races=True)), np.float32)
     assert not (races := non_tma_races(capfd.readouterr().out)), races  # mosaic_helpers says which are left out
     assert got.shape == (8, f)
@@ -45,6 +47,14 @@ def test_refusals_name_the_problem():
         t.gate_up_swiglu_tma(x8, r8, w[:192])
     with pytest.raises(ValueError, match="16-bit dtype"):
         t.gate_up_swiglu_tma(x8.astype(jnp.float32), r8, w.astype(jnp.float32))
+    for r, eps in ((r8, 1e-5), (None, None)):
+        with pytest.raises(ValueError, match="exactly one of r8 .* and norm_eps"):
+            t.gate_up_swiglu_tma(x8, r, w, norm_eps=eps)
+    with pytest.raises(ValueError, match="block_k=64 must be a multiple of 128 for the in-kernel statistic"):
+        t.gate_up_swiglu_tma(x8, None, w, norm_eps=1e-5, blocks=t.TmaBlocks(block_k=64))
+    # the plain x copies of the statistic: 3 x 8 x 256 x 2 bytes more than the default tiles' 209,952
+    assert t.smem_bytes(t.DEFAULT_BLOCKS, in_kernel_norm=True) == t.smem_bytes(t.DEFAULT_BLOCKS) + 12288 - 32
+    assert t.unsupported_reason(4096, 11008, in_kernel_norm=True) is None
     assert "shared memory" in t.unsupported_reason(4096, 11008, t.TmaBlocks(block_f=128, block_k=256, stages=4))
     assert "block_f=32" in t.unsupported_reason(4096, 11008, t.TmaBlocks(block_f=32))
     assert t.unsupported_reason(4096, 11008) is None and t.unsupported_reason(2048, 8192) is None
@@ -59,3 +69,6 @@ def test_lowers_for_hopper(monkeypatch):
         text = lower_for_cuda(lambda x8, r8, w, pdl=pdl: t.gate_up_swiglu_tma(x8, r8, w, pdl=pdl), *args)
         assert text.count(MOSAIC_CALL) == 1
         assert ("griddepcontrol.wait" in text, "mosaic_gpu.uses_pdl" in text) == (pdl, pdl)
+    for bk in (128, 256):  # the statistic's strided row loads and full reductions (vec_size = block_k / 128)
+        fn = lambda x8, w, bk=bk: t.gate_up_swiglu_tma(x8, None, w, norm_eps=1e-5, blocks=t.TmaBlocks(block_k=bk))  # noqa: E731
+        assert lower_for_cuda(fn, args[0], args[2]).count(MOSAIC_CALL) == 1

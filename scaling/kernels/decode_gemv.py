@@ -252,9 +252,9 @@ def _qkv_kernel(pos_ref, inv_ref, x_ref, w_ref, _k_in, _v_in, q_ref, k_ref, v_re
     head, part = pl.program_id(0), pl.program_id(1)
     half = h // 2
     lo = head * h + part * cols
-    b = x_ref.shape[0]
+    b = pos_ref.shape[0]  # x may carry padding rows past the batch
     a_lo, a_hi = _matmul_rows(x_ref, w_ref, (pl.ds(lo, cols), pl.ds(lo + half, cols)), cols,
-                              k=d, bk=bk, prefetch=prefetch, norm_eps=eps)
+                              k=d, bk=bk, prefetch=prefetch, norm_eps=eps, b=b)
 
     pos = pos_ref[...]  # [B]: where each row's new token goes
     angles = _f32(pos)[:, None] * inv_ref[pl.ds(part * cols, cols)][None, :]
@@ -298,15 +298,16 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
              blocks: GemvBlocks = GemvBlocks(), q_layout: str = "heads", interpret: bool = False):
     """RMSNorm(x) Wqkv, RoPE at pos on q and k, k/v written into the caches at pos.
 
-    x [B, D]; wqkv [(N + 2K) H, D] = fold_norm(Wqkv, norm scale) in the compute dtype;
+    x [B, D] (or more rows: a padded batch, whose first B rows are used; B is the caches');
+    wqkv [(N + 2K) H, D] = fold_norm(Wqkv, norm scale) in the compute dtype;
     inv_freq [H/2] f32 (layers.rope_frequencies); pos [B] int32 (< S); caches [B, S, K, H]
     (donated, updated in place). Returns (q, k cache, v cache) with q [B, N, H]
     (q_layout="heads") or [B, K, 16, H] (q_layout="groups": the flash-decoding kernel's tile,
     each KV head's G query heads in rows [0, G), rows [G, 16) unwritten; for
     decode_attention.decode_attention_grouped).
     """
-    b, d = x_bd.shape
-    _, s, kv, h = k_bskh.shape
+    d = x_bd.shape[1]
+    b, s, kv, h = k_bskh.shape
     n = num_heads
     if q_layout not in Q_LAYOUTS:
         raise ValueError(f"q_layout={q_layout!r}: allowed {Q_LAYOUTS}")
@@ -315,8 +316,9 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
         raise ValueError(f"q_layout='groups' needs num_heads {n} a multiple of the KV heads {kv}, at most {MIN_ROWS} per KV head")
     if wqkv_xd.shape != ((n + 2 * kv) * h, d):
         raise ValueError(f"wqkv {wqkv_xd.shape} must be [(N + 2K) H, D] = {((n + 2 * kv) * h, d)}")
-    if k_bskh.shape[0] != b or v_bskh.shape != k_bskh.shape:
-        raise ValueError(f"caches {k_bskh.shape}, {v_bskh.shape} must be [B={b}, S, K, H] alike")
+    if x_bd.shape[0] < b or v_bskh.shape != k_bskh.shape or pos_b.shape != (b,):
+        raise ValueError(f"x {x_bd.shape} (want [>= B, D]), caches {k_bskh.shape}, {v_bskh.shape} (want [B, S, K, H] "
+                         f"alike) and pos {pos_b.shape} (want [B]) disagree")
     _check_rows(b)
     parts = blocks.rope_parts
     cols = h // 2 // parts
@@ -347,30 +349,37 @@ def qkv_rope(x_bd, wqkv_xd, inv_freq, pos_b, k_bskh, v_bskh, *, num_heads: int, 
 # matmul_residual
 
 
-def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, prefetch: int):
-    rows = pl.ds(pl.program_id(0) * bn, bn)
-    (acc,) = _matmul_rows(a_ref, w_ref, (rows,), bn, k=k, bk=bk, prefetch=prefetch, norm_eps=None,
-                          b=r_ref.shape[0])
-    o_ref[:, rows] = (_f32(r_ref[:, rows]) + acc).astype(o_ref.dtype)
+def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, prefetch: int, b: int):
+    cols = pl.ds(pl.program_id(0) * bn, bn)
+    (acc,) = _matmul_rows(a_ref, w_ref, (cols,), bn, k=k, bk=bk, prefetch=prefetch, norm_eps=None, b=b)
+    batch = pl.ds(0, b)
+    o_ref[batch, cols] = (_f32(r_ref[batch, cols]) + acc).astype(o_ref.dtype)
+    if r_ref.shape[0] > b:  # padding rows past the batch: r's, unchanged
+        pad = pl.ds(b, r_ref.shape[0] - b)
+        o_ref[pad, cols] = r_ref[pad, cols]
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "rows"))
+def matmul_residual(a_bk, w_dk, r_bd, *, blocks: GemvBlocks = GemvBlocks(), interpret: bool = False,
+                    rows: int | None = None):
     """r + a W: a [B, K] (or more rows: a padded batch, whose first B rows are used); w [D, K]
-    (W^T, output-major); r [B, D]. Returns [B, D] in r's dtype."""
+    (W^T, output-major); r [R, D]. Returns [R, D] in r's dtype. rows: B, the batch rows to
+    compute (None: all R); r's rows past them are padding and pass through unchanged, so a
+    residual stream padded to the TMA kernels' 8 rows stays padded without an XLA pad."""
     k = a_bk.shape[1]
-    b, d = r_bd.shape
-    if w_dk.shape != (d, k) or a_bk.shape[0] < b:
+    d = r_bd.shape[1]
+    b = r_bd.shape[0] if rows is None else rows
+    if w_dk.shape != (d, k) or a_bk.shape[0] < b or not 0 < b <= r_bd.shape[0]:
         raise ValueError(f"shapes disagree: a {a_bk.shape} (want [>= {b}, K]), w {w_dk.shape} (want [{d}, {k}]), "
-                         f"r {r_bd.shape}")
+                         f"r {r_bd.shape} (want [>= {b}, D]), rows={rows}")
     _check_rows(b)
     bn = _check_block_n(d, blocks.block_n, b, "output dim")
     bk = _k_plan(k, blocks.block_k, b)[0]
     interpret = _interpret(interpret)
     return pl.pallas_call(
-        functools.partial(_residual_kernel, bn=bn, bk=bk, k=k, prefetch=blocks.prefetch),
+        functools.partial(_residual_kernel, bn=bn, bk=bk, k=k, prefetch=blocks.prefetch, b=b),
         grid=(d // bn,),
-        out_shape=jax.ShapeDtypeStruct((b, d), r_bd.dtype),
+        out_shape=jax.ShapeDtypeStruct(r_bd.shape, r_bd.dtype),
         compiler_params=_params(blocks, interpret),
         interpret=interpret,
         name=_name("decode_matmul_residual", blocks),

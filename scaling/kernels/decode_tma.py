@@ -15,9 +15,15 @@ features of both halves:
   - the epilogue scales the columns by r8, applies the SwiGLU, stores the [block_f, 8] result
     transposed into shared memory and writes it by TMA as [8, block_f] of h.
 Activations: x8 [8, D] in, h8 [8, F] out, row-major; rows past the batch are padding, and the
-down projection (decode_gemv.matmul_residual) reads the batch rows of h8 directly. The decoder
-(layers="pallas_tma") pads x and takes the statistic in XLA (docs/decoding.md, "The TMA gate/up
-in the decoder").
+down projection (decode_gemv.matmul_residual) reads the batch rows of h8 directly.
+
+The statistic in the kernel (r8=None, norm_eps; what the decoder's layers="pallas_tma" runs since
+the tenth session): a [8, block_k] tile has no register layout that reduces along its rows, so
+the producer also copies each x tile, unswizzled, into a second small ring; the consumer loads
+each of its 8 rows as a warpgroup-strided vector and adds its squares elementwise (no
+cross-thread work per step), and after the last step reduces each row once. With it the decoder
+needs no XLA kernel before this one: its residual stream stays padded to 8 rows for the whole
+step (docs/decoding.md, "Tenth session").
 
 Programmatic dependent launch (`pdl=True`, opt-in, not yet timed): at batch 1 a projection's
 time is mostly bytes, but each kernel also pays a start and a tail (docs/decoding.md). With PDL
@@ -60,12 +66,16 @@ DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_varian
 DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py's *_tma_pdl variants)
 
 
-def smem_bytes(blocks: TmaBlocks, itemsize: int = 2) -> int:
-    per_slot = (ROWS + 2 * blocks.block_f) * blocks.block_k * itemsize  # x, gate, up
-    return blocks.stages * per_slot + blocks.block_f * ROWS * itemsize + ROWS * 4  # + the output tile, r
+def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = False) -> int:
+    """in_kernel_norm: a second, plain x tile per slot for the statistic, and no r8."""
+    x_copies = 2 if in_kernel_norm else 1
+    per_slot = (x_copies * ROWS + 2 * blocks.block_f) * blocks.block_k * itemsize  # x, gate, up
+    r = 0 if in_kernel_norm else ROWS * 4
+    return blocks.stages * per_slot + blocks.block_f * ROWS * itemsize + r  # + the output tile
 
 
-def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None) -> str | None:
+def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None,
+                       in_kernel_norm: bool = False) -> str | None:
     """Why gate_up_swiglu_tma cannot take these shapes (None: it can)."""
     blocks = blocks or DEFAULT_BLOCKS
     if blocks.block_f not in (64, 128):
@@ -74,12 +84,14 @@ def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = Non
         return f"block_k={blocks.block_k} must be a multiple of 64 (one swizzled tile)"
     if blocks.stages < 2:
         return f"stages={blocks.stages} must be >= 2"
+    if in_kernel_norm and blocks.block_k % 128:
+        return f"block_k={blocks.block_k} must be a multiple of 128 for the in-kernel statistic (a row per warpgroup load)"
     if mlp_dim % blocks.block_f:
         return f"mlp_dim {mlp_dim} is not a multiple of block_f {blocks.block_f}"
     if hidden % blocks.block_k:
         return f"hidden {hidden} is not a multiple of block_k {blocks.block_k}"
-    if smem_bytes(blocks) > SMEM_BYTES:
-        return f"the tiles need {smem_bytes(blocks)} bytes of shared memory, more than {SMEM_BYTES}"
+    if (need := smem_bytes(blocks, in_kernel_norm=in_kernel_norm)) > SMEM_BYTES:
+        return f"the tiles need {need} bytes of shared memory, more than {SMEM_BYTES}"
     return None
 
 
@@ -89,10 +101,15 @@ def row_rsqrt(x8, eps: float):
     return lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
 
 
-def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem, x_full, g_full, u_full, free,
-            r_full, *, blocks: TmaBlocks, d: int, f: int, interpret: bool, pdl: bool):
+def _kernel(*refs, blocks: TmaBlocks, d: int, f: int, interpret: bool, pdl: bool, norm_eps: float | None):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    if norm_eps is None:  # r8 comes in
+        (x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem,
+         x_full, g_full, u_full, free, r_full) = refs
+    else:  # the statistic from plain copies of the x tiles (xp_ring)
+        (x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, xp_ring, out_smem,
+         x_full, g_full, u_full, free, xp_full) = refs
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
     steps = d // bk
     f0 = lax.axis_index("f") * bf
@@ -112,20 +129,48 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
 
             return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
 
+        def squares(ss, slot):
+            """ss += x² of the slot's plain x tile: one [block_k] array per row (a [8, block_k]
+            tile has no register layout that reduces along its rows; each row's sum is one full
+            reduction at the end). Every thread adds only its own elements here."""
+            plgpu.barrier_wait(xp_full.at[slot])
+            if interpret:
+                return ss + jnp.square(xp_ring.at[slot][...].astype(jnp.float32))
+            strided = plgpu.Layout.WG_STRIDED((bk,), vec_size=bk // 128)
+            return tuple(acc + jnp.square(plgpu.load(xp_ring.at[slot, b], (), layout=strided).astype(jnp.float32))
+                         for b, acc in enumerate(ss))
+
         def step(j, carry):
+            accs, ss = carry
             slot = lax.rem(j, stages)
             for bar in (x_full, g_full, u_full):
                 plgpu.barrier_wait(bar.at[slot])
-            carry = products(carry, (g_ring.at[slot], u_ring.at[slot]), x_ring.at[slot])
+            accs = products(accs, (g_ring.at[slot], u_ring.at[slot]), x_ring.at[slot])
+            if norm_eps is not None:
+                ss = squares(ss, slot)
             plgpu.barrier_arrive(free.at[slot])
-            return carry
+            return accs, ss
 
         acc0 = jnp.zeros((bf, ROWS), jnp.float32)
         if not interpret:
             acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-        acc_g, acc_u = lax.fori_loop(0, steps, step, (acc0, acc0))
-        plgpu.barrier_wait(r_full)
-        r = r_smem[...] if interpret else plgpu.load(r_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+        ss0 = ()
+        if norm_eps is not None and interpret:
+            ss0 = jnp.zeros((ROWS, bk), jnp.float32)
+        elif norm_eps is not None:
+            ss0 = tuple(plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), plgpu.Layout.WG_STRIDED((bk,), vec_size=bk // 128))
+                        for _ in range(ROWS))
+        (acc_g, acc_u), ss = lax.fori_loop(0, steps, step, ((acc0, acc0), ss0))
+        if norm_eps is None:
+            plgpu.barrier_wait(r_full)
+            r = r_smem[...] if interpret else plgpu.load(r_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+        elif interpret:
+            r = lax.rsqrt(ss.sum(axis=1) / d + norm_eps)
+        else:  # r[b] from row b's sum, placed in the layout that broadcasts over acc's columns
+            row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+            r = jnp.zeros((ROWS,), jnp.float32)
+            for b, acc in enumerate(ss):
+                r = jnp.where(row == b, lax.rsqrt(jnp.sum(acc) / d + norm_eps), r)
         r = lax.broadcast_in_dim(r, acc_g.shape, [1])  # column b is row b of x
         g, u = acc_g * r, acc_u * r
         h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
@@ -137,7 +182,10 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
     @pl.when(wg == 1)
     def _producer():
         def load_x(j, slot):
-            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(j * bk, bk)], x_ring.at[slot], x_full.at[slot])
+            cols = pl.ds(j * bk, bk)
+            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_ring.at[slot], x_full.at[slot])
+            if norm_eps is not None:  # a second, plain copy for the statistic
+                plgpu.copy_gmem_to_smem(x_ref.at[:, cols], xp_ring.at[slot], xp_full.at[slot])
 
         def load_w(j, slot):
             cols = pl.ds(j * bk, bk)
@@ -152,7 +200,8 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
             plgpu.griddepcontrol_wait()
             for j in range(first):
                 load_x(j, j)
-        plgpu.copy_gmem_to_smem(r_ref, r_smem, r_full)
+        if norm_eps is None:
+            plgpu.copy_gmem_to_smem(r_ref, r_smem, r_full)
 
         @pl.loop(first, steps)
         def _fetch(j):
@@ -172,11 +221,14 @@ def _kernel(x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem
             plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "pdl"))
-def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret=False, pdl: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "pdl", "norm_eps"))
+def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpret=False, pdl: bool | None = None,
+                       norm_eps: float | None = None):
     """silu(n(x) Wg) * (n(x) Wu): x8 [8, D] (rows past the batch are padding), r8 [8] f32 =
     row_rsqrt(x8, eps), wgu [2F, D] = decode_gemv.fold_norm([Wg | Wu], norm scale) (gate rows
-    first). Returns h8 [8, F] in x8's dtype. blocks: None = DEFAULT_BLOCKS. interpret: True, or
+    first). Returns h8 [8, F] in x8's dtype. r8=None with norm_eps: the kernel takes the
+    statistic itself, from a second, plain copy of each x tile (no XLA kernel before it; module
+    docstring). blocks: None = DEFAULT_BLOCKS. interpret: True, or
     `plgpu.InterpretGPUParams` (e.g. `detect_races=True`); always interpreted on a CPU.
     pdl: programmatic dependent launch (module docstring); None = DEFAULT_PDL. Ignored when
     interpreted. It reads wgu before the previous kernel has finished: only for weights that no
@@ -188,14 +240,16 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
     two_f = wgu.shape[0]
     if x8.ndim != 2 or x8.shape[0] != ROWS:
         raise ValueError(f"x8 must be [{ROWS}, D] (the batch padded to {ROWS} rows), got {x8.shape}")
-    if r8.shape != (ROWS,) or r8.dtype != jnp.float32:
+    if (r8 is None) == (norm_eps is None):
+        raise ValueError("give exactly one of r8 (the statistic, row_rsqrt) and norm_eps (taken in the kernel)")
+    if r8 is not None and (r8.shape != (ROWS,) or r8.dtype != jnp.float32):
         raise ValueError(f"r8 must be float32 [{ROWS}] (row_rsqrt), got {r8.dtype} {r8.shape}")
     if wgu.shape != (two_f, d) or two_f % 2:
         raise ValueError(f"wgu {wgu.shape} must be [2F, D={d}]")
     if x8.dtype != wgu.dtype or x8.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"x8 and wgu must share a 16-bit dtype, got {x8.dtype} and {wgu.dtype}")
     f = two_f // 2
-    reason = unsupported_reason(d, f, blocks)
+    reason = unsupported_reason(d, f, blocks, in_kernel_norm=norm_eps is not None)
     if reason:
         raise ValueError(f"gate_up_swiglu_tma: {reason}")
     params = interpret_params(interpret or jax.default_backend() == "cpu")
@@ -204,24 +258,33 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
     pdl = pdl and not interpret  # the interpreter has no griddepcontrol
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
+    rings = (
+        plgpu.SMEM((stages, ROWS, bk), x8.dtype, transforms=tiled),
+        plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
+        plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
+    )
+    barriers = (
+        plgpu.Barrier(num_barriers=stages),  # x tile landed
+        plgpu.Barrier(num_barriers=stages),  # gate tile landed
+        plgpu.Barrier(num_barriers=stages),  # up tile landed
+        plgpu.Barrier(num_barriers=stages),  # slot free again
+    )
+    out_tile = plgpu.SMEM((ROWS, bf), x8.dtype)
+    if norm_eps is None:
+        scratch = (*rings, plgpu.SMEM((ROWS,), jnp.float32), out_tile, *barriers, plgpu.Barrier())  # + r, r landed
+        operands = (x8, r8, wgu)
+    else:  # + the plain x tiles and their barriers
+        scratch = (*rings, plgpu.SMEM((stages, ROWS, bk), x8.dtype), out_tile, *barriers,
+                   plgpu.Barrier(num_barriers=stages))
+        operands = (x8, wgu)
     return plgpu.kernel(
-        functools.partial(_kernel, blocks=blocks, d=d, f=f, interpret=interpret, pdl=pdl),
+        functools.partial(_kernel, blocks=blocks, d=d, f=f, interpret=interpret, pdl=pdl,
+                          norm_eps=None if norm_eps is None else float(norm_eps)),
         out_type=jax.ShapeDtypeStruct((ROWS, f), x8.dtype),
-        scratch_types=(
-            plgpu.SMEM((stages, ROWS, bk), x8.dtype, transforms=tiled),
-            plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
-            plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
-            plgpu.SMEM((ROWS,), jnp.float32),
-            plgpu.SMEM((ROWS, bf), x8.dtype),
-            plgpu.Barrier(num_barriers=stages),  # x tile landed
-            plgpu.Barrier(num_barriers=stages),  # gate tile landed
-            plgpu.Barrier(num_barriers=stages),  # up tile landed
-            plgpu.Barrier(num_barriers=stages),  # slot free again
-            plgpu.Barrier(),  # r landed
-        ),
+        scratch_types=scratch,
         grid=(f // bf,),
         grid_names=("f",),
         num_threads=2,
         thread_name="wg",
         interpret=params,
-    )(x8, r8, wgu)
+    )(*operands)
