@@ -318,9 +318,16 @@ def check_layers_on_gpu(prompts) -> list[str]:
         one = {li: decode.Decoder(model, attention="pallas", chunk=8, layers=li).generate(prompts[:1], 20)
                for li in ("xla", "pallas")}
         combined = decode.Decoder(model, attention="pallas_combined", chunk=8, layers="pallas").generate(prompts, 20)
-    return (fails + _compare("decode f32 layers pallas vs xla", outs["pallas"], outs["xla"])
-            + _compare("decode f32 layers pallas vs xla, batch 1", one["pallas"], one["xla"])
-            + _compare("decode f32 layers pallas + in-kernel combine vs xla", combined, outs["xla"]))
+    fails += (_compare("decode f32 layers pallas vs xla", outs["pallas"], outs["xla"])
+              + _compare("decode f32 layers pallas vs xla, batch 1", one["pallas"], one["xla"])
+              + _compare("decode f32 layers pallas + in-kernel combine vs xla", combined, outs["xla"]))
+    if decode.is_hopper():  # the TMA kernels take 16-bit inputs: bf16 against the Pallas layers
+        # (log-probs within bf16 rounding, as tests/test_decode_gemv.py asks on the CPU)
+        bf16 = build_model(dataclasses.replace(small, compute_dtype=DType.bfloat16, init_std=0.3))
+        tma = {li: decode.Decoder(bf16, attention="pallas", chunk=8, layers=li).generate(prompts, 20)
+               for li in ("pallas", "pallas_tma")}
+        fails += _compare("decode bf16 layers pallas_tma vs pallas", tma["pallas_tma"], tma["pallas"], tol=0.05)
+    return fails
 
 
 # ----------------------------------------------------------------------------- main
