@@ -59,6 +59,9 @@ VARIANTS = {
     # kernels as they are, and with XLA's PDL on too (its kernels wait at their start)
     "pallas_layers_tma_pdl": ("", None, "pallas", "pallas_tma+pdl"),
     "pallas_layers_tma_pdl_xla": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas_tma+pdl"),
+    # XLA's own PDL alone: its kernels (and, if its Triton pipeline treats them alike, the Pallas
+    # Triton kernels it compiles) wait at their start, so each may launch before the previous ends
+    "pallas_layers_xla_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas"),
     # the decoder's default: Pallas layers for small batches, XLA above (on the row layout)
     "auto_layers": ("", None, "pallas", "auto"),
 }
