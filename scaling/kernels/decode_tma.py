@@ -53,6 +53,7 @@ from scaling.kernels.flash_attention_mgpu import interpret_params
 from scaling.kernels.flash_attention_mgpu_bwd import SMEM_BYTES  # shared memory per CTA on sm_90
 
 ROWS = 8  # activation rows the kernels carry (a TMA box of one 8-row tile)
+REDUCTION_SCRATCH = 2048  # bytes: plgpu.CompilerParams().reduction_scratch_bytes in jax 0.11.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,9 @@ def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = Fals
     x_copies = 2 if in_kernel_norm else 1
     per_slot = (x_copies * ROWS + 2 * blocks.block_f) * blocks.block_k * itemsize  # x, gate, up
     r = 0 if in_kernel_norm else ROWS * 4
-    return blocks.stages * per_slot + blocks.block_f * ROWS * itemsize + r  # + the output tile
+    # + the output tile, and the cross-warp reduction scratch Mosaic reserves by default
+    # (plgpu.CompilerParams.reduction_scratch_bytes; the statistic's row sums use it)
+    return blocks.stages * per_slot + blocks.block_f * ROWS * itemsize + r + REDUCTION_SCRATCH
 
 
 def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None,
