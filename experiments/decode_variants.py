@@ -10,7 +10,8 @@ over the copy bandwidth measured in the parent). A variant is a name, a set of X
 the decoder's `min_batch` (rows padded up to it, so M = 1 matmuls take the M >= 8 path) and
 its decode attention (pallas: the flash-decoding kernel; fused: the kernel with RoPE and the
 cache write folded in) and its layers (xla, or pallas: scaling.kernels.decode_gemv; pallas_tma
-with its TMA gate/up, "+pdl" launching that kernel by PDL).
+with its TMA gate/up, "+pdl" launching the TMA kernels by PDL, "+all" running the output,
+down and head projections by TMA too).
 
 `--profile` traces one decode call of the first variant op by op (profiling turns command
 buffers off unless XLA is told otherwise) and prints the GPU kernels of one step: count,
@@ -59,6 +60,9 @@ VARIANTS = {
     # kernels as they are, and with XLA's PDL on too (its kernels wait at their start)
     "pallas_layers_tma_pdl": ("", None, "pallas", "pallas_tma+pdl"),
     "pallas_layers_tma_pdl_xla": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas_tma+pdl"),
+    # every projection but q/k/v by TMA (decode_tma.TMA_PROJECTIONS): output, down, head too
+    "pallas_layers_tma_all": ("", None, "pallas", "pallas_tma+all"),
+    "pallas_layers_tma_all_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas_tma+all+pdl"),
     # XLA's own PDL alone: its kernels (and, if its Triton pipeline treats them alike, the Pallas
     # Triton kernels it compiles) wait at their start, so each may launch before the previous ends
     "pallas_layers_xla_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas"),
@@ -87,8 +91,9 @@ def run_one(args) -> dict:
 
         if args.tma_blocks:
             decode_tma.DEFAULT_BLOCKS = decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/")))
-        layers, _, pdl = args.layers.partition("+")
-        decode_tma.DEFAULT_PDL = pdl == "pdl"
+        layers, *options = args.layers.split("+")  # pallas_tma+pdl, +all (every projection by TMA)
+        decode_tma.DEFAULT_PDL = "pdl" in options
+        decode_tma.TMA_PROJECTIONS = decode_tma.PROJECTIONS if "all" in options else ("gate_up",)
         dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
                              layers=layers, gemv_blocks=blocks)
         del model

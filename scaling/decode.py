@@ -122,7 +122,10 @@ def pallas_layers_reason(cfg: ModelConfig, batch: int, blocks: decode_gemv.Layer
 
 
 def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: DecodeAttentionImpl,
-                       blocks: decode_gemv.LayerBlocks | None = None, min_batch: int = 1) -> DecodeLayerImpl:
+                       blocks: decode_gemv.LayerBlocks | None = None, min_batch: int = 1,
+                       tma: decode_tma.TmaSettings | None = None) -> DecodeLayerImpl:
+    """The layer implementation `impl` names, checked against the model (ValueError naming why
+    not). tma: the TMA kernels' settings for pallas_tma (None: decode_tma.settings())."""
     try:
         impl = DecodeLayerImpl(impl)
     except ValueError:
@@ -136,7 +139,7 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
             raise ValueError(f"layers='{impl.value}' writes the cache itself; combine it with attention 'pallas' or "
                              "'xla', not 'fused'")
         if impl == DecodeLayerImpl.pallas_tma:
-            reason = decode_tma.unsupported_reason(cfg.hidden_size, cfg.mlp_dim, in_kernel_norm=True)
+            reason = decode_tma.projections_reason(cfg, _round_up(cfg.vocab_size, HEAD_ROWS), tma)
             if jax.default_backend() == "gpu" and not is_hopper():
                 reason = "the TMA kernels need a Hopper GPU (sm_90)"
             if reason:
@@ -325,8 +328,10 @@ def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, 
 
 
 def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl,
-                  layer_impl: DecodeLayerImpl = DecodeLayerImpl.xla, blocks: decode_gemv.LayerBlocks | None = None):
-    """One token per row at position pos[b] -> logits [B, V]; its K/V written in place."""
+                  layer_impl: DecodeLayerImpl = DecodeLayerImpl.xla, blocks: decode_gemv.LayerBlocks | None = None,
+                  tma: decode_tma.TmaSettings | None = None):
+    """One token per row at position pos[b] -> logits [B, V]; its K/V written in place. tma: the
+    TMA kernels' settings (layers="pallas_tma")."""
     b = tokens_b.shape[0]
     s = cache["k"][0].shape[1]
     inv_freq = layers.rope_frequencies(cfg)
@@ -336,7 +341,8 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     lengths_b = write_b + 1
     if layer_impl in (DecodeLayerImpl.pallas, DecodeLayerImpl.pallas_tma):
         return _pallas_step(weights, cache, tokens_b, write_b, cfg=cfg, attn_impl=attn_impl, inv_freq=inv_freq,
-                            blocks=layer_blocks(cfg, b, blocks), tma=layer_impl == DecodeLayerImpl.pallas_tma)
+                            blocks=layer_blocks(cfg, b, blocks),
+                            tma=(tma or decode_tma.TmaSettings()) if layer_impl == DecodeLayerImpl.pallas_tma else None)
     fused = attn_impl == DecodeAttentionImpl.fused
     if fused:  # RoPE at each row's position, once per step for every layer
         angles_bf = write_b[:, None].astype(jnp.float32) * inv_freq
@@ -364,7 +370,7 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
 
 
 def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl, inv_freq,
-                 blocks: decode_gemv.LayerBlocks, tma: bool = False):
+                 blocks: decode_gemv.LayerBlocks, tma: decode_tma.TmaSettings | None = None):
     """_step_forward with the Pallas layer kernels: per layer qkv_rope (norm, projection, RoPE,
     cache write), attention, out projection + residual, norm + gate/up + SwiGLU, down + residual.
     tma: the gate/up + SwiGLU by decode_tma, which takes the norm statistic itself; the residual
@@ -375,6 +381,9 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
     if tma:  # zeros: they stay zeros (norm of 0 is finite, SwiGLU of 0 is 0) and are never read back
         x = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
+    # beyond the gate/up, the projections the settings name (decode_tma.TMA_PROJECTIONS, an experiment's knob)
+    tma_projections = set(tma.projections) if tma else set()
+    tma_kw = dict(blocks=tma.blocks, pdl=tma.pdl) if tma else {}
     # The flash-decoding kernel takes q in its own tile layout, written so by qkv_rope.
     grouped = (attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.pallas_combined)
                and cfg.num_heads // cfg.num_kv_heads <= decode_gemv.MIN_ROWS)
@@ -392,15 +401,25 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
             attn = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads)
         else:
             attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
-        x = decode_gemv.matmul_residual(attn.reshape(b, -1), w["wo_dx"], x, blocks=blocks.out, rows=b)
+        attn = attn.reshape(b, -1)
+        if "out" in tma_projections:  # attention's rows padded too (XLA; it can fuse the pad into the combine)
+            x = decode_tma.matmul_residual_tma(jnp.pad(attn, ((0, decode_tma.ROWS - b), (0, 0))), w["wo_dx"], x, **tma_kw)
+        else:
+            x = decode_gemv.matmul_residual(attn, w["wo_dx"], x, blocks=blocks.out, rows=b)
         if tma:  # the down kernel reads the batch rows of h8
-            h = decode_tma.gate_up_swiglu_tma(x, None, w["wgu_xd"], norm_eps=eps)
+            h = decode_tma.gate_up_swiglu_tma(x, None, w["wgu_xd"], norm_eps=eps, **tma_kw)
         else:
             h = decode_gemv.gate_up_swiglu(x, w["wgu_xd"], eps=eps, blocks=blocks.gate_up)
-        x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down, rows=b)
+        if "down" in tma_projections:
+            x = decode_tma.matmul_residual_tma(h, w["wdown_df"], x, **tma_kw)
+        else:
+            x = decode_gemv.matmul_residual(h, w["wdown_df"], x, blocks=blocks.down, rows=b)
         ks.append(ck)
         vs.append(cv)
-    logits = decode_gemv.norm_matmul(x[:b], weights["head_xd"], eps=eps, blocks=blocks.head)
+    if "head" in tma_projections:
+        logits = decode_tma.norm_matmul_tma(x, weights["head_xd"], eps=eps, **tma_kw)[:b]
+    else:
+        logits = decode_gemv.norm_matmul(x[:b], weights["head_xd"], eps=eps, blocks=blocks.head)
     return logits[:, : cfg.vocab_size], {"k": tuple(ks), "v": tuple(vs)}
 
 
@@ -475,15 +494,16 @@ def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "attn_impl", "layer_impl", "blocks", "sampling", "n_steps"), donate_argnames=("state",)
+    jax.jit, static_argnames=("cfg", "attn_impl", "layer_impl", "blocks", "sampling", "n_steps", "tma"),
+    donate_argnames=("state",)
 )
 def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, layer_impl=DecodeLayerImpl.xla,
-                  blocks=None):
+                  blocks=None, tma=None):
     seed_key = jax.random.wrap_key_data(params["key"])
 
     def step(state, _):
         logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg, attn_impl=attn_impl,
-                                      layer_impl=layer_impl, blocks=blocks)
+                                      layer_impl=layer_impl, blocks=blocks, tma=tma)
         tok, lp = sample(logits, _row_keys(seed_key, state["count"]), params["temperature"], params["top_p"], sampling)
         state, tok, lp = _advance(dict(state, cache=cache), tok, lp, params)
         return state, (tok, lp)
@@ -563,7 +583,9 @@ class Decoder:
         gpu = jax.default_backend() == "gpu"
         self.min_batch = min_batch if min_batch is not None else (GPU_MIN_BATCH if gpu else 1)  # XLA steps
         self.pallas_min_batch = min_batch if min_batch is not None else PALLAS_MIN_BATCH
-        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, self.pallas_min_batch)
+        self.tma = decode_tma.settings()  # the TMA kernels' knobs as they are now (layers="pallas_tma")
+        self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, self.pallas_min_batch,
+                                             self.tma)
         if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):
             self.layer_impl = DecodeLayerImpl.xla
         self.pallas_max_batch = {DecodeLayerImpl.pallas: PALLAS_MAX_BATCH, DecodeLayerImpl.pallas_tma: decode_tma.ROWS,
@@ -691,7 +713,8 @@ class Decoder:
             if not finished and steps_left > 0:
                 state, toks, lps = _decode_chunk(self.weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
                                                  layer_impl=self._step_layers(b), blocks=self.gemv_blocks,
-                                                 sampling=sampling, n_steps=self.chunk)
+                                                 sampling=sampling, n_steps=self.chunk,
+                                                 tma=self.tma if self.layer_impl == DecodeLayerImpl.pallas_tma else None)
                 steps_left -= self.chunk
                 launched = (toks, lps, jnp.all(state["done"]))
                 if timing is not None:

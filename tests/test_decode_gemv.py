@@ -13,6 +13,7 @@ import pytest
 from scaling import decode, layers
 from scaling.config import DType, ModelConfig
 from scaling.kernels import decode_gemv as g
+from scaling.kernels import decode_tma
 from scaling.model import build_model
 
 SEED = int(np.random.SeedSequence().entropy % 2**31)
@@ -252,24 +253,51 @@ def test_vector_tiles_per_device():
     assert g.default_blocks(4, 64, hidden=4096, device_kind="NVIDIA H200").down.block_k == 256
 
 
-def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers():
+TMA_CFG = ModelConfig(vocab_size=97, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                      mlp_dim=256, init_std=0.3, compute_dtype=DType.bfloat16)
+TMA_PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]
+
+
+@pytest.fixture(scope="module")
+def tma_reference():
+    """A bf16 model and its decode on layers="pallas" (interpret mode), shared by the TMA tests."""
+    model = build_model(TMA_CFG, seed=5)
+    return model, decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas").generate(TMA_PROMPTS, 4)
+
+
+def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers(tma_reference):
     """layers="pallas_tma" (the gate/up + SwiGLU by decode_tma with the norm statistic taken in the
     kernel, interpret mode; the residual stream padded to 8 rows once per step and passed through
     the other kernels) decodes a bf16 model like layers="pallas": same tokens, log-probs within
     bf16 rounding; 3 ragged prompts."""
-    cfg = ModelConfig(vocab_size=97, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
-                      mlp_dim=128, init_std=0.3, compute_dtype=DType.bfloat16)
-    model = build_model(cfg, seed=5)
-    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [40]]
-    ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas").generate(prompts, 4)
+    model, ref = tma_reference
     dec = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas_tma")
     assert dec.bucket(3) == 4 and dec._step_layers(4) == decode.DecodeLayerImpl.pallas_tma
     assert dec._step_layers(16) == decode.DecodeLayerImpl.xla  # the TMA kernel carries 8 rows at most
-    out = dec.generate(prompts, 4)
+    out = dec.generate(TMA_PROMPTS, 4)
     assert out.tokens == ref.tokens
     np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=0.05, rtol=0)
-    with pytest.raises(ValueError, match="layers='pallas_tma' cannot run this model: mlp_dim 96"):
-        decode.Decoder(build_model(dataclasses.replace(cfg, mlp_dim=96)), layers="pallas_tma")
+    with pytest.raises(ValueError, match=r"layers='pallas_tma' cannot run this model: gate_up projection: the outputs \(96\)"):
+        decode.Decoder(build_model(dataclasses.replace(TMA_CFG, mlp_dim=96)), layers="pallas_tma")
+
+
+def test_decoder_with_every_tma_projection_equals_the_pallas_layers(tma_reference, monkeypatch):
+    """decode_tma.TMA_PROJECTIONS = all: the output and down projections (residual epilogue on the
+    8-row stream) and the head (in-kernel statistic, f32 logits) by TMA too; as above."""
+    model, ref = tma_reference
+    monkeypatch.setattr(decode_tma, "TMA_PROJECTIONS", decode_tma.PROJECTIONS)
+    traced = []  # the TMA kernels really run (not a step traced before the switch)
+    for name in ("matmul_residual_tma", "norm_matmul_tma"):
+        real = getattr(decode_tma, name)
+        monkeypatch.setattr(decode_tma, name, lambda *a, real=real, name=name, **kw: traced.append(name) or real(*a, **kw))
+    out = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas_tma").generate(TMA_PROMPTS, 4)
+    per_trace = 2 * TMA_CFG.num_layers  # the output and the down projection of each layer
+    assert traced.count("matmul_residual_tma") in (per_trace, 2 * per_trace) and "norm_matmul_tma" in traced
+    assert out.tokens == ref.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=0.05, rtol=0)
+    monkeypatch.setattr(decode_tma, "TMA_PROJECTIONS", ("gate_up", "mlp"))
+    with pytest.raises(ValueError, match=r"unknown TMA projections \['mlp'\]"):
+        decode.Decoder(model, layers="pallas_tma")
 
 
 def test_tma_layers_refuse_a_gpu_other_than_hopper(monkeypatch):

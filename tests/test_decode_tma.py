@@ -35,15 +35,41 @@ def test_gate_up_swiglu_matches_reference_interpret(b, d, f, blocks, in_kernel_n
     np.testing.assert_allclose(got[:b], want, rtol=2e-2, atol=2e-2)  # both rounded to bf16 once
 
 
+@pytest.mark.parametrize("b, k, n, blocks", [
+    (1, 512, 192, t.TmaBlocks(block_f=64, block_k=128, stages=2)),  # the ring wraps twice; three CTAs
+    (4, 256, 128, t.TmaBlocks(block_f=128, block_k=128, stages=3)),  # steps fewer than stages
+])
+def test_residual_and_head_projections_match_reference_interpret(b, k, n, blocks, capfd):
+    """matmul_residual_tma (the output and down projections on the 8-row residual stream; zero
+    padding rows stay zero) and norm_matmul_tma (the head: in-kernel statistic, f32 logits)."""
+    rng = np.random.default_rng()
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((8 - b, a.shape[1]), a.dtype)])  # noqa: E731
+    a = jnp.asarray(rng.standard_normal((b, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((b, n)), jnp.bfloat16)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    capfd.readouterr()
+    out = t.matmul_residual_tma(pad(a), w, pad(r), blocks=blocks, interpret=params)
+    x = jnp.asarray(rng.standard_normal((b, k)) * rng.uniform(0.1, 10, (b, 1)), jnp.bfloat16)
+    logits = t.norm_matmul_tma(pad(x), w, eps=1e-5, blocks=blocks, interpret=params)
+    assert not (races := non_tma_races(capfd.readouterr().out)), races
+    assert out.shape == (8, n) and out.dtype == jnp.bfloat16 and logits.shape == (8, n) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out[:b], np.float32),
+                               np.asarray(g.matmul_residual_reference(a, w, r), np.float32), rtol=2e-2, atol=2e-2)
+    assert not np.asarray(out[b:], np.float32).any()  # zero rows in, zero rows out
+    np.testing.assert_allclose(np.asarray(logits[:b]), np.asarray(g.norm_matmul_reference(x, w, eps=1e-5)),
+                               rtol=1e-2, atol=1e-2)
+
+
 def test_refusals_name_the_problem():
     x8, w, r8 = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((256, 256), jnp.bfloat16), jnp.ones((8,), jnp.float32)
-    with pytest.raises(ValueError, match=r"x8 must be \[8, D\]"):
+    with pytest.raises(ValueError, match=r"x8 must be \[8, K\]"):
         t.gate_up_swiglu_tma(x8[:1], r8, w)
     with pytest.raises(ValueError, match=r"r8 must be float32 \[8\]"):
         t.gate_up_swiglu_tma(x8, r8[:1], w)
-    with pytest.raises(ValueError, match="must be \\[2F, D=256\\]"):
+    with pytest.raises(ValueError, match="must be \\[2F, K=256\\]"):
         t.gate_up_swiglu_tma(x8, r8, w[:, :128])
-    with pytest.raises(ValueError, match="mlp_dim 96 is not a multiple of block_f 64"):
+    with pytest.raises(ValueError, match=r"the outputs \(96\) are not a multiple of block_f 64"):
         t.gate_up_swiglu_tma(x8, r8, w[:192])
     with pytest.raises(ValueError, match="16-bit dtype"):
         t.gate_up_swiglu_tma(x8.astype(jnp.float32), r8, w.astype(jnp.float32))
@@ -70,6 +96,10 @@ def test_lowers_for_hopper(monkeypatch):
         text = lower_for_cuda(lambda x8, r8, w, pdl=pdl: t.gate_up_swiglu_tma(x8, r8, w, pdl=pdl), *args)
         assert text.count(MOSAIC_CALL) == 1
         assert ("griddepcontrol.wait" in text, "mosaic_gpu.uses_pdl" in text) == (pdl, pdl)
+    # the residual tile read transposed into the accumulator's layout; f32 logits stored transposed
+    assert lower_for_cuda(lambda a8, w, r8: t.matmul_residual_tma(a8, w, r8, pdl=True),
+                          args[0], sds((256, 1024)), sds((8, 256))).count(MOSAIC_CALL) == 1
+    assert lower_for_cuda(lambda x8, w: t.norm_matmul_tma(x8, w, eps=1e-5), args[0], sds((512, 1024))).count(MOSAIC_CALL) == 1
     for bk in (128, 256):  # the statistic's strided row loads and full reductions (vec_size = block_k / 128)
         fn = lambda x8, w, bk=bk: t.gate_up_swiglu_tma(x8, None, w, norm_eps=1e-5, blocks=t.TmaBlocks(block_k=bk))  # noqa: E731
         assert lower_for_cuda(fn, args[0], args[2]).count(MOSAIC_CALL) == 1

@@ -64,22 +64,32 @@ class TmaBlocks:
 
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
+# The decoder's projections (layers="pallas_tma") that these kernels run; the gate/up always. The
+# others are an experiment (decode_variants.py "+all"; not yet timed in the decoder): without K
+# splits the TMA kernel beat the Triton kernels at the 7b's output projection only.
+TMA_PROJECTIONS: tuple[str, ...] = ("gate_up",)
+PROJECTIONS = ("gate_up", "out", "down", "head")
 DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py's *_tma_pdl variants)
 
 
-def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = False) -> int:
-    """in_kernel_norm: a second, plain x tile per slot for the statistic, and no r8."""
+def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = False, *, halves: int = 2,
+               out_itemsize: int | None = None, residual: bool = False) -> int:
+    """Shared memory of one CTA: per ring slot the x tile (twice with in_kernel_norm: a plain copy
+    for the statistic), `halves` weight tiles; the output tile, the residual tile, r8 (unless
+    in_kernel_norm) and the cross-warp reduction scratch Mosaic reserves by default
+    (plgpu.CompilerParams.reduction_scratch_bytes; the statistic's row sums use it)."""
     x_copies = 2 if in_kernel_norm else 1
-    per_slot = (x_copies * ROWS + 2 * blocks.block_f) * blocks.block_k * itemsize  # x, gate, up
+    per_slot = (x_copies * ROWS + halves * blocks.block_f) * blocks.block_k * itemsize
+    out = blocks.block_f * ROWS * (itemsize if out_itemsize is None else out_itemsize)
+    res = blocks.block_f * ROWS * itemsize if residual else 0
     r = 0 if in_kernel_norm else ROWS * 4
-    # + the output tile, and the cross-warp reduction scratch Mosaic reserves by default
-    # (plgpu.CompilerParams.reduction_scratch_bytes; the statistic's row sums use it)
-    return blocks.stages * per_slot + blocks.block_f * ROWS * itemsize + r + REDUCTION_SCRATCH
+    return blocks.stages * per_slot + out + res + r + REDUCTION_SCRATCH
 
 
 def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None,
-                       in_kernel_norm: bool = False) -> str | None:
-    """Why gate_up_swiglu_tma cannot take these shapes (None: it can)."""
+                       in_kernel_norm: bool = False, **smem) -> str | None:
+    """Why these kernels cannot take a reduction of `hidden` and `mlp_dim` outputs per weight half
+    (the gate/up's names; None: they can). smem: smem_bytes' keywords for the other kernels."""
     blocks = blocks or DEFAULT_BLOCKS
     if blocks.block_f not in (64, 128):
         return f"block_f={blocks.block_f} must be 64 or 128 (wgmma M)"
@@ -90,11 +100,48 @@ def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = Non
     if in_kernel_norm and blocks.block_k % 128:
         return f"block_k={blocks.block_k} must be a multiple of 128 for the in-kernel statistic (a row per warpgroup load)"
     if mlp_dim % blocks.block_f:
-        return f"mlp_dim {mlp_dim} is not a multiple of block_f {blocks.block_f}"
+        return f"the outputs ({mlp_dim}) are not a multiple of block_f {blocks.block_f}"
     if hidden % blocks.block_k:
-        return f"hidden {hidden} is not a multiple of block_k {blocks.block_k}"
-    if (need := smem_bytes(blocks, in_kernel_norm=in_kernel_norm)) > SMEM_BYTES:
+        return f"the reduction ({hidden}) is not a multiple of block_k {blocks.block_k}"
+    if (need := smem_bytes(blocks, in_kernel_norm=in_kernel_norm, **smem)) > SMEM_BYTES:
         return f"the tiles need {need} bytes of shared memory, more than {SMEM_BYTES}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaSettings:
+    """What a decoder's TMA kernels run: a snapshot of this module's knobs, taken when the Decoder
+    is built and passed to its compiled step as a static argument (so a later change of the knobs
+    compiles a new step instead of reusing one traced before it)."""
+
+    projections: tuple[str, ...] = ("gate_up",)
+    pdl: bool = False
+    blocks: TmaBlocks = TmaBlocks()
+
+
+def settings() -> TmaSettings:
+    """The knobs as they are now: TMA_PROJECTIONS, DEFAULT_PDL, DEFAULT_BLOCKS."""
+    return TmaSettings(tuple(TMA_PROJECTIONS), bool(DEFAULT_PDL), DEFAULT_BLOCKS)
+
+
+def projections_reason(cfg, vocab_rows: int, tma: TmaSettings | None = None) -> str | None:
+    """Why the decoder cannot run this model (a ModelConfig) with these kernels and `tma`'s
+    projections and tiles (None: settings()); vocab_rows: the head's padded rows."""
+    tma = settings() if tma is None else tma
+    projections = tma.projections
+    if unknown := set(projections) - set(PROJECTIONS):
+        return f"unknown TMA projections {sorted(unknown)}; allowed {PROJECTIONS}"
+    attn_width = cfg.num_heads * cfg.resolved_head_dim
+    shapes = {  # name: (reduction, outputs per half, smem_bytes keywords)
+        "gate_up": (cfg.hidden_size, cfg.mlp_dim, dict(in_kernel_norm=True)),
+        "out": (attn_width, cfg.hidden_size, dict(halves=1, residual=True)),
+        "down": (cfg.mlp_dim, cfg.hidden_size, dict(halves=1, residual=True)),
+        "head": (cfg.hidden_size, vocab_rows, dict(in_kernel_norm=True, halves=1, out_itemsize=4)),
+    }
+    for name in ("gate_up", *projections):
+        k, n, kw = shapes[name]
+        if reason := unsupported_reason(k, n, tma.blocks, **kw):
+            return f"{name} projection: {reason}"
     return None
 
 
@@ -104,19 +151,44 @@ def row_rsqrt(x8, eps: float):
     return lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
 
 
-def _kernel(*refs, blocks: TmaBlocks, d: int, f: int, interpret: bool, pdl: bool, norm_eps: float | None):
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What one projection kernel does (static)."""
+
+    blocks: TmaBlocks
+    k: int  # the reduction: x's columns
+    n: int  # output columns (per weight half)
+    halves: int  # 2: w = [Wg | Wu] and the SwiGLU epilogue; 1: w alone
+    norm: str  # "none", "given" (r8 comes in) or "kernel" (the statistic from plain x copies)
+    norm_eps: float | None
+    residual: bool  # out = r + acc, r [8, n] in
+    features_major: bool  # out [n, 8] (f32: Mosaic stores no transposed f32 tile), else [8, n]
+    interpret: bool
+    pdl: bool
+
+    def ref_names(self) -> list[str]:
+        """The kernel's refs in order: inputs, the output, scratch, barriers."""
+        halves = [f"w_ring{i}" for i in range(self.halves)]
+        return (["x", *(["r8"] if self.norm == "given" else []), "w", *(["res"] if self.residual else []), "o",
+                 "x_ring", *halves, *(["xp_ring"] if self.norm == "kernel" else []),
+                 *(["r_smem"] if self.norm == "given" else []), *(["res_smem"] if self.residual else []), "out_smem",
+                 "x_full", *[f"w_full{i}" for i in range(self.halves)], "free",
+                 *(["xp_full"] if self.norm == "kernel" else []), *(["r_full"] if self.norm == "given" else []),
+                 *(["res_full"] if self.residual else [])])
+
+
+def _kernel(*refs, plan: _Plan):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if norm_eps is None:  # r8 comes in
-        (x_ref, r_ref, w_ref, o_ref, x_ring, g_ring, u_ring, r_smem, out_smem,
-         x_full, g_full, u_full, free, r_full) = refs
-    else:  # the statistic from plain copies of the x tiles (xp_ring)
-        (x_ref, w_ref, o_ref, x_ring, g_ring, u_ring, xp_ring, out_smem,
-         x_full, g_full, u_full, free, xp_full) = refs
-    bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
-    steps = d // bk
+    ref = dict(zip(plan.ref_names(), refs, strict=True))
+    x_ring, out_smem, free = ref["x_ring"], ref["out_smem"], ref["free"]
+    w_rings = [ref[f"w_ring{i}"] for i in range(plan.halves)]
+    w_fulls = [ref[f"w_full{i}"] for i in range(plan.halves)]
+    bf, bk, stages = plan.blocks.block_f, plan.blocks.block_k, plan.blocks.stages
+    steps = plan.k // bk
     f0 = lax.axis_index("f") * bf
     wg = lax.axis_index("wg")
+    interpret, in_kernel_norm = plan.interpret, plan.norm == "kernel"
 
     @pl.when(wg == 0)
     def _consumer():
@@ -136,20 +208,21 @@ def _kernel(*refs, blocks: TmaBlocks, d: int, f: int, interpret: bool, pdl: bool
             """ss += x² of the slot's plain x tile: one [block_k] array per row (a [8, block_k]
             tile has no register layout that reduces along its rows; each row's sum is one full
             reduction at the end). Every thread adds only its own elements here."""
-            plgpu.barrier_wait(xp_full.at[slot])
+            xp_ring = ref["xp_ring"]
+            plgpu.barrier_wait(ref["xp_full"].at[slot])
             if interpret:
                 return ss + jnp.square(xp_ring.at[slot][...].astype(jnp.float32))
             strided = plgpu.Layout.WG_STRIDED((bk,), vec_size=bk // 128)
-            return tuple(acc + jnp.square(plgpu.load(xp_ring.at[slot, b], (), layout=strided).astype(jnp.float32))
+            return tuple(acc + jnp.square(plgpu.load(xp_ring.at[slot, b], layout=strided).astype(jnp.float32))
                          for b, acc in enumerate(ss))
 
         def step(j, carry):
             accs, ss = carry
             slot = lax.rem(j, stages)
-            for bar in (x_full, g_full, u_full):
+            for bar in (ref["x_full"], *w_fulls):
                 plgpu.barrier_wait(bar.at[slot])
-            accs = products(accs, (g_ring.at[slot], u_ring.at[slot]), x_ring.at[slot])
-            if norm_eps is not None:
+            accs = products(accs, tuple(w.at[slot] for w in w_rings), x_ring.at[slot])
+            if in_kernel_norm:
                 ss = squares(ss, slot)
             plgpu.barrier_arrive(free.at[slot])
             return accs, ss
@@ -158,53 +231,74 @@ def _kernel(*refs, blocks: TmaBlocks, d: int, f: int, interpret: bool, pdl: bool
         if not interpret:
             acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
         ss0 = ()
-        if norm_eps is not None and interpret:
+        if in_kernel_norm and interpret:
             ss0 = jnp.zeros((ROWS, bk), jnp.float32)
-        elif norm_eps is not None:
+        elif in_kernel_norm:
             ss0 = tuple(plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), plgpu.Layout.WG_STRIDED((bk,), vec_size=bk // 128))
                         for _ in range(ROWS))
-        (acc_g, acc_u), ss = lax.fori_loop(0, steps, step, ((acc0, acc0), ss0))
-        if norm_eps is None:
-            plgpu.barrier_wait(r_full)
+        accs, ss = lax.fori_loop(0, steps, step, ((acc0,) * plan.halves, ss0))
+        r = None
+        if plan.norm == "given":
+            plgpu.barrier_wait(ref["r_full"])
+            r_smem = ref["r_smem"]
             r = r_smem[...] if interpret else plgpu.load(r_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-        elif interpret:
-            r = lax.rsqrt(ss.sum(axis=1) / d + norm_eps)
-        else:  # r[b] from row b's sum, placed in the layout that broadcasts over acc's columns
+        elif in_kernel_norm and interpret:
+            r = lax.rsqrt(ss.sum(axis=1) / plan.k + plan.norm_eps)
+        elif in_kernel_norm:  # r[b] from row b's sum, placed in the layout that broadcasts over acc's columns
             row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
             r = jnp.zeros((ROWS,), jnp.float32)
             for b, acc in enumerate(ss):
-                r = jnp.where(row == b, lax.rsqrt(jnp.sum(acc) / d + norm_eps), r)
-        r = lax.broadcast_in_dim(r, acc_g.shape, [1])  # column b is row b of x
-        g, u = acc_g * r, acc_u * r
-        h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
-        out_smem.T[...] = h.astype(out_smem.dtype)  # [block_f, 8] stored as rows of x's layout
+                r = jnp.where(row == b, lax.rsqrt(jnp.sum(acc) / plan.k + plan.norm_eps), r)
+        if r is not None:
+            r = lax.broadcast_in_dim(r, acc0.shape, [1])  # column b is row b of x
+            accs = tuple(a * r for a in accs)
+        if plan.halves == 2:
+            g, u = accs
+            h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
+        else:
+            (h,) = accs
+        if plan.residual:  # the residual tile [8, block_f], read transposed like the output is written
+            plgpu.barrier_wait(ref["res_full"])
+            res_t = ref["res_smem"].T
+            res = res_t[...] if interpret else plgpu.load(res_t, layout=plgpu.Layout.WGMMA)
+            h = h + res.astype(jnp.float32)
+        if plan.features_major:
+            out_smem[...] = h.astype(out_smem.dtype)
+            out_block = ref["o"].at[pl.ds(f0, bf)]
+        else:
+            out_smem.T[...] = h.astype(out_smem.dtype)  # [block_f, 8] stored as rows of x's layout
+            out_block = ref["o"].at[:, pl.ds(f0, bf)]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[:, pl.ds(f0, bf)])
+        plgpu.copy_smem_to_gmem(out_smem, out_block)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _producer():
+        x_ref, w_ref = ref["x"], ref["w"]
+
         def load_x(j, slot):
             cols = pl.ds(j * bk, bk)
-            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_ring.at[slot], x_full.at[slot])
-            if norm_eps is not None:  # a second, plain copy for the statistic
-                plgpu.copy_gmem_to_smem(x_ref.at[:, cols], xp_ring.at[slot], xp_full.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, cols], x_ring.at[slot], ref["x_full"].at[slot])
+            if in_kernel_norm:  # a second, plain copy for the statistic
+                plgpu.copy_gmem_to_smem(x_ref.at[:, cols], ref["xp_ring"].at[slot], ref["xp_full"].at[slot])
 
         def load_w(j, slot):
             cols = pl.ds(j * bk, bk)
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], g_ring.at[slot], g_full.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f + f0, bf), cols], u_ring.at[slot], u_full.at[slot])
+            for i, (ring, full) in enumerate(zip(w_rings, w_fulls)):  # half i: rows [i * n, (i + 1) * n)
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(i * plan.n + f0, bf), cols], ring.at[slot], full.at[slot])
 
         first = 0
-        if pdl:  # the weights do not depend on the previous kernel: fill the ring with them first,
-            first = min(stages, steps)  # then wait for that kernel's writes (x, r) to be visible
+        if plan.pdl:  # the weights do not depend on the previous kernel: fill the ring with them first,
+            first = min(stages, steps)  # then wait for that kernel's writes (x, r, the residual) to be visible
             for j in range(first):
                 load_w(j, j)
             plgpu.griddepcontrol_wait()
             for j in range(first):
                 load_x(j, j)
-        if norm_eps is None:
-            plgpu.copy_gmem_to_smem(r_ref, r_smem, r_full)
+        if plan.norm == "given":
+            plgpu.copy_gmem_to_smem(ref["r8"], ref["r_smem"], ref["r_full"])
+        if plan.residual:
+            plgpu.copy_gmem_to_smem(ref["res"].at[:, pl.ds(f0, bf)], ref["res_smem"], ref["res_full"])
 
         @pl.loop(first, steps)
         def _fetch(j):
@@ -216,12 +310,66 @@ def _kernel(*refs, blocks: TmaBlocks, d: int, f: int, interpret: bool, pdl: bool
             load_x(j, slot)
             load_w(j, slot)
 
-        if pdl:  # every load is issued: the next kernel may start on the SMs this grid frees
+        if plan.pdl:  # every load is issued: the next kernel may start on the SMs this grid frees
             plgpu.griddepcontrol_launch_dependents()
 
         @pl.loop(max(steps - stages, 0), steps)
         def _drain(j):  # observe the last releases: every barrier phase is waited on once
             plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+
+
+def _project(x8, w, *, n: int, halves: int, r8=None, norm_eps=None, res=None, out_dtype, blocks, interpret, pdl,
+             what: str, features_major: bool = False):
+    """The shared launcher: checks, the plan, shared memory, the grid."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    blocks = blocks or DEFAULT_BLOCKS
+    if x8.ndim != 2 or x8.shape[0] != ROWS:
+        raise ValueError(f"{what}: x8 must be [{ROWS}, K] (the batch padded to {ROWS} rows), got {x8.shape}")
+    k = x8.shape[1]
+    if w.shape != (halves * n, k):
+        raise ValueError(f"{what}: w {w.shape} must be [{'2F' if halves == 2 else 'N'}, K={k}]")
+    if x8.dtype != w.dtype or x8.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{what}: x8 and w must share a 16-bit dtype, got {x8.dtype} and {w.dtype}")
+    if res is not None and (res.shape != (ROWS, n) or res.dtype != x8.dtype):
+        raise ValueError(f"{what}: r8 must be [{ROWS}, N={n}] in {x8.dtype}, got {res.dtype} {res.shape}")
+    norm = "given" if r8 is not None else "kernel" if norm_eps is not None else "none"
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    reason = unsupported_reason(k, n, blocks, in_kernel_norm=norm == "kernel", halves=halves,
+                                out_itemsize=out_itemsize, residual=res is not None)
+    if reason:
+        raise ValueError(f"{what}: {reason}")
+    params = interpret_params(interpret or jax.default_backend() == "cpu")
+    pdl = DEFAULT_PDL if pdl is None else bool(pdl)
+    plan = _Plan(blocks=blocks, k=k, n=n, halves=halves, norm=norm,
+                 norm_eps=None if norm_eps is None else float(norm_eps), residual=res is not None,
+                 features_major=features_major, interpret=params is not None, pdl=pdl and params is None)  # the interpreter has no griddepcontrol
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
+    ring = lambda rows, **kw: plgpu.SMEM((stages, rows, bk), x8.dtype, **kw)  # noqa: E731
+    scratch = [ring(ROWS, transforms=tiled), *[ring(bf, transforms=tiled) for _ in range(halves)]]
+    if norm == "kernel":
+        scratch.append(ring(ROWS))  # the plain x copies
+    if norm == "given":
+        scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
+    if res is not None:
+        scratch.append(plgpu.SMEM((ROWS, bf), x8.dtype))
+    scratch.append(plgpu.SMEM((bf, ROWS) if features_major else (ROWS, bf), out_dtype))
+    scratch += [plgpu.Barrier(num_barriers=stages) for _ in range(halves + 2)]  # x, weights landed; slot free
+    if norm == "kernel":
+        scratch.append(plgpu.Barrier(num_barriers=stages))  # plain x landed
+    scratch += [plgpu.Barrier() for _ in range((norm == "given") + (res is not None))]  # r8, residual landed
+    operands = [x8, *([r8] if norm == "given" else []), w, *([res] if res is not None else [])]
+    return plgpu.kernel(
+        functools.partial(_kernel, plan=plan),
+        out_type=jax.ShapeDtypeStruct((n, ROWS) if features_major else (ROWS, n), out_dtype),
+        scratch_types=tuple(scratch),
+        grid=(n // bf,),
+        grid_names=("f",),
+        num_threads=2,
+        thread_name="wg",
+        interpret=params,
+    )(*operands)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "pdl", "norm_eps"))
@@ -236,58 +384,32 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
     pdl: programmatic dependent launch (module docstring); None = DEFAULT_PDL. Ignored when
     interpreted. It reads wgu before the previous kernel has finished: only for weights that no
     kernel of the same program writes (the decoder's are prepared once, outside the step)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    blocks = blocks or DEFAULT_BLOCKS
-    d = x8.shape[1]
-    two_f = wgu.shape[0]
-    if x8.ndim != 2 or x8.shape[0] != ROWS:
-        raise ValueError(f"x8 must be [{ROWS}, D] (the batch padded to {ROWS} rows), got {x8.shape}")
     if (r8 is None) == (norm_eps is None):
         raise ValueError("give exactly one of r8 (the statistic, row_rsqrt) and norm_eps (taken in the kernel)")
     if r8 is not None and (r8.shape != (ROWS,) or r8.dtype != jnp.float32):
         raise ValueError(f"r8 must be float32 [{ROWS}] (row_rsqrt), got {r8.dtype} {r8.shape}")
-    if wgu.shape != (two_f, d) or two_f % 2:
-        raise ValueError(f"wgu {wgu.shape} must be [2F, D={d}]")
-    if x8.dtype != wgu.dtype or x8.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"x8 and wgu must share a 16-bit dtype, got {x8.dtype} and {wgu.dtype}")
-    f = two_f // 2
-    reason = unsupported_reason(d, f, blocks, in_kernel_norm=norm_eps is not None)
-    if reason:
-        raise ValueError(f"gate_up_swiglu_tma: {reason}")
-    params = interpret_params(interpret or jax.default_backend() == "cpu")
-    interpret = params is not None
-    pdl = DEFAULT_PDL if pdl is None else bool(pdl)
-    pdl = pdl and not interpret  # the interpreter has no griddepcontrol
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
-    rings = (
-        plgpu.SMEM((stages, ROWS, bk), x8.dtype, transforms=tiled),
-        plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
-        plgpu.SMEM((stages, bf, bk), wgu.dtype, transforms=tiled),
-    )
-    barriers = (
-        plgpu.Barrier(num_barriers=stages),  # x tile landed
-        plgpu.Barrier(num_barriers=stages),  # gate tile landed
-        plgpu.Barrier(num_barriers=stages),  # up tile landed
-        plgpu.Barrier(num_barriers=stages),  # slot free again
-    )
-    out_tile = plgpu.SMEM((ROWS, bf), x8.dtype)
-    if norm_eps is None:
-        scratch = (*rings, plgpu.SMEM((ROWS,), jnp.float32), out_tile, *barriers, plgpu.Barrier())  # + r, r landed
-        operands = (x8, r8, wgu)
-    else:  # + the plain x tiles and their barriers
-        scratch = (*rings, plgpu.SMEM((stages, ROWS, bk), x8.dtype), out_tile, *barriers,
-                   plgpu.Barrier(num_barriers=stages))
-        operands = (x8, wgu)
-    return plgpu.kernel(
-        functools.partial(_kernel, blocks=blocks, d=d, f=f, interpret=interpret, pdl=pdl,
-                          norm_eps=None if norm_eps is None else float(norm_eps)),
-        out_type=jax.ShapeDtypeStruct((ROWS, f), x8.dtype),
-        scratch_types=scratch,
-        grid=(f // bf,),
-        grid_names=("f",),
-        num_threads=2,
-        thread_name="wg",
-        interpret=params,
-    )(*operands)
+    if wgu.ndim != 2 or wgu.shape[0] % 2:
+        raise ValueError(f"gate_up_swiglu_tma: wgu {wgu.shape} must be [2F, D]")
+    return _project(x8, wgu, n=wgu.shape[0] // 2, halves=2, r8=r8, norm_eps=norm_eps, out_dtype=x8.dtype,
+                    blocks=blocks, interpret=interpret, pdl=pdl, what="gate_up_swiglu_tma")
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "pdl"))
+def matmul_residual_tma(a8, w, r8, *, blocks: TmaBlocks | None = None, interpret=False, pdl: bool | None = None):
+    """r8 + a8 Wᵀ: a8 [8, K], w [N, K] (output-major), r8 [8, N] (the residual stream, padded to
+    8 rows). Returns [8, N] in r8's dtype; every row is computed (padding rows of zeros stay
+    zeros). One CTA per block_f outputs, no K split (docs/decoding.md, "Tenth session": the 7b's
+    output projection gains without one, the 1b's small projections do not). blocks, interpret,
+    pdl: as for gate_up_swiglu_tma."""
+    return _project(a8, w, n=w.shape[0], halves=1, res=r8, out_dtype=r8.dtype, blocks=blocks, interpret=interpret,
+                    pdl=pdl, what="matmul_residual_tma")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret", "pdl"))
+def norm_matmul_tma(x8, w, *, eps: float, blocks: TmaBlocks | None = None, interpret=False, pdl: bool | None = None):
+    """n(x8) Wᵀ in f32 (the output head): x8 [8, D], w [V, D] = fold_norm(head, final norm scale),
+    the statistic taken in the kernel. Returns [8, V] f32: the kernel writes [V, 8] (Mosaic GPU
+    in jax 0.11.2 finds no layout for an f32 tile stored transposed) and XLA transposes it, which
+    it can fuse into what reads the logits. blocks, interpret, pdl: as for gate_up_swiglu_tma."""
+    return _project(x8, w, n=w.shape[0], halves=1, norm_eps=eps, out_dtype=jnp.float32, blocks=blocks,
+                    interpret=interpret, pdl=pdl, what="norm_matmul_tma", features_major=True).T
