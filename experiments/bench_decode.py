@@ -302,6 +302,12 @@ def check_layers_on_gpu(prompts) -> list[str]:
             out8 = g.matmul_residual(h8n, wd, x8z, blocks=lb.down, rows=b)  # padding rows pass through
             errs[f"b{b} matmul_residual, padded stream"] = rel(out8[:b], g.matmul_residual_reference(h8n[:b], wd, x))
             errs[f"b{b} matmul_residual, padding rows kept (|out - 0|)"] = float(jnp.abs(out8[b:]).max())
+            # the experiment's other TMA projections: residual epilogue, and the head
+            a8 = jnp.pad(a, ((0, decode_tma.ROWS - b), (0, 0)))
+            errs[f"b{b} matmul_residual_tma"] = rel(decode_tma.matmul_residual_tma(a8, wo, x8z)[:b],
+                                                    g.matmul_residual_reference(a, wo, x))
+            errs[f"b{b} norm_matmul_tma (head)"] = rel(decode_tma.norm_matmul_tma(x8z, wh, eps=cfg.norm_eps)[:b],
+                                                       g.norm_matmul_reference(x, wh, eps=cfg.norm_eps))
     for k, e in errs.items():
         msg = f"{k} bf16 1b shapes: rel err {e:.2e}"
         print(msg, flush=True)
@@ -327,6 +333,15 @@ def check_layers_on_gpu(prompts) -> list[str]:
         tma = {li: decode.Decoder(bf16, attention="pallas", chunk=8, layers=li).generate(prompts, 20)
                for li in ("pallas", "pallas_tma")}
         fails += _compare("decode bf16 layers pallas_tma vs pallas", tma["pallas_tma"], tma["pallas"], tol=0.05)
+        from scaling.kernels import decode_tma
+
+        kept = decode_tma.TMA_PROJECTIONS
+        decode_tma.TMA_PROJECTIONS = decode_tma.PROJECTIONS  # output, down and head by TMA too
+        try:
+            every = decode.Decoder(bf16, attention="pallas", chunk=8, layers="pallas_tma").generate(prompts, 20)
+        finally:
+            decode_tma.TMA_PROJECTIONS = kept
+        fails += _compare("decode bf16 layers pallas_tma (every projection) vs pallas", every, tma["pallas"], tol=0.05)
     return fails
 
 

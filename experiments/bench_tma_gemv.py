@@ -212,6 +212,34 @@ def profile(fn, args, reps: int, calls_per_rep: int) -> tuple[float, str, float]
     return total / (reps * calls_per_rep), main_name, statistics.median(by_name[main_name])
 
 
+def decoder_kernel_row(row: dict, name: str, x, ws, args) -> None:
+    """The decoder's own TMA kernel for this projection (scaling.kernels.decode_tma at its default
+    tiles, one CTA per 64 outputs, no K split): the output and down projections with their
+    residual add on the 8-row stream, the head with its in-kernel norm statistic and f32 logits.
+    Adds tma_decode_tma_us (kernel alone) and its error against jnp to `row`."""
+    from scaling.kernels import decode_tma
+
+    n, k = ws[0].shape
+    x8 = jnp.pad(x, ((0, decode_tma.ROWS - x.shape[0]), (0, 0)))
+    if name == "head":
+        kw = dict(in_kernel_norm=True, halves=1, out_itemsize=4)
+        fn = jax.jit(lambda x8, ws: [decode_tma.norm_matmul_tma(x8, w, eps=1e-5) for w in ws])
+        xf = x.astype(jnp.float32)
+        want = np.asarray(jnp.einsum("bk,nk->bn", xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5),
+                                     ws[0].astype(jnp.float32)))
+    else:
+        kw = dict(halves=1, residual=True)
+        r8 = jnp.zeros((decode_tma.ROWS, n), jnp.bfloat16)
+        fn = jax.jit(lambda x8, ws: [decode_tma.matmul_residual_tma(x8, w, r8) for w in ws])
+        want = np.asarray(jnp.einsum("bk,nk->bn", x, ws[0], preferred_element_type=jnp.float32))
+    if reason := decode_tma.unsupported_reason(k, n, **kw):
+        row["tma_decode_tma_error"] = reason
+        return
+    got = np.asarray(fn(x8, ws[:1])[0], np.float32)[: x.shape[0]]
+    row["tma_decode_tma_err"] = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
+    _, _, row["tma_decode_tma_us"] = profile(fn, (x8, ws), args.reps, len(ws))
+
+
 def gate_up_row(model: str, args, bw: float) -> dict:
     """Kernel-only µs of decode_gemv.gate_up_swiglu (this GPU's tiles) and decode_tma.gate_up_swiglu_tma."""
     from scaling.config import load_config
@@ -302,6 +330,11 @@ def main():
                     row[f"tma_{label}_err"] = err
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not a crash
                     row[f"tma_{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if name in ("out", "down", "head"):
+                try:
+                    decoder_kernel_row(row, name, x, ws, args)
+                except Exception as e:  # noqa: BLE001 - a row, not a crash
+                    row["tma_decode_tma_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             for key in [kk for kk in row if kk.endswith("_us")]:
                 row[key[:-3] + "_pct_bw"] = 100 * wbytes / (row[key] * 1e-6) / bw
             print(json.dumps(row), flush=True)
@@ -321,7 +354,8 @@ def main():
             continue
         tma = [kk[4:-3] for kk in r if kk.startswith("tma_") and kk.endswith("_us") and not kk.endswith("total_us")]
         cells = "; ".join(f"{t}: {r[f'tma_{t}_us']:.1f} ({r[f'tma_{t}_pct_bw']:.0f}%)" for t in tma) or "error"
-        best = min(tma, key=lambda t: r[f"tma_{t}_us"]) if tma else None
+        glued = [t for t in tma if f"tma_{t}_total_us" in r]  # the experiment's tilings (decode_tma needs no glue)
+        best = min(glued, key=lambda t: r[f"tma_{t}_us"]) if glued else None
         glue = f"{r[f'tma_{best}_total_us']:.1f} ({r[f'tma_{best}_total_pct_bw']:.0f}%)" if best else "-"
         tri = (f"{r['triton_us']:.1f} ({r['triton_pct_bw']:.0f}%, {r['triton_tiles']})" if "triton_us" in r
                else r.get("triton_error", "-"))

@@ -47,3 +47,15 @@ def test_lowers_for_hopper(monkeypatch):
     cfg = g.TmaGemvConfig(block_n=128, block_k=128, stages=4, splits=2)
     text = lower_for_cuda(lambda x, w: g.tma_gemv(x, w, cfg), sds((1, 1024)), sds((256, 1024)))
     assert text.count(MOSAIC_CALL) == 1
+
+
+@pytest.mark.parametrize("name", ["out", "head"])
+def test_decoder_kernel_rows_check_against_jnp_interpret(monkeypatch, name):
+    """decoder_kernel_row: the decoder's own TMA kernel for a projection, checked against jnp (its
+    timing, a GPU profile, is stubbed here)."""
+    monkeypatch.setattr(g, "profile", lambda fn, args, reps, copies: (0.0, "kernel", 1.0))
+    ws = [jax.random.normal(jax.random.key(i), (128, 256), jnp.bfloat16) * 0.05 for i in range(2)]
+    x = jax.random.normal(jax.random.key(9), (1, 256), jnp.bfloat16)
+    row = {}
+    g.decoder_kernel_row(row, name, x, ws, type("Args", (), {"reps": 1})())
+    assert row["tma_decode_tma_us"] == 1.0 and row["tma_decode_tma_err"] < 2e-2, row
