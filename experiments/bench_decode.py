@@ -335,12 +335,8 @@ def check_layers_on_gpu(prompts) -> list[str]:
         fails += _compare("decode bf16 layers pallas_tma vs pallas", tma["pallas_tma"], tma["pallas"], tol=0.05)
         from scaling.kernels import decode_tma
 
-        kept = decode_tma.TMA_PROJECTIONS
-        decode_tma.TMA_PROJECTIONS = decode_tma.PROJECTIONS  # output, down and head by TMA too
-        try:
-            every = decode.Decoder(bf16, attention="pallas", chunk=8, layers="pallas_tma").generate(prompts, 20)
-        finally:
-            decode_tma.TMA_PROJECTIONS = kept
+        every = decode.Decoder(bf16, attention="pallas", chunk=8, layers="pallas_tma",  # output, down, head too
+                               tma=decode_tma.TmaSettings(projections=decode_tma.PROJECTIONS)).generate(prompts, 20)
         fails += _compare("decode bf16 layers pallas_tma (every projection) vs pallas", every, tma["pallas"], tol=0.05)
     return fails
 

@@ -89,13 +89,13 @@ def run_one(args) -> dict:
         blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
         from scaling.kernels import decode_tma
 
-        if args.tma_blocks:
-            decode_tma.DEFAULT_BLOCKS = decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/")))
         layers, *options = args.layers.split("+")  # pallas_tma+pdl, +all (every projection by TMA)
-        decode_tma.DEFAULT_PDL = "pdl" in options
-        decode_tma.TMA_PROJECTIONS = decode_tma.PROJECTIONS if "all" in options else ("gate_up",)
+        tma = decode_tma.TmaSettings(
+            projections=decode_tma.PROJECTIONS if "all" in options else ("gate_up",), pdl="pdl" in options,
+            blocks=decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/"))) if args.tma_blocks
+            else decode_tma.DEFAULT_BLOCKS)
         dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
-                             layers=layers, gemv_blocks=blocks)
+                             layers=layers, gemv_blocks=blocks, tma=tma)
         del model
         t = time.perf_counter()
         r = bench_decode.bench_ours(dec, cfg, args.batch, args.prompt, args.new_tokens, np.random.default_rng(0))

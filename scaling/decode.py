@@ -547,6 +547,8 @@ class Decoder:
         (where they are measured faster), XLA above; XLA on other backends.
     gemv_blocks: the Pallas layer kernels' tiles (decode_gemv.LayerBlocks; None: defaults
         per batch, decode_gemv.default_blocks).
+    tma: layers="pallas_tma"'s TMA kernels: which projections, PDL, tiles
+        (decode_tma.TmaSettings; None: decode_tma.settings(), the module's defaults now).
     """
 
     def __init__(
@@ -561,6 +563,7 @@ class Decoder:
         min_batch: int | None = None,
         layers: DecodeLayerImpl | str = DecodeLayerImpl.auto,
         gemv_blocks: decode_gemv.LayerBlocks | None = None,
+        tma: decode_tma.TmaSettings | None = None,
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -583,7 +586,9 @@ class Decoder:
         gpu = jax.default_backend() == "gpu"
         self.min_batch = min_batch if min_batch is not None else (GPU_MIN_BATCH if gpu else 1)  # XLA steps
         self.pallas_min_batch = min_batch if min_batch is not None else PALLAS_MIN_BATCH
-        self.tma = decode_tma.settings()  # the TMA kernels' knobs as they are now (layers="pallas_tma")
+        if tma is not None and not isinstance(tma, decode_tma.TmaSettings):
+            raise TypeError(f"tma must be a decode_tma.TmaSettings, got {type(tma).__name__}")
+        self.tma = tma or decode_tma.settings()  # a static argument of the compiled step (layers="pallas_tma")
         self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, self.pallas_min_batch,
                                              self.tma)
         if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):

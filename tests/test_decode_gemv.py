@@ -282,8 +282,9 @@ def test_decoder_with_the_tma_gate_up_equals_the_pallas_layers(tma_reference):
 
 
 def test_decoder_with_every_tma_projection_equals_the_pallas_layers(tma_reference, monkeypatch):
-    """decode_tma.TMA_PROJECTIONS = all: the output and down projections (residual epilogue on the
-    8-row stream) and the head (in-kernel statistic, f32 logits) by TMA too; as above."""
+    """Every projection but q/k/v by TMA: the output and down projections (residual epilogue on the
+    8-row stream) and the head (in-kernel statistic, f32 logits) too; as above. Set through the
+    module's knob, which a Decoder snapshots (a step traced before the change is not reused)."""
     model, ref = tma_reference
     monkeypatch.setattr(decode_tma, "TMA_PROJECTIONS", decode_tma.PROJECTIONS)
     traced = []  # the TMA kernels really run (not a step traced before the switch)
@@ -295,9 +296,13 @@ def test_decoder_with_every_tma_projection_equals_the_pallas_layers(tma_referenc
     assert traced.count("matmul_residual_tma") in (per_trace, 2 * per_trace) and "norm_matmul_tma" in traced
     assert out.tokens == ref.tokens
     np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=0.05, rtol=0)
-    monkeypatch.setattr(decode_tma, "TMA_PROJECTIONS", ("gate_up", "mlp"))
+    monkeypatch.setattr(decode_tma, "TMA_PROJECTIONS", ("gate_up",))
     with pytest.raises(ValueError, match=r"unknown TMA projections \['mlp'\]"):
-        decode.Decoder(model, layers="pallas_tma")
+        decode.Decoder(model, layers="pallas_tma", tma=decode_tma.TmaSettings(projections=("gate_up", "mlp")))
+    with pytest.raises(ValueError, match=r"gate_up projection: the reduction \(256\) is not a multiple of block_k 512"):
+        decode.Decoder(model, layers="pallas_tma", tma=decode_tma.TmaSettings(blocks=decode_tma.TmaBlocks(block_k=512)))
+    with pytest.raises(TypeError, match="tma must be a decode_tma.TmaSettings"):
+        decode.Decoder(model, layers="pallas_tma", tma=("head",))
 
 
 def test_tma_layers_refuse_a_gpu_other_than_hopper(monkeypatch):

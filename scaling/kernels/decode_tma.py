@@ -64,9 +64,10 @@ class TmaBlocks:
 
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
-# The decoder's projections (layers="pallas_tma") that these kernels run; the gate/up always. The
-# others are an experiment (decode_variants.py "+all"; not yet timed in the decoder): without K
-# splits the TMA kernel beat the Triton kernels at the 7b's output projection only.
+# The decoder's projections (layers="pallas_tma") that these kernels run by default; the gate/up
+# always (a Decoder's `tma=TmaSettings(...)` overrides these module defaults). The others are an
+# experiment (decode_variants.py "+all"; not yet timed in the decoder): without K splits the TMA
+# kernel beat the Triton kernels at the 7b's output projection, not at the 1b's small ones.
 TMA_PROJECTIONS: tuple[str, ...] = ("gate_up",)
 PROJECTIONS = ("gate_up", "out", "down", "head")
 DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py's *_tma_pdl variants)
