@@ -381,7 +381,7 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
     x = jnp.take(weights["embed_vd"], tokens_b, axis=0)  # [B, D]
     if tma:  # zeros: they stay zeros (norm of 0 is finite, SwiGLU of 0 is 0) and are never read back
         x = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
-    # beyond the gate/up, the projections the settings name (decode_tma.TMA_PROJECTIONS, an experiment's knob)
+    # beyond the gate/up, the projections the settings name (TmaSettings.projections; an experiment)
     tma_projections = set(tma.projections) if tma else set()
     tma_kw = dict(blocks=tma.blocks, pdl=tma.pdl) if tma else {}
     # The flash-decoding kernel takes q in its own tile layout, written so by qkv_rope.
