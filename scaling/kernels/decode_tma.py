@@ -1,4 +1,8 @@
-"""Decode projections whose weights stream by TMA (Mosaic GPU, Hopper): the gate/up + SwiGLU.
+"""Decode projections whose weights stream by TMA (Mosaic GPU, Hopper): one kernel, three epilogues.
+
+`gate_up_swiglu_tma` (the decoder's layers="pallas_tma"), `matmul_residual_tma` (the output and
+down projections with the residual add) and `norm_matmul_tma` (the head) share the kernel below;
+the last two are an experiment (TmaSettings.projections; docs/decoding.md, "Tenth session").
 
 Why (docs/decoding.md, "A TMA-fed GEMV"): on an H200 the Triton kernels of decode_gemv.py
 plateau at 72-87% of the copy bandwidth for a batch-1 projection, while a kernel whose weight
@@ -15,7 +19,9 @@ features of both halves:
   - the epilogue scales the columns by r8, applies the SwiGLU, stores the [block_f, 8] result
     transposed into shared memory and writes it by TMA as [8, block_f] of h.
 Activations: x8 [8, D] in, h8 [8, F] out, row-major; rows past the batch are padding, and the
-down projection (decode_gemv.matmul_residual) reads the batch rows of h8 directly.
+down projection (decode_gemv.matmul_residual) reads the batch rows of h8 directly. The residual
+epilogue loads its [8, block_f] tile of r by TMA and reads it transposed into the accumulator's
+layout; the head writes [V, 8] f32 (no layout stores an f32 tile transposed) and XLA transposes.
 
 The statistic in the kernel (r8=None, norm_eps; what the decoder's layers="pallas_tma" runs since
 the tenth session): a [8, block_k] tile has no register layout that reduces along its rows, so
@@ -63,7 +69,7 @@ class TmaBlocks:
     stages: int = 3  # ring depth
 
 
-DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs (experiments/decode_variants.py --tma-blocks overrides it)
+DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs unless its tma=TmaSettings(blocks=...) says otherwise
 # The decoder's projections (layers="pallas_tma") that these kernels run by default; the gate/up
 # always (a Decoder's `tma=TmaSettings(...)` overrides these module defaults). The others are an
 # experiment (decode_variants.py "+all"; not yet timed in the decoder): without K splits the TMA
