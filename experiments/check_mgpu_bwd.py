@@ -50,6 +50,8 @@ VARIANTS = {
     # dQ fused into the dK/dV kernel (TMA reduce-adds, D=128 only; docs/attention.md, "Fused dQ")
     "f": bwd.MosaicBwdConfig(fused_dq=True),
     "f3": bwd.MosaicBwdConfig(fused_dq=True, stages_dkv=3),  # ~231 KB of shared memory: fits only just
+    # two f32 staging tiles per consumer: the store waits for the reduce-add two steps back, not one
+    "f2": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2),
 }
 
 

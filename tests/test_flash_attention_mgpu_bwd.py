@@ -67,6 +67,9 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
     (1, 256, 256, 4, 2, 128, True, jnp.bfloat16, MosaicBwdConfig(fused_dq=True),
      "fused dQ: causal GQA 2, dS K in the dK/dV kernel split by columns over the consumers, two K/V CTAs' "
      "partial dQ summed (interpret stand-in for the TMA reduce-add)"),
+    (1, 192, 256, 4, 2, 128, False, jnp.bfloat16, MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2),
+     "fused dQ, two staging tiles: non-causal GQA 2, T != S, 3 q tiles per head (odd: the tiles alternate "
+     "by ring step, not by q tile, across the group's heads)"),
 ]
 
 
@@ -217,6 +220,9 @@ def test_shared_memory_estimates_match_mosaic():
     "smem_bytes=264352 > max_smem_bytes=232448" (attention_session6/); our estimates leave out
     only the barriers (about a kilobyte). The default tiles fit, fused dQ's too."""
     assert dkv_smem_bytes(MosaicBwdConfig(fused_dq=True), 128, 2) <= SMEM_BYTES
+    two = MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2)  # + 2 x 16 KB: 230,400 bytes, a kilobyte to spare
+    assert dkv_smem_bytes(two, 128, 2) - dkv_smem_bytes(MosaicBwdConfig(fused_dq=True), 128, 2) == 2 * 64 * 64 * 4
+    assert dkv_smem_bytes(two, 128, 2) <= SMEM_BYTES - 1024
     # the dQ kernel with 128-key slots and 3 stages: "smem_bytes=264352" on an H200
     est = dq_smem_bytes(MosaicBwdConfig(block_kv_dq=128, stages_dq=3), 128, 2)
     assert 264352 - 2048 <= est <= 264352
@@ -252,6 +258,9 @@ def test_mosaic_backward_raises_before_running():
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(fused_dq=True, persistent=True))
     with pytest.raises(ValueError, match="persistent_ctas"):
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(persistent_ctas=-2))
+    for bad in (MosaicBwdConfig(dq_stage_buffers=2), MosaicBwdConfig(fused_dq=True, dq_stage_buffers=3)):
+        with pytest.raises(ValueError, match=r"dq_stage_buffers=\d must be 1, or 2 with fused_dq"):
+            mosaic_backward(x, x, x, x, lse, x, config=bad)
     with pytest.raises(ValueError, match="persistent_dq"):
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(persistent_dq=True, delta_in_dq=True))
 

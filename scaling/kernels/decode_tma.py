@@ -82,15 +82,15 @@ DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; deco
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = False, *, halves: int = 2,
                out_itemsize: int | None = None, residual: bool = False) -> int:
     """Shared memory of one CTA: per ring slot the x tile (twice with in_kernel_norm: a plain copy
-    for the statistic), `halves` weight tiles; the output tile, the residual tile, r8 (unless
-    in_kernel_norm) and the cross-warp reduction scratch Mosaic reserves by default
-    (plgpu.CompilerParams.reduction_scratch_bytes; the statistic's row sums use it)."""
+    for the statistic), `halves` weight tiles; the output tile, the residual tile, and r8, or with
+    in_kernel_norm the cross-warp reduction scratch Mosaic reserves for a kernel that reduces
+    (plgpu.CompilerParams.reduction_scratch_bytes; the statistic's row sums)."""
     x_copies = 2 if in_kernel_norm else 1
     per_slot = (x_copies * ROWS + halves * blocks.block_f) * blocks.block_k * itemsize
     out = blocks.block_f * ROWS * (itemsize if out_itemsize is None else out_itemsize)
     res = blocks.block_f * ROWS * itemsize if residual else 0
-    r = 0 if in_kernel_norm else ROWS * 4
-    return blocks.stages * per_slot + out + res + r + REDUCTION_SCRATCH
+    r = REDUCTION_SCRATCH if in_kernel_norm else ROWS * 4
+    return blocks.stages * per_slot + out + res + r
 
 
 def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None,

@@ -105,6 +105,10 @@ class MosaicBwdConfig:
       reproducible. Head dim 128 only (the split needs whole 64-column swizzle tiles). The
       block_q_dq, block_kv_dq, stages_dq and delta_in_dq fields are then unused. Off by default
       (docs/attention.md, "Fused dQ").
+    dq_stage_buffers: with fused_dq, f32 staging tiles per consumer for its dQ half (1 or 2).
+      With 1, a consumer waits, before each store, until the TMA reduce-add of the previous step
+      has read the tile; with 2 it alternates, so it waits only for the one two steps back
+      (32 KB more shared memory). Not yet timed on a GPU.
     """
 
     block_q_dkv: int = 64
@@ -118,6 +122,7 @@ class MosaicBwdConfig:
     persistent: bool = False
     persistent_dq: bool = False
     persistent_ctas: int = 0
+    dq_stage_buffers: int = 1
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -177,9 +182,9 @@ def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
     kv_tiles = 2 * CONSUMERS * cfg.block_kv_dkv * head_dim * itemsize  # K, V
     ring = cfg.stages_dkv * (2 * cfg.block_q_dkv * head_dim * itemsize + 2 * cfg.block_q_dkv * 4)  # Q, dO, L, delta
     fused = kv_tiles if cfg.persistent else 0  # dK, dV staging
-    if cfg.fused_dq:  # dSᵀ of the CTA's keys, double-buffered; each consumer's f32 dQ half tile
+    if cfg.fused_dq:  # dSᵀ of the CTA's keys, double-buffered; each consumer's f32 dQ half tile(s)
         fused = (2 * CONSUMERS * cfg.block_kv_dkv * cfg.block_q_dkv * itemsize
-                 + CONSUMERS * cfg.block_q_dkv * (head_dim // CONSUMERS) * 4)
+                 + cfg.dq_stage_buffers * CONSUMERS * cfg.block_q_dkv * (head_dim // CONSUMERS) * 4)
     return kv_tiles + ring + fused
 
 
@@ -199,6 +204,8 @@ def validate_config(cfg: MosaicBwdConfig):
         raise ValueError("MosaicBwdConfig.delta_in_dq needs the dQ kernel; it cannot be combined with fused_dq")
     if cfg.fused_dq and cfg.persistent:
         raise ValueError("MosaicBwdConfig.persistent is not implemented with fused_dq")
+    if cfg.dq_stage_buffers not in (1, 2) or (cfg.dq_stage_buffers == 2 and not cfg.fused_dq):
+        raise ValueError(f"MosaicBwdConfig.dq_stage_buffers={cfg.dq_stage_buffers!r} must be 1, or 2 with fused_dq")
     if cfg.delta_in_dq and cfg.persistent_dq:
         raise ValueError("MosaicBwdConfig.persistent_dq is not implemented with delta_in_dq")
     if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
@@ -373,10 +380,11 @@ def _dkv_kernel(*refs, geo: _Geometry):
             plgpu.barrier_wait(v_full.at[wg])
             half = geo.head_dim // CONSUMERS
 
-            def dq_half(c, ds_all, i, g):
+            def dq_half(c, ds_all, i, g, parity):
                 """Consumer c's columns [c * half, (c + 1) * half) of dQ[q tile i of head g] += dS K
                 over the CTA's keys; dSᵀ [2 * bkv, bq] is complete in `ds_all`. Static c: the column
-                slices of the swizzled K tile and of dQ stay static."""
+                slices of the swizzled K tile and of dQ stay static. parity: the ring step's, which
+                picks the staging tile when there are two."""
                 cols = pl.ds(c * half, half)
                 k_cols = k_smem.at[:, cols]
                 if geo.in_place:
@@ -387,8 +395,12 @@ def _dkv_kernel(*refs, geo: _Geometry):
                     dq = pl.run_scoped(issue, plgpu.ACC((bq, half), jnp.float32))
                 else:
                     dq = jnp.dot(ds_all[...].T, k_cols[...], preferred_element_type=jnp.float32)
-                my_dq = dq_smem.at[c]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read my_dq
+                if geo.cfg.dq_stage_buffers == 2:  # alternate per ring step: the reduce-add that last
+                    my_dq = dq_smem.at[parity, c]  # read this tile was two steps back
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                else:
+                    my_dq = dq_smem.at[c]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce-add has read my_dq
                 my_dq[...] = dq
                 plgpu.commit_smem()
                 out_rows = (b, pl.ds(i * bq, bq), kv_head * geo.group + g, cols)
@@ -432,7 +444,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
                             plgpu.wgmma(acc_ref, a, b_ref)
                     plgpu.barrier_wait(ds_ready.at[parity])  # the partner's dSᵀ rows are in place
                     for c in range(CONSUMERS):
-                        pl.when(wg == c)(functools.partial(dq_half, c, ds_all, i, g))
+                        pl.when(wg == c)(functools.partial(dq_half, c, ds_all, i, g, parity))
 
                 if geo.in_place:
                     dv, dk = pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
@@ -586,8 +598,8 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         kv_tile = (CONSUMERS * cfg.block_kv_dkv, d)  # one tile: the dQ product reads all keys
         dq_scratch = (
             plgpu.SMEM((2, CONSUMERS * cfg.block_kv_dkv, cfg.block_q_dkv), dtype, transforms=tiled),  # dSᵀ x 2
-            plgpu.SMEM((CONSUMERS, cfg.block_q_dkv, d // CONSUMERS), jnp.float32,
-                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # dQ halves
+            plgpu.SMEM((*((2,) if cfg.dq_stage_buffers == 2 else ()), CONSUMERS, cfg.block_q_dkv, d // CONSUMERS),
+                       jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # dQ halves
         )
         dq_barrier = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),)  # ds_ready
     if cfg.persistent:  # dK, dV staging: the next item's K, V load while these are copied out
