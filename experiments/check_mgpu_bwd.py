@@ -52,6 +52,10 @@ VARIANTS = {
     "f3": bwd.MosaicBwdConfig(fused_dq=True, stages_dkv=3),  # ~231 KB of shared memory: fits only just
     # two f32 staging tiles per consumer: the store waits for the reduce-add two steps back, not one
     "f2": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2),
+    # the staging tiles' swizzle (the f32 store's bank pattern): none, 64 bytes; and both changes
+    "f-s0": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_swizzle=0),
+    "f-s64": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_swizzle=64),
+    "f2-s0": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2, dq_stage_swizzle=0),
 }
 
 

@@ -261,6 +261,9 @@ def test_mosaic_backward_raises_before_running():
     for bad in (MosaicBwdConfig(dq_stage_buffers=2), MosaicBwdConfig(fused_dq=True, dq_stage_buffers=3)):
         with pytest.raises(ValueError, match=r"dq_stage_buffers=\d must be 1, or 2 with fused_dq"):
             mosaic_backward(x, x, x, x, lse, x, config=bad)
+    for bad in (MosaicBwdConfig(dq_stage_swizzle=0), MosaicBwdConfig(fused_dq=True, dq_stage_swizzle=16)):
+        with pytest.raises(ValueError, match=r"dq_stage_swizzle=\d+ must be 128, or 0, 32 or 64 with fused_dq"):
+            mosaic_backward(x, x, x, x, lse, x, config=bad)
     with pytest.raises(ValueError, match="persistent_dq"):
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(persistent_dq=True, delta_in_dq=True))
 

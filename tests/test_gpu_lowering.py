@@ -142,6 +142,7 @@ MOSAIC_CALL = "mosaic_gpu_v2"
 @pytest.mark.parametrize("causal, kv, variant", [(True, 8, {}), (False, 2, {"delta_in_dq": True}),
                                                   (True, 2, {"fused_dq": True}),
                                                   (True, 2, {"fused_dq": True, "dq_stage_buffers": 2}),
+                                                  (True, 2, {"fused_dq": True, "dq_stage_swizzle": 0}),
                                                   (True, 8, {"persistent": True, "persistent_dq": True,
                                                              "persistent_ctas": 132})])
 def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal, kv, variant):

@@ -109,6 +109,9 @@ class MosaicBwdConfig:
       With 1, a consumer waits, before each store, until the TMA reduce-add of the previous step
       has read the tile; with 2 it alternates, so it waits only for the one two steps back
       (32 KB more shared memory). Not yet timed on a GPU.
+    dq_stage_swizzle: with fused_dq, the staging tiles' shared-memory swizzle in bytes (128, 64,
+      32; 0: none, row-major). The seventh session measured the f32 staging store as the fused
+      kernel's largest cost; this tries the store's bank pattern. Not yet timed on a GPU.
     """
 
     block_q_dkv: int = 64
@@ -123,6 +126,7 @@ class MosaicBwdConfig:
     persistent_dq: bool = False
     persistent_ctas: int = 0
     dq_stage_buffers: int = 1
+    dq_stage_swizzle: int = 128
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -206,6 +210,9 @@ def validate_config(cfg: MosaicBwdConfig):
         raise ValueError("MosaicBwdConfig.persistent is not implemented with fused_dq")
     if cfg.dq_stage_buffers not in (1, 2) or (cfg.dq_stage_buffers == 2 and not cfg.fused_dq):
         raise ValueError(f"MosaicBwdConfig.dq_stage_buffers={cfg.dq_stage_buffers!r} must be 1, or 2 with fused_dq")
+    if cfg.dq_stage_swizzle not in (0, 32, 64, 128) or (cfg.dq_stage_swizzle != 128 and not cfg.fused_dq):
+        raise ValueError(f"MosaicBwdConfig.dq_stage_swizzle={cfg.dq_stage_swizzle!r} must be 128, or 0, 32 or 64 "
+                         "with fused_dq")
     if cfg.delta_in_dq and cfg.persistent_dq:
         raise ValueError("MosaicBwdConfig.persistent_dq is not implemented with delta_in_dq")
     if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
@@ -586,6 +593,12 @@ def _grid(dims: dict[str, int], *, tiles_outermost: bool) -> dict:
     return dict(grid=tuple(dims[n] for n in names), grid_names=tuple(names))
 
 
+def _f32_swizzled(swizzle: int) -> tuple:
+    """Shared-memory transforms of an f32 tile: `swizzle`-byte swizzle over (8, swizzle / 4)
+    tiles (one swizzle span per tile row); () for none."""
+    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)) if swizzle else ()
+
+
 def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, dq_acc=None):
     """(dk, dv); with `fused_dq` the kernel also reduce-adds into the Ref `dq_acc`."""
     cfg = geo.cfg
@@ -599,7 +612,7 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         dq_scratch = (
             plgpu.SMEM((2, CONSUMERS * cfg.block_kv_dkv, cfg.block_q_dkv), dtype, transforms=tiled),  # dSᵀ x 2
             plgpu.SMEM((*((2,) if cfg.dq_stage_buffers == 2 else ()), CONSUMERS, cfg.block_q_dkv, d // CONSUMERS),
-                       jnp.float32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),  # dQ halves
+                       jnp.float32, transforms=_f32_swizzled(cfg.dq_stage_swizzle)),  # dQ halves
         )
         dq_barrier = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),)  # ds_ready
     if cfg.persistent:  # dK, dV staging: the next item's K, V load while these are copied out
