@@ -33,7 +33,6 @@ def inputs(seed, b, t, s, h, kv, d, dtype):
                  ((b, t, h, d), (b, s, kv, d), (b, s, kv, d), (b, t, h, d)))
 
 
-
 RACE_WRITE = re.compile(r"^\s*write of .* from Warpgroup\(.*\), (\S+):(\d+):\d+ \(.*\)$", re.M)
 
 
