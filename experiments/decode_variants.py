@@ -56,11 +56,11 @@ VARIANTS = {
     "pallas_layers_combined": ("", None, "pallas_combined", "pallas"),
     # + the gate/up + SwiGLU streamed by TMA (scaling.kernels.decode_tma; Hopper)
     "pallas_layers_tma": ("", None, "pallas", "pallas_tma"),
-    # + that kernel launched early by PDL (decode_tma.DEFAULT_PDL; "+pdl" below), with XLA's own
+    # + that kernel launched early by PDL (TmaSettings.pdl; "+pdl" below), with XLA's own
     # kernels as they are, and with XLA's PDL on too (its kernels wait at their start)
     "pallas_layers_tma_pdl": ("", None, "pallas", "pallas_tma+pdl"),
     "pallas_layers_tma_pdl_xla": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas_tma+pdl"),
-    # every projection but q/k/v by TMA (decode_tma.TMA_PROJECTIONS): output, down, head too
+    # every projection but q/k/v by TMA (TmaSettings.projections; "+all"): output, down, head too
     "pallas_layers_tma_all": ("", None, "pallas", "pallas_tma+all"),
     "pallas_layers_tma_all_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas_tma+all+pdl"),
     # XLA's own PDL alone: its kernels (and, if its Triton pipeline treats them alike, the Pallas
