@@ -175,3 +175,52 @@ def test_persistent_mosaic_forward_lowers_for_hopper(as_h100, causal, kv):
     text = lower_for_cuda(lambda q, k, v: mosaic_forward(q, k, v, causal=causal, config=cfg),
                           sds((2, 512, 8, 128)), sds((2, 512, kv, 128)), sds((2, 512, kv, 128)))
     assert text.count(MOSAIC_CALL) == 1 and TRITON_CALL not in text
+
+
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_decode_kernels_on_a_padded_stream_lower_for_hopper(as_h100, b):
+    """layers="pallas_tma" keeps the residual stream padded to 8 rows: matmul_residual(rows=B)
+    passes rows [B, 8) through and qkv_rope reads the first B rows. Triton wants every tile's
+    size a power of two, which a pass-through of 8 - B rows is not by itself (interpret mode
+    accepts it; the first GPU run of the ninth session's version failed here)."""
+    from scaling.kernels import decode_gemv as g
+
+    d, n, kv, h, f, s = 2048, 32, 8, 64, 8192, 384
+    lb = g.default_blocks(b, h)
+    assert lower_for_cuda(lambda a, w, r: g.matmul_residual(a, w, r, blocks=lb.down, rows=b),
+                          sds((8, f)), sds((d, f)), sds((8, d))).count(TRITON_CALL) == 1
+    text = lower_for_cuda(lambda *a: g.qkv_rope(*a, num_heads=n, eps=1e-5, blocks=lb.qkv),
+                          sds((8, d)), sds(((n + 2 * kv) * h, d)), sds((h // 2,), jnp.float32), sds((b,), jnp.int32),
+                          sds((b, s, kv, h)), sds((b, s, kv, h)))
+    assert text.count(TRITON_CALL) == 1
+
+
+@pytest.mark.parametrize("b,tma", [(1, None), (1, ("gate_up",)), (2, ("gate_up", "out", "down", "head"))])
+def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma):
+    """A whole decode step of the Pallas layers (one layer at the 1b's shapes) through Pallas'
+    Triton and Mosaic GPU lowerings: the kernels as the decoder composes them (a padded residual
+    stream with layers="pallas_tma"), where one kernel's lowering test alone can miss a shape."""
+    from pathlib import Path
+
+    from scaling import decode
+    from scaling.config import load_config
+    from scaling.kernels import decode_tma
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "models" / "1b.yaml").model
+    cfg = dataclasses.replace(cfg, num_layers=1)
+    d, n, kv, h, f, s = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim, 384
+    layer = {"wqkv_xd": sds(((n + 2 * kv) * h, d)), "wo_dx": sds((d, n * h)), "wgu_xd": sds((2 * f, d)),
+             "wdown_df": sds((d, f))}
+    vocab_rows = -(-cfg.vocab_size // decode.HEAD_ROWS) * decode.HEAD_ROWS
+    weights = {"layers": (layer,), "embed_vd": sds((cfg.vocab_size, d)), "head_xd": sds((vocab_rows, d))}
+    cache = {"k": (sds((b, s, kv, h)),), "v": (sds((b, s, kv, h)),)}
+    impl = decode.DecodeLayerImpl.pallas_tma if tma else decode.DecodeLayerImpl.pallas
+    settings = decode_tma.TmaSettings(projections=tma) if tma else None
+
+    def step(weights, cache, tokens_b, pos_b):
+        return decode._step_forward(weights, cache, tokens_b, pos_b, cfg=cfg, attn_impl=decode.DecodeAttentionImpl.pallas,
+                                    layer_impl=impl, tma=settings)
+
+    text = lower_for_cuda(step, weights, cache, sds((b,), jnp.int32), sds((b,), jnp.int32))
+    assert text.count(TRITON_CALL) >= 2  # qkv_rope and the attention at least
+    assert text.count(MOSAIC_CALL) == (len(tma) if tma else 0)

@@ -354,9 +354,21 @@ def _residual_kernel(a_ref, w_ref, r_ref, o_ref, *, bn: int, bk: int, k: int, pr
     (acc,) = _matmul_rows(a_ref, w_ref, (cols,), bn, k=k, bk=bk, prefetch=prefetch, norm_eps=None, b=b)
     batch = pl.ds(0, b)
     o_ref[batch, cols] = (_f32(r_ref[batch, cols]) + acc).astype(o_ref.dtype)
-    if r_ref.shape[0] > b:  # padding rows past the batch: r's, unchanged
-        pad = pl.ds(b, r_ref.shape[0] - b)
+    # Padding rows past the batch pass through unchanged, in power-of-two pieces (Triton's
+    # tiles must be: 8 - B rows is 7 at batch 1).
+    for start, size in _pow2_pieces(b, r_ref.shape[0]):
+        pad = pl.ds(start, size)
         o_ref[pad, cols] = r_ref[pad, cols]
+
+
+def _pow2_pieces(start: int, stop: int) -> list[tuple[int, int]]:
+    """[start, stop) as consecutive (offset, size) pieces whose sizes are powers of two."""
+    pieces = []
+    while start < stop:
+        size = 1 << ((stop - start).bit_length() - 1)
+        pieces.append((start, size))
+        start += size
+    return pieces
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "rows"))
