@@ -11,7 +11,7 @@ the decoder's `min_batch` (rows padded up to it, so M = 1 matmuls take the M >= 
 its decode attention (pallas: the flash-decoding kernel; fused: the kernel with RoPE and the
 cache write folded in) and its layers (xla, or pallas: scaling.kernels.decode_gemv; pallas_tma
 with its TMA gate/up, "+pdl" launching the TMA kernels by PDL, "+all" running the output,
-down and head projections by TMA too).
+down and head projections by TMA too, "+grid" those of them with enough CTAs).
 
 `--profile` traces one decode call of the first variant op by op (profiling turns command
 buffers off unless XLA is told otherwise) and prints the GPU kernels of one step: count,
@@ -63,6 +63,9 @@ VARIANTS = {
     # every projection but q/k/v by TMA (TmaSettings.projections; "+all"): output, down, head too
     "pallas_layers_tma_all": ("", None, "pallas", "pallas_tma+all"),
     "pallas_layers_tma_all_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas_tma+all+pdl"),
+    # the projections whose grid has >= decode_tma.MIN_CTAS CTAs ("+grid"): 1b gate/up and head,
+    # 7b all four
+    "pallas_layers_tma_grid": ("", None, "pallas", "pallas_tma+grid"),
     # XLA's own PDL alone: its kernels (and, if its Triton pipeline treats them alike, the Pallas
     # Triton kernels it compiles) wait at their start, so each may launch before the previous ends
     "pallas_layers_xla_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas"),
@@ -90,10 +93,15 @@ def run_one(args) -> dict:
         from scaling.kernels import decode_tma
 
         layers, *options = args.layers.split("+")  # pallas_tma+pdl, +all (every projection by TMA)
-        tma = decode_tma.TmaSettings(
-            projections=decode_tma.PROJECTIONS if "all" in options else ("gate_up",), pdl="pdl" in options,
-            blocks=decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/"))) if args.tma_blocks
-            else decode_tma.DEFAULT_BLOCKS)
+        tma_blocks = (decode_tma.TmaBlocks(*(int(v) for v in args.tma_blocks.split("/"))) if args.tma_blocks
+                      else decode_tma.DEFAULT_BLOCKS)
+        projections = ("gate_up",)
+        if "all" in options:
+            projections = decode_tma.PROJECTIONS
+        elif "grid" in options:
+            projections = decode_tma.projections_by_grid(cfg, -(-cfg.vocab_size // decode.HEAD_ROWS) * decode.HEAD_ROWS,
+                                                         tma_blocks)
+        tma = decode_tma.TmaSettings(projections=projections, pdl="pdl" in options, blocks=tma_blocks)
         dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
                              layers=layers, gemv_blocks=blocks, tma=tma)
         del model

@@ -104,3 +104,15 @@ def test_lowers_for_hopper(monkeypatch):
     for bk in (128, 256):  # the statistic's strided row loads and full reductions (vec_size = block_k / 128)
         fn = lambda x8, w, bk=bk: t.gate_up_swiglu_tma(x8, None, w, norm_eps=1e-5, blocks=t.TmaBlocks(block_k=bk))  # noqa: E731
         assert lower_for_cuda(fn, args[0], args[2]).count(MOSAIC_CALL) == 1
+
+
+def test_projections_by_grid():
+    """The CTA-count rule: the 1b's 2048-wide output and down projections stay on the Triton
+    kernels (32 CTAs), the 7b's 4096-wide ones (64) and every head go to TMA."""
+    import types
+
+    one_b = types.SimpleNamespace(hidden_size=2048)
+    seven_b = types.SimpleNamespace(hidden_size=4096)
+    assert t.projections_by_grid(one_b, 32000) == ("gate_up", "head")
+    assert t.projections_by_grid(seven_b, 32000) == ("gate_up", "out", "down", "head")
+    assert t.projections_by_grid(seven_b, 32000, t.TmaBlocks(block_f=128)) == ("gate_up", "head")

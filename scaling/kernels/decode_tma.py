@@ -152,6 +152,21 @@ def projections_reason(cfg, vocab_rows: int, tma: TmaSettings | None = None) -> 
     return None
 
 
+# Without K splits a projection has outputs / block_f CTAs. On an H200 (132 SMs; tenth and
+# eleventh sessions, docs/decoding.md) the TMA kernel lost to the Triton kernels with 32 CTAs
+# (the 1b's output and down projections, 2048 outputs) and won with 64 and more (the 7b's output
+# and down, 4096; every gate/up; the heads).
+MIN_CTAS = 64
+
+
+def projections_by_grid(cfg, vocab_rows: int, blocks: TmaBlocks | None = None) -> tuple[str, ...]:
+    """The projections whose grid has at least MIN_CTAS CTAs at these tiles (the gate/up always):
+    a TmaSettings.projections for this model (a ModelConfig); vocab_rows: the head's padded rows."""
+    blocks = blocks or DEFAULT_BLOCKS
+    outputs = {"out": cfg.hidden_size, "down": cfg.hidden_size, "head": vocab_rows}
+    return ("gate_up", *(name for name, n in outputs.items() if n // blocks.block_f >= MIN_CTAS))
+
+
 def row_rsqrt(x8, eps: float):
     """rsqrt(mean(x²) + eps) per row, f32: the RMSNorm statistic the kernel's epilogue applies."""
     x = x8.astype(jnp.float32)
