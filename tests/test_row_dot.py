@@ -1,7 +1,6 @@
 """scaling.kernels.row_dot (the backward's delta = rowsum(dO ∘ O)) in interpret mode against a
 float64 NumPy reference; its Hopper lowering is in test_gpu_lowering.py."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
