@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -57,9 +56,6 @@ VARIANTS = {
     "f-s0": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_swizzle=0),
     "f-s64": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_swizzle=64),
     "f2-s0": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2, dq_stage_swizzle=0),
-    # delta by the Pallas row_dot kernel instead of XLA's reduction (eleventh session)
-    "dk": bwd.MosaicBwdConfig(delta_kernel=True),
-    "dk-dq128": bwd.MosaicBwdConfig(delta_kernel=True, block_kv_dq=128),
 }
 
 
@@ -139,10 +135,7 @@ def timing(shape, variants, reps, peers=True):
     o, lse = jax.jit(lambda q, k, v: mosaic_forward(q, k, v, causal=causal))(q, k, v)
     delta_fn = jax.jit(bwd.output_row_dot)
     delta = delta_fn(o, do)
-    delta_kernel = jax.jit(functools.partial(bwd.output_row_dot, kernel=True))
-    part_calls, part_rows = {("delta (XLA)", "ms"): lambda: delta_fn(o, do),
-                             ("delta (row_dot kernel)", "ms"): lambda: delta_kernel(o, do)}, {}
-    err = float(jnp.max(jnp.abs(delta_kernel(o, do) - delta)) / jnp.max(jnp.abs(delta)))
+    part_calls, part_rows = {("delta (XLA)", "ms"): lambda: delta_fn(o, do)}, {}
     # FLOPs: dK/dV 4 matmuls, dQ 3 (each 2·B·H·T²·D, halved when causal).
     part_flops = {}
     for name, cfg in variants.items():
@@ -172,14 +165,10 @@ def timing(shape, variants, reps, peers=True):
             except Exception as e:
                 part_rows[name][f"error_{part}"] = f"{type(e).__name__}: {str(e)[:300]}"
     times = time_interleaved(part_calls, reps=reps)
-    for impl in ("delta (XLA)", "delta (row_dot kernel)"):
-        row = _row(impl, shape)
-        row["ms"] = float(np.median(times.pop((impl, "ms")))) * 1e3
-        row["GBps"] = 2 * q.size * q.dtype.itemsize / (row["ms"] / 1e3) / 1e9  # o and do read once
-        if "kernel" in impl:
-            row["max_err_vs_xla"] = err
-        print("part", json.dumps(row), flush=True)
-        rows.append(row)
+    row = _row("delta (XLA)", shape)
+    row["ms"] = float(np.median(times.pop(("delta (XLA)", "ms")))) * 1e3
+    print("part", json.dumps(row), flush=True)
+    rows.append(row)
     for (name, part), ts in times.items():
         sec = float(np.median(ts))
         part_rows[name][f"ms_{part}"] = sec * 1e3

@@ -62,9 +62,8 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
      MosaicBwdConfig(block_q_dkv=128, block_kv_dq=128, persistent=True, persistent_dq=True, persistent_ctas=3),
      "persistent dK/dV and dQ: 3 CTAs each loop over 8 (tile, head, batch) items, the rings run across items"),
     (1, 256, 256, 4, 1, 128, True, jnp.float16,
-     MosaicBwdConfig(persistent=True, persistent_dq=True, persistent_ctas=1, delta_kernel=True),
-     "persistent dK/dV and dQ, GQA 4 D=128: one CTA runs every item (2 K/V tiles; 8 q tiles); delta by the "
-     "row_dot kernel"),
+     MosaicBwdConfig(persistent=True, persistent_dq=True, persistent_ctas=1),
+     "persistent dK/dV and dQ, GQA 4 D=128: one CTA runs every item (2 K/V tiles; 8 q tiles)"),
     (1, 256, 256, 4, 2, 128, True, jnp.bfloat16, MosaicBwdConfig(fused_dq=True),
      "fused dQ: causal GQA 2, dS K in the dK/dV kernel split by columns over the consumers, two K/V CTAs' "
      "partial dQ summed (interpret stand-in for the TMA reduce-add)"),
@@ -257,8 +256,6 @@ def test_mosaic_backward_raises_before_running():
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(fused_dq=True, delta_in_dq=True))
     with pytest.raises(ValueError, match="persistent"):
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(fused_dq=True, persistent=True))
-    with pytest.raises(ValueError, match="delta_kernel .* delta_in_dq"):
-        mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(delta_kernel=True, delta_in_dq=True))
     with pytest.raises(ValueError, match="persistent_ctas"):
         mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(persistent_ctas=-2))
     for bad in (MosaicBwdConfig(dq_stage_buffers=2), MosaicBwdConfig(fused_dq=True, dq_stage_buffers=3)):

@@ -225,11 +225,3 @@ def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma):
     assert text.count(TRITON_CALL) >= 2  # qkv_rope and the attention at least
     assert text.count(MOSAIC_CALL) == (len(tma) if tma else 0)
 
-
-@pytest.mark.parametrize("d", [64, 128])
-def test_row_dot_lowers_for_hopper(as_h100, d):
-    """The backward's delta kernel (3-D tiles, a reduction and a transposed store)."""
-    from scaling.kernels import row_dot
-
-    x = sds((2, 4096, 32, d))
-    assert lower_for_cuda(row_dot.output_row_dot, x, x).count(TRITON_CALL) == 1

@@ -65,7 +65,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels import row_dot
 from scaling.kernels.flash_attention_mgpu import (LOG2_E, common_unsupported_reason, interpret_params,
                                                   persistent_items, sm_count, work_item)
 
@@ -109,13 +108,11 @@ class MosaicBwdConfig:
     dq_stage_buffers: with fused_dq, f32 staging tiles per consumer for its dQ half (1 or 2).
       With 1, a consumer waits, before each store, until the TMA reduce-add of the previous step
       has read the tile; with 2 it alternates, so it waits only for the one two steps back
-      (32 KB more shared memory). Not yet timed on a GPU.
+      (32 KB more shared memory). Timed on an H200 (eleventh session): 10-12% slower than 1.
     dq_stage_swizzle: with fused_dq, the staging tiles' shared-memory swizzle in bytes (128, 64,
       32; 0: none, row-major). The seventh session measured the f32 staging store as the fused
-      kernel's largest cost (the eleventh timed 0/64/128: within 3% of each other).
-    delta_kernel: delta = rowsum(dO ∘ O) by scaling.kernels.row_dot (a Pallas Triton kernel)
-      instead of XLA's fused reduction, which streams at a fraction of the bandwidth; XLA's
-      where the kernel cannot tile the shape. Not with delta_in_dq.
+      kernel's largest cost; this tries the store's bank pattern. Timed on an H200 (eleventh
+      session): 0 and 64 within 2% of 128, the fused kernel still 4-10% behind the split ones.
     """
 
     block_q_dkv: int = 64
@@ -131,7 +128,6 @@ class MosaicBwdConfig:
     persistent_ctas: int = 0
     dq_stage_buffers: int = 1
     dq_stage_swizzle: int = 128
-    delta_kernel: bool = False
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -220,9 +216,6 @@ def validate_config(cfg: MosaicBwdConfig):
                          "with fused_dq")
     if cfg.delta_in_dq and cfg.persistent_dq:
         raise ValueError("MosaicBwdConfig.persistent_dq is not implemented with delta_in_dq")
-    if cfg.delta_in_dq and cfg.delta_kernel:
-        raise ValueError("MosaicBwdConfig.delta_kernel computes delta before the kernels; delta_in_dq inside the "
-                         "dQ kernel: choose one")
     if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
         raise ValueError(f"MosaicBwdConfig.persistent_ctas={cfg.persistent_ctas!r} must be an int >= 0 (0: one per SM)")
     if cfg.block_q_dq != 64:
@@ -886,14 +879,12 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: plgpu.Inte
     )(q, k, v, do, lse, delta_or_o)
 
 
-def output_row_dot(o, do, *, kernel: bool = False, interpret: bool = False):
+def output_row_dot(o, do):
     """delta = rowsum(dO ∘ O) as [B, H, T] f32 from [B, T, H, D] inputs (FA2 Algorithm 2, line 4).
-    kernel: by scaling.kernels.row_dot where it tiles the shape. Otherwise one XLA kernel. Timed on an H100 (ninth session) at 0.23 ms for B·T = 16k, H = 32, D = 128.
+    One XLA kernel. Timed on an H100 (ninth session) at 0.23 ms for B·T = 16k, H = 32, D = 128.
     A multiply-and-sum form took 0.25-0.28 ms, and the reduction alone, without the layout
     change to [B, H, T], 0.23 ms."""
-    if kernel and row_dot.unsupported_reason(o.shape) is None:
-        return row_dot.output_row_dot(o, do, interpret=interpret)
-    return row_dot.reference(o, do)
+    return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -908,7 +899,7 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: plgpu.InterpretGPU
         dq, delta = _dq_call(q, k, v, do, lse, o, geo, interpret)
         dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
         return dq, dk, dv
-    delta = output_row_dot(o, do, kernel=geo.cfg.delta_kernel, interpret=interpret is not None)
+    delta = output_row_dot(o, do)
     if geo.cfg.fused_dq:  # dQ accumulates in f32 inside the dK/dV kernel (docstring of MosaicBwdConfig)
         slices = (geo.kv_len // (CONSUMERS * geo.cfg.block_kv_dkv),) if interpret else ()  # one per CTA
         dq_acc = jax.new_ref(jnp.zeros((*slices, *q.shape), jnp.float32))
