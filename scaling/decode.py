@@ -79,6 +79,12 @@ PALLAS_MAX_BATCH = 64
 # to 8 rows, and the llama2_7b 5.20 against 5.41 ms; at 2 rows it was 2% slower than XLA's
 # (1.117 vs 1.096 ms), at 4 rows 1.6x slower: its CUDA-core products grow with the rows.
 AUTO_PALLAS_MAX_BATCH = 1
+# layers="auto" on a Hopper GPU: those steps with the TMA kernels (layers="pallas_tma", the
+# projections decode_tma.projections_by_grid picks) from this hidden size. Batch 1, prompt 128
+# (eleventh session, docs/decoding.md): the llama2_7b shape (4096) ran 2.8% faster on an H200
+# (4.051 against 4.166 ms) and 1.4% on an H100 (5.213 against 5.286); the 1b (2048) 0.7% faster
+# on the H200 and 2.8% slower on the H100, so it keeps the Triton kernels.
+AUTO_TMA_MIN_HIDDEN = 4096
 HEAD_ROWS = 256  # the Pallas layout pads the head's rows to a multiple of this (any block_n <= 256)
 
 
@@ -102,10 +108,13 @@ class DecodeLayerImpl(str, enum.Enum):
     # folded into the four weight reads (4 kernels + attention per layer), and the output head
     # with the final norm; batches up to PALLAS_MAX_BATCH
     pallas = "pallas"
-    # pallas, with the gate/up + SwiGLU streamed by TMA (scaling.kernels.decode_tma; Mosaic GPU,
-    # Hopper; batches up to decode_tma.ROWS). Opt-in: docs/decoding.md
+    # pallas, with the gate/up + SwiGLU (and the projections decode_tma.TmaSettings names)
+    # streamed by TMA (scaling.kernels.decode_tma; Mosaic GPU, Hopper; batches up to
+    # decode_tma.ROWS); docs/decoding.md
     pallas_tma = "pallas_tma"
-    auto = "auto"  # on the GPU pallas for small batches (AUTO_PALLAS_MAX_BATCH), else xla
+    # on the GPU pallas for small batches (AUTO_PALLAS_MAX_BATCH), pallas_tma there instead on a
+    # Hopper GPU for 16-bit models from AUTO_TMA_MIN_HIDDEN wide; else xla
+    auto = "auto"
 
 
 def layer_blocks(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> decode_gemv.LayerBlocks:
@@ -544,11 +553,13 @@ class Decoder:
     layers: the decode step's layer implementation (DecodeLayerImpl). "pallas": batch buckets
         up to PALLAS_MAX_BATCH that the kernels tile run them, the others XLA, on the same
         weights. "auto": on the GPU the Pallas layers for buckets up to AUTO_PALLAS_MAX_BATCH
-        (where they are measured faster), XLA above; XLA on other backends.
+        (where they are measured faster; on a Hopper GPU with the TMA kernels for models from
+        AUTO_TMA_MIN_HIDDEN wide), XLA above; XLA on other backends.
     gemv_blocks: the Pallas layer kernels' tiles (decode_gemv.LayerBlocks; None: defaults
         per batch, decode_gemv.default_blocks).
     tma: layers="pallas_tma"'s TMA kernels: which projections, PDL, tiles
-        (decode_tma.TmaSettings; None: decode_tma.settings(), the module's defaults now).
+        (decode_tma.TmaSettings; None: decode_tma.settings(), the module's defaults now, which
+        pick the projections by grid width for this model).
     """
 
     def __init__(
@@ -588,11 +599,18 @@ class Decoder:
         self.pallas_min_batch = min_batch if min_batch is not None else PALLAS_MIN_BATCH
         if tma is not None and not isinstance(tma, decode_tma.TmaSettings):
             raise TypeError(f"tma must be a decode_tma.TmaSettings, got {type(tma).__name__}")
-        self.tma = tma or decode_tma.settings()  # a static argument of the compiled step (layers="pallas_tma")
+        vocab_rows = _round_up(self.cfg.vocab_size, HEAD_ROWS)
+        # a static argument of the compiled step (layers="pallas_tma")
+        self.tma = tma or decode_tma.settings(self.cfg, vocab_rows)
         self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, self.pallas_min_batch,
                                              self.tma)
         if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):
             self.layer_impl = DecodeLayerImpl.xla
+        # auto's small-batch steps on the TMA kernels (AUTO_TMA_MIN_HIDDEN)
+        self.auto_tma = (self.layer_impl == DecodeLayerImpl.auto and is_hopper()
+                         and self.cfg.hidden_size >= AUTO_TMA_MIN_HIDDEN
+                         and jnp.dtype(self.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+                         and decode_tma.projections_reason(self.cfg, vocab_rows, self.tma) is None)
         self.pallas_max_batch = {DecodeLayerImpl.pallas: PALLAS_MAX_BATCH, DecodeLayerImpl.pallas_tma: decode_tma.ROWS,
                                  DecodeLayerImpl.auto: AUTO_PALLAS_MAX_BATCH}.get(self.layer_impl, 0)
         self.gemv_blocks = gemv_blocks
@@ -603,7 +621,7 @@ class Decoder:
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
         if batch <= self.pallas_max_batch and pallas_layers_reason(self.cfg, batch, self.gemv_blocks) is None:
-            tma = self.layer_impl == DecodeLayerImpl.pallas_tma
+            tma = self.layer_impl == DecodeLayerImpl.pallas_tma or self.auto_tma
             return DecodeLayerImpl.pallas_tma if tma else DecodeLayerImpl.pallas
         return DecodeLayerImpl.xla
 
@@ -716,10 +734,11 @@ class Decoder:
         while True:
             launched = None
             if not finished and steps_left > 0:
+                step_layers = self._step_layers(b)
                 state, toks, lps = _decode_chunk(self.weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
-                                                 layer_impl=self._step_layers(b), blocks=self.gemv_blocks,
+                                                 layer_impl=step_layers, blocks=self.gemv_blocks,
                                                  sampling=sampling, n_steps=self.chunk,
-                                                 tma=self.tma if self.layer_impl == DecodeLayerImpl.pallas_tma else None)
+                                                 tma=self.tma if step_layers == DecodeLayerImpl.pallas_tma else None)
                 steps_left -= self.chunk
                 launched = (toks, lps, jnp.all(state["done"]))
                 if timing is not None:

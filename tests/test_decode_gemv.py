@@ -233,6 +233,26 @@ def test_auto_layers_on_gpu_pick_pallas_for_small_batches(monkeypatch):
     assert xla.bucket(1) == decode.GPU_MIN_BATCH and "head_xd" not in xla.weights
 
 
+def test_auto_layers_take_the_tma_kernels_on_hopper_for_wide_models(monkeypatch):
+    """layers="auto" on a Hopper GPU: batch-1 steps on the TMA kernels for 16-bit models from
+    AUTO_TMA_MIN_HIDDEN wide, with the projections whose grid is wide enough (the 4096-wide output
+    and down projections; not this toy vocabulary's head); the Triton kernels below that width,
+    for f32 models and on other GPUs. Nothing runs here: the choice is made at construction."""
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(decode, "is_hopper", lambda: True)
+    wide = ModelConfig(vocab_size=97, hidden_size=decode.AUTO_TMA_MIN_HIDDEN, num_layers=1, num_heads=4,
+                       num_kv_heads=2, head_dim=64, mlp_dim=256, compute_dtype=DType.bfloat16)
+    dec = decode.Decoder(build_model(wide, seed=0), attention="xla")
+    assert dec._step_layers(1) == decode.DecodeLayerImpl.pallas_tma and dec._step_layers(8) == decode.DecodeLayerImpl.xla
+    assert dec.tma.projections == ("gate_up", "out", "down")  # the head: 256 padded rows, 4 CTAs
+    narrow = dataclasses.replace(wide, hidden_size=decode.AUTO_TMA_MIN_HIDDEN // 2)
+    assert decode.Decoder(build_model(narrow, seed=0), attention="xla")._step_layers(1) == decode.DecodeLayerImpl.pallas
+    f32 = dataclasses.replace(wide, compute_dtype=DType.float32)
+    assert decode.Decoder(build_model(f32, seed=0), attention="xla")._step_layers(1) == decode.DecodeLayerImpl.pallas
+    monkeypatch.setattr(decode, "is_hopper", lambda: False)
+    assert decode.Decoder(build_model(wide, seed=0), attention="xla")._step_layers(1) == decode.DecodeLayerImpl.pallas
+
+
 def test_vector_tiles_per_device():
     """H100 (and any GPU but the H200): the H100-tuned table. H200: its own table, and a down
     projection with ~1024 programs at any hidden size (the same bytes per program step)."""

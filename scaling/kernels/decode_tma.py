@@ -71,10 +71,12 @@ class TmaBlocks:
 
 DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs unless its tma=TmaSettings(blocks=...) says otherwise
 # The decoder's projections (layers="pallas_tma") that these kernels run by default; the gate/up
-# always (a Decoder's `tma=TmaSettings(...)` overrides these module defaults). The others are an
-# experiment (decode_variants.py "+all"; not yet timed in the decoder): without K splits the TMA
-# kernel beat the Triton kernels at the 7b's output projection, not at the 1b's small ones.
-TMA_PROJECTIONS: tuple[str, ...] = ("gate_up",)
+# always (a Decoder's `tma=TmaSettings(...)` overrides these module defaults). None: per model,
+# the projections whose grid is wide enough (projections_by_grid). Measured in the decoder
+# (eleventh session, docs/decoding.md): that choice was at least as fast as the gate/up alone and
+# as every projection, on an H200 (7b 4.05 ms against 4.19 and 4.05; 1b 0.822 against 0.828 and
+# 0.891) and an H100.
+TMA_PROJECTIONS: tuple[str, ...] | None = None
 PROJECTIONS = ("gate_up", "out", "down", "head")
 DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py's *_tma_pdl variants)
 
@@ -126,15 +128,20 @@ class TmaSettings:
     blocks: TmaBlocks = TmaBlocks()
 
 
-def settings() -> TmaSettings:
-    """The knobs as they are now: TMA_PROJECTIONS, DEFAULT_PDL, DEFAULT_BLOCKS."""
-    return TmaSettings(tuple(TMA_PROJECTIONS), bool(DEFAULT_PDL), DEFAULT_BLOCKS)
+def settings(cfg=None, vocab_rows: int | None = None) -> TmaSettings:
+    """The knobs as they are now: TMA_PROJECTIONS, DEFAULT_PDL, DEFAULT_BLOCKS. With
+    TMA_PROJECTIONS None the projections are projections_by_grid's for this model (a
+    ModelConfig; vocab_rows: the head's padded rows), the gate/up alone without one."""
+    projections = TMA_PROJECTIONS
+    if projections is None:
+        projections = projections_by_grid(cfg, vocab_rows, DEFAULT_BLOCKS) if cfg is not None else ("gate_up",)
+    return TmaSettings(tuple(projections), bool(DEFAULT_PDL), DEFAULT_BLOCKS)
 
 
 def projections_reason(cfg, vocab_rows: int, tma: TmaSettings | None = None) -> str | None:
     """Why the decoder cannot run this model (a ModelConfig) with these kernels and `tma`'s
-    projections and tiles (None: settings()); vocab_rows: the head's padded rows."""
-    tma = settings() if tma is None else tma
+    projections and tiles (None: settings() for it); vocab_rows: the head's padded rows."""
+    tma = settings(cfg, vocab_rows) if tma is None else tma
     projections = tma.projections
     if unknown := set(projections) - set(PROJECTIONS):
         return f"unknown TMA projections {sorted(unknown)}; allowed {PROJECTIONS}"
