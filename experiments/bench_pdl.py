@@ -32,7 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-5  # the RMSNorm epsilon of the chain's in-kernel statistic
-XLA_SETTINGS = {"default": "", "xla_pdl": "--xla_gpu_enable_pdl=true"}
+# no_cmdbuf: XLA launches every kernel on the stream itself instead of replaying a CUDA graph
+# (the Mosaic runtime then launches with the PDL attribute through cuLaunchKernelEx)
+XLA_SETTINGS = {"default": "", "xla_pdl": "--xla_gpu_enable_pdl=true", "no_cmdbuf": "--xla_gpu_enable_command_buffer="}
 
 
 def chain_fn(layers_per_pass: int, passes: int, pdl: bool):

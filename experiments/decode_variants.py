@@ -66,6 +66,10 @@ VARIANTS = {
     # the projections whose grid has >= decode_tma.MIN_CTAS CTAs ("+grid"): 1b gate/up and head,
     # 7b all four
     "pallas_layers_tma_grid": ("", None, "pallas", "pallas_tma+grid"),
+    # the same launched by PDL, with XLA's command buffers (CUDA graphs) and without them
+    "pallas_layers_tma_grid_pdl": ("", None, "pallas", "pallas_tma+grid+pdl"),
+    "pallas_layers_tma_grid_nocmdbuf": ("--xla_gpu_enable_command_buffer=", None, "pallas", "pallas_tma+grid"),
+    "pallas_layers_tma_grid_pdl_nocmdbuf": ("--xla_gpu_enable_command_buffer=", None, "pallas", "pallas_tma+grid+pdl"),
     # XLA's own PDL alone: its kernels (and, if its Triton pipeline treats them alike, the Pallas
     # Triton kernels it compiles) wait at their start, so each may launch before the previous ends
     "pallas_layers_xla_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas"),
