@@ -18,7 +18,7 @@ pdl=False and pdl=True, timed interleaved (bench_attention.time_interleaved). Ea
 runs in its own process (`XLA_FLAGS` is read at start): as is, and with
 `--xla_gpu_enable_pdl=true`. Reported: µs per kernel, its share of the copy bandwidth measured in
 the same process, and pdl=False / pdl=True. The two outputs are checked equal bit for bit (the
-same arithmetic; only the launch differs) and against an XLA chain before timing.
+same arithmetic; only the launch differs) and the first layer against XLA before timing.
 """
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ def measure(d: int, layers: int, passes: int, reps: int, warmup: int = 2) -> dic
     outs = {pdl: np.asarray(fn(x8, ws), np.float32) for pdl, fn in fns.items()}
     row = dict(D=d, F=d, layers=layers, passes=passes, MB_per_kernel=2 * d * d * 2 / 1e6)
     row["pdl_equals_no_pdl"] = bool(np.array_equal(outs[False], outs[True]))
-    # the reference over one pass (passes > 1 repeats it)
-    one = outs[False][0] if passes == 1 else np.asarray(chain_fn(layers, 1, False)(x8, ws), np.float32)[0]
-    want = np.asarray(reference_chain(x8, ws), np.float32)[0]
-    row["rel_err_vs_xla_one_pass"] = float(np.linalg.norm(one - want) / max(np.linalg.norm(want), 1e-30))
+    # The reference over the first layer: the chain is chaotic (one bf16 ulp on one input element
+    # moves the 16-layer D=2048 output by 54% in XLA alone), so a longer comparison says nothing.
+    one = np.asarray(chain_fn(1, 1, False)(x8, ws[:1]), np.float32)[0]
+    want = np.asarray(reference_chain(x8, ws[:1]), np.float32)[0]
+    row["rel_err_vs_xla_first_layer"] = float(np.linalg.norm(one - want) / max(np.linalg.norm(want), 1e-30))
     times = time_interleaved({pdl: (lambda fn=fn: fn(x8, ws)) for pdl, fn in fns.items()}, warmup=warmup, reps=reps)
     kernels = layers * passes
     for pdl in (False, True):
