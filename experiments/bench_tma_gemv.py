@@ -212,6 +212,37 @@ def profile(fn, args, reps: int, calls_per_rep: int) -> tuple[float, str, float]
     return total / (reps * calls_per_rep), main_name, statistics.median(by_name[main_name])
 
 
+def qkv_rope_row(row: dict, model: str, x, ws, args) -> None:
+    """The q/k/v projection as the decoder's layers run it: decode_gemv.qkv_rope (Triton, norm,
+    RoPE and the cache write) against decode_tma.qkv_rope_tma (TMA, norm and RoPE; its partner
+    rows from L2; no cache write). Adds their kernel-only µs and the TMA kernel's error against
+    the reference's q to `row`."""
+    from scaling import layers
+    from scaling.config import load_config
+    from scaling.kernels import decode_gemv as dg
+    from scaling.kernels import decode_tma
+
+    m = load_config(ROOT / "configs" / "models" / f"{model}.yaml", []).model
+    n, kv, h = m.num_heads, m.num_kv_heads, m.resolved_head_dim
+    b = x.shape[0]
+    inv = layers.rope_frequencies(m)
+    pos = jnp.arange(b, dtype=jnp.int32) * 37 + 100
+    cache = jnp.zeros((b, 512, kv, h), jnp.bfloat16)
+    blocks = dg.default_blocks(b, h, hidden=m.hidden_size, device_kind=jax.devices()[0].device_kind).qkv
+    tri = jax.jit(lambda x, ws, kc, vc: [dg.qkv_rope(x, w, inv, pos, kc, vc, num_heads=n, eps=1e-5, blocks=blocks)[0]
+                                         for w in ws])
+    _, _, row["triton_qkv_rope_us"] = profile(tri, (x, ws, cache, cache), args.reps, len(ws))
+    x8 = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
+    cs = decode_tma.rope_tables(jnp.pad(pos, (0, decode_tma.ROWS - b)), inv, h)
+    fn = jax.jit(lambda x8, ws: [decode_tma.qkv_rope_tma(x8, w, cs, num_heads=n, num_kv_heads=kv, head_dim=h,
+                                                         norm_eps=1e-5) for w in ws])
+    got = np.asarray(fn(x8, ws[:1])[0], np.float32)[:b, : n * h]
+    want = np.asarray(dg.qkv_rope_reference(x, ws[0], inv, pos, cache, cache, num_heads=n, eps=1e-5)[0],
+                      np.float32).reshape(b, -1)
+    row["tma_qkv_rope_err"] = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
+    _, _, row["tma_qkv_rope_us"] = profile(fn, (x8, ws), args.reps, len(ws))
+
+
 def decoder_kernel_row(row: dict, name: str, x, ws, args) -> None:
     """The decoder's own TMA kernel for this projection (scaling.kernels.decode_tma at its default
     tiles, one CTA per 64 outputs, no K split): the output and down projections with their
@@ -330,6 +361,11 @@ def main():
                     row[f"tma_{label}_err"] = err
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not a crash
                     row[f"tma_{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if name == "qkv":
+                try:
+                    qkv_rope_row(row, model, x, ws, args)
+                except Exception as e:  # noqa: BLE001 - a row, not a crash
+                    row["tma_qkv_rope_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if name in ("out", "down", "head"):
                 try:
                     decoder_kernel_row(row, name, x, ws, args)

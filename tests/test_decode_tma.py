@@ -61,6 +61,38 @@ def test_residual_and_head_projections_match_reference_interpret(b, k, n, blocks
                                rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("b, n, kv, h, d, blocks", [
+    (1, 4, 2, 64, 256, t.TmaBlocks(block_f=64, block_k=128, stages=2)),  # one head per CTA: halves swapped
+    (3, 2, 1, 128, 512, t.TmaBlocks(block_f=64, block_k=256, stages=3)),  # two CTAs per head: partner tiles ± 64
+])
+def test_qkv_rope_matches_reference_interpret(b, n, kv, h, d, blocks, capfd):
+    """q and the new k/v rows of qkv_rope_tma (norm statistic in the kernel, RoPE from the partner
+    rows) against decode_gemv's qkv_rope reference, at positions of unlike size; NaN padding rows."""
+    from scaling import layers
+    from scaling.config import ModelConfig
+
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((b, d)) * rng.uniform(0.1, 10, (b, 1)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(((n + 2 * kv) * h, d)) / np.sqrt(d), jnp.bfloat16)
+    pos = jnp.asarray(rng.integers(0, 4000, b), jnp.int32)
+    cfg = ModelConfig(vocab_size=64, hidden_size=d, num_layers=1, num_heads=n, num_kv_heads=kv, head_dim=h, mlp_dim=64)
+    inv = layers.rope_frequencies(cfg)
+    x8 = jnp.concatenate([x, jnp.full((8 - b, d), jnp.nan, jnp.bfloat16)])
+    pos8 = jnp.zeros((8,), jnp.int32).at[:b].set(pos)
+    capfd.readouterr()
+    got = t.qkv_rope_tma(x8, w, t.rope_tables(pos8, inv, h, blocks.block_f), num_heads=n, num_kv_heads=kv,
+                         head_dim=h, norm_eps=1e-5, blocks=blocks, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not (races := non_tma_races(capfd.readouterr().out)), races
+    assert got.shape == (8, (n + 2 * kv) * h) and got.dtype == jnp.bfloat16
+    cache = jnp.zeros((b, 4096, kv, h), jnp.float32)
+    q, kc, vc = g.qkv_rope_reference(x, w, inv, pos, cache, cache, num_heads=n, eps=1e-5)
+    heads = np.asarray(got[:b], np.float32).reshape(b, n + 2 * kv, h)
+    rows = np.arange(b)
+    for name, a, r in (("q", heads[:, :n], q), ("k", heads[:, n:n + kv], kc[rows, pos]),
+                       ("v", heads[:, n + kv:], vc[rows, pos])):
+        np.testing.assert_allclose(a, np.asarray(r, np.float32), rtol=2e-2, atol=2e-2, err_msg=name)
+
+
 def test_refusals_name_the_problem():
     x8, w, r8 = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((256, 256), jnp.bfloat16), jnp.ones((8,), jnp.float32)
     with pytest.raises(ValueError, match=r"x8 must be \[8, K\]"):
@@ -104,6 +136,19 @@ def test_lowers_for_hopper(monkeypatch):
     for bk in (128, 256):  # the statistic's strided row loads and full reductions (vec_size = block_k / 128)
         fn = lambda x8, w, bk=bk: t.gate_up_swiglu_tma(x8, None, w, norm_eps=1e-5, blocks=t.TmaBlocks(block_k=bk))  # noqa: E731
         assert lower_for_cuda(fn, args[0], args[2]).count(MOSAIC_CALL) == 1
+
+
+@pytest.mark.parametrize("h", [64, 128])
+def test_qkv_rope_lowers_for_hopper(monkeypatch, h):
+    """The partner-tile loads (one box, or a one-head CTA's two halves on a two-arrival barrier),
+    the f32 tables read in the accumulator's layout: the 1b's (H = 64) and the 7b's (H = 128) heads."""
+    from test_gpu_lowering import MOSAIC_CALL, lower_for_cuda, sds
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    n, kv, d = (32, 8, 2048) if h == 64 else (32, 32, 4096)
+    fn = lambda x8, w, cs: t.qkv_rope_tma(x8, w, cs, num_heads=n, num_kv_heads=kv, head_dim=h, norm_eps=1e-5)  # noqa: E731
+    text = lower_for_cuda(fn, sds((8, d)), sds(((n + 2 * kv) * h, d)), sds((h // 64 + 1, 2, 64, 8), jnp.float32))
+    assert text.count(MOSAIC_CALL) == 1
 
 
 def test_projections_by_grid():

@@ -82,7 +82,7 @@ DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; deco
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = False, *, halves: int = 2,
-               out_itemsize: int | None = None, residual: bool = False) -> int:
+               out_itemsize: int | None = None, residual: bool = False, rope: bool = False) -> int:
     """Shared memory of one CTA: per ring slot the x tile (twice with in_kernel_norm: a plain copy
     for the statistic), `halves` weight tiles; the output tile, the residual tile, and r8, or with
     in_kernel_norm the cross-warp reduction scratch Mosaic reserves for a kernel that reduces
@@ -92,7 +92,8 @@ def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = Fals
     out = blocks.block_f * ROWS * (itemsize if out_itemsize is None else out_itemsize)
     res = blocks.block_f * ROWS * itemsize if residual else 0
     r = REDUCTION_SCRATCH if in_kernel_norm else ROWS * 4
-    return blocks.stages * per_slot + out + res + r
+    tables = 2 * blocks.block_f * ROWS * 4 if rope else 0  # qkv_rope_tma's cos and sin
+    return blocks.stages * per_slot + out + res + r + tables
 
 
 def unsupported_reason(hidden: int, mlp_dim: int, blocks: TmaBlocks | None = None,
@@ -194,16 +195,23 @@ class _Plan:
     features_major: bool  # out [n, 8] (f32: Mosaic stores no transposed f32 tile), else [8, n]
     interpret: bool
     pdl: bool
+    # q/k/v with RoPE (qkv_rope_tma): head_dim > 0; the second weight ring holds each row's rotary
+    # partner (row ± head_dim/2), and the tables `cs` give cos and the signed sin per CTA position
+    rope_head_dim: int = 0
+    rope_rows: int = 0  # rows [0, rope_rows) rotate (q and k); the rest (v) do not
 
     def ref_names(self) -> list[str]:
         """The kernel's refs in order: inputs, the output, scratch, barriers."""
         halves = [f"w_ring{i}" for i in range(self.halves)]
-        return (["x", *(["r8"] if self.norm == "given" else []), "w", *(["res"] if self.residual else []), "o",
+        rope = bool(self.rope_head_dim)
+        return (["x", *(["r8"] if self.norm == "given" else []), "w", *(["res"] if self.residual else []),
+                 *(["cs"] if rope else []), "o",
                  "x_ring", *halves, *(["xp_ring"] if self.norm == "kernel" else []),
-                 *(["r_smem"] if self.norm == "given" else []), *(["res_smem"] if self.residual else []), "out_smem",
+                 *(["r_smem"] if self.norm == "given" else []), *(["res_smem"] if self.residual else []),
+                 *(["cs_smem"] if rope else []), "out_smem",
                  "x_full", *[f"w_full{i}" for i in range(self.halves)], "free",
                  *(["xp_full"] if self.norm == "kernel" else []), *(["r_full"] if self.norm == "given" else []),
-                 *(["res_full"] if self.residual else [])])
+                 *(["res_full"] if self.residual else []), *(["cs_full"] if rope else [])])
 
 
 def _kernel(*refs, plan: _Plan):
@@ -281,7 +289,14 @@ def _kernel(*refs, plan: _Plan):
         if r is not None:
             r = lax.broadcast_in_dim(r, acc0.shape, [1])  # column b is row b of x
             accs = tuple(a * r for a in accs)
-        if plan.halves == 2:
+        if plan.rope_head_dim:  # out = y cos + y_partner sin_signed (the tables: rope_tables)
+            plgpu.barrier_wait(ref["cs_full"])
+            cs = ref["cs_smem"]
+            cos, sin = ((cs.at[i][...] if interpret else plgpu.load(cs.at[i], layout=plgpu.Layout.WGMMA))
+                        for i in range(2))
+            y, y_partner = accs
+            h = y * cos + y_partner * sin
+        elif plan.halves == 2:
             g, u = accs
             h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
         else:
@@ -311,8 +326,24 @@ def _kernel(*refs, plan: _Plan):
             if in_kernel_norm:  # a second, plain copy for the statistic
                 plgpu.copy_gmem_to_smem(x_ref.at[:, cols], ref["xp_ring"].at[slot], ref["xp_full"].at[slot])
 
+        hd = plan.rope_head_dim
+
         def load_w(j, slot):
             cols = pl.ds(j * bk, bk)
+            if hd and hd == 2 * bf:  # the partner tile: this CTA's rows ± head_dim/2, one box
+                first_half = lax.rem(f0, hd) < hd // 2
+                partner = f0 + jnp.where(first_half, hd // 2, -(hd // 2))
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], w_rings[0].at[slot], w_fulls[0].at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(partner, bf), cols], w_rings[1].at[slot], w_fulls[1].at[slot])
+                return
+            if hd:  # head_dim == block_f: the CTA is one head; its partner tile is the head's halves swapped
+                half = bf // 2
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], w_rings[0].at[slot], w_fulls[0].at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0 + half, half), cols], w_rings[1].at[slot, pl.ds(0, half)],
+                                        w_fulls[1].at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, half), cols], w_rings[1].at[slot, pl.ds(half, half)],
+                                        w_fulls[1].at[slot])
+                return
             for i, (ring, full) in enumerate(zip(w_rings, w_fulls)):  # half i: rows [i * n, (i + 1) * n)
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(i * plan.n + f0, bf), cols], ring.at[slot], full.at[slot])
 
@@ -328,6 +359,9 @@ def _kernel(*refs, plan: _Plan):
             plgpu.copy_gmem_to_smem(ref["r8"], ref["r_smem"], ref["r_full"])
         if plan.residual:
             plgpu.copy_gmem_to_smem(ref["res"].at[:, pl.ds(f0, bf)], ref["res_smem"], ref["res_full"])
+        if hd:  # the tables of this CTA's place in its head (v rows: the last, cos 1 and sin 0)
+            place = jnp.where(f0 < plan.rope_rows, lax.div(lax.rem(f0, hd), bf), hd // bf)
+            plgpu.copy_gmem_to_smem(ref["cs"].at[place], ref["cs_smem"], ref["cs_full"])
 
         @pl.loop(first, steps)
         def _fetch(j):
@@ -348,7 +382,7 @@ def _kernel(*refs, plan: _Plan):
 
 
 def _project(x8, w, *, n: int, halves: int, r8=None, norm_eps=None, res=None, out_dtype, blocks, interpret, pdl,
-             what: str, features_major: bool = False):
+             what: str, features_major: bool = False, cs=None, rope_head_dim: int = 0, rope_rows: int = 0):
     """The shared launcher: checks, the plan, shared memory, the grid."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -356,7 +390,7 @@ def _project(x8, w, *, n: int, halves: int, r8=None, norm_eps=None, res=None, ou
     if x8.ndim != 2 or x8.shape[0] != ROWS:
         raise ValueError(f"{what}: x8 must be [{ROWS}, K] (the batch padded to {ROWS} rows), got {x8.shape}")
     k = x8.shape[1]
-    if w.shape != (halves * n, k):
+    if w.shape != ((1 if rope_head_dim else halves) * n, k):
         raise ValueError(f"{what}: w {w.shape} must be [{'2F' if halves == 2 else 'N'}, K={k}]")
     if x8.dtype != w.dtype or x8.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"{what}: x8 and w must share a 16-bit dtype, got {x8.dtype} and {w.dtype}")
@@ -365,14 +399,15 @@ def _project(x8, w, *, n: int, halves: int, r8=None, norm_eps=None, res=None, ou
     norm = "given" if r8 is not None else "kernel" if norm_eps is not None else "none"
     out_itemsize = jnp.dtype(out_dtype).itemsize
     reason = unsupported_reason(k, n, blocks, in_kernel_norm=norm == "kernel", halves=halves,
-                                out_itemsize=out_itemsize, residual=res is not None)
+                                out_itemsize=out_itemsize, residual=res is not None, rope=bool(rope_head_dim))
     if reason:
         raise ValueError(f"{what}: {reason}")
     params = interpret_params(interpret or jax.default_backend() == "cpu")
     pdl = DEFAULT_PDL if pdl is None else bool(pdl)
     plan = _Plan(blocks=blocks, k=k, n=n, halves=halves, norm=norm,
                  norm_eps=None if norm_eps is None else float(norm_eps), residual=res is not None,
-                 features_major=features_major, interpret=params is not None, pdl=pdl and params is None)  # the interpreter has no griddepcontrol
+                 features_major=features_major, interpret=params is not None, pdl=pdl and params is None,  # the interpreter has no griddepcontrol
+                 rope_head_dim=rope_head_dim, rope_rows=rope_rows)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     bf, bk, stages = blocks.block_f, blocks.block_k, blocks.stages
     ring = lambda rows, **kw: plgpu.SMEM((stages, rows, bk), x8.dtype, **kw)  # noqa: E731
@@ -383,12 +418,19 @@ def _project(x8, w, *, n: int, halves: int, r8=None, norm_eps=None, res=None, ou
         scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
     if res is not None:
         scratch.append(plgpu.SMEM((ROWS, bf), x8.dtype))
+    if rope_head_dim:
+        scratch.append(plgpu.SMEM((2, bf, ROWS), jnp.float32))  # cos and the signed sin
     scratch.append(plgpu.SMEM((bf, ROWS) if features_major else (ROWS, bf), out_dtype))
-    scratch += [plgpu.Barrier(num_barriers=stages) for _ in range(halves + 2)]  # x, weights landed; slot free
+    # x, weights landed; slot free. A one-head CTA's partner tile lands in two copies (its halves swapped).
+    w_arrivals = [1] * halves
+    if rope_head_dim == bf:
+        w_arrivals[1] = 2
+    scratch += [plgpu.Barrier(num_arrivals=a, num_barriers=stages) for a in (1, *w_arrivals, 1)]
     if norm == "kernel":
         scratch.append(plgpu.Barrier(num_barriers=stages))  # plain x landed
-    scratch += [plgpu.Barrier() for _ in range((norm == "given") + (res is not None))]  # r8, residual landed
-    operands = [x8, *([r8] if norm == "given" else []), w, *([res] if res is not None else [])]
+    scratch += [plgpu.Barrier() for _ in range((norm == "given") + (res is not None) + bool(rope_head_dim))]
+    operands = [x8, *([r8] if norm == "given" else []), w, *([res] if res is not None else []),
+                *([cs] if rope_head_dim else [])]
     return plgpu.kernel(
         functools.partial(_kernel, plan=plan),
         out_type=jax.ShapeDtypeStruct((n, ROWS) if features_major else (ROWS, n), out_dtype),
@@ -421,6 +463,51 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
         raise ValueError(f"gate_up_swiglu_tma: wgu {wgu.shape} must be [2F, D]")
     return _project(x8, wgu, n=wgu.shape[0] // 2, halves=2, r8=r8, norm_eps=norm_eps, out_dtype=x8.dtype,
                     blocks=blocks, interpret=interpret, pdl=pdl, what="gate_up_swiglu_tma")
+
+
+def rope_tables(pos8, inv_freq, head_dim: int, block_f: int = 64):
+    """The RoPE tables qkv_rope_tma reads: [head_dim / block_f + 1, 2, block_f, 8] f32. Entry p is
+    for a CTA at offset p * block_f within its head (the last entry, cos 1 and sin 0, for v):
+    [0] cos and [1] the signed sin of feature i of that CTA for row b, at position pos8[b]. Rotate
+    half (layers.apply_rope): feature j < head_dim/2 of a head pairs with j + head_dim/2, out_j =
+    y_j cos - y_(j+h/2) sin and out_(j+h/2) = y_(j+h/2) cos + y_j sin, so the sign is - for the
+    first half. pos8 [8] int32 (padding rows: any position); inv_freq [head_dim / 2] f32."""
+    if head_dim % block_f and block_f % head_dim:
+        raise ValueError(f"head_dim {head_dim} and block_f {block_f}: one must divide the other")
+    per_cta = max(block_f, head_dim)
+    j = jnp.arange(per_cta) % head_dim  # feature within the head
+    angles = pos8.astype(jnp.float32)[None, :] * inv_freq[j % (head_dim // 2)][:, None]  # [per_cta, 8]
+    sign = jnp.where(j < head_dim // 2, -1.0, 1.0)[:, None]
+    tab = jnp.stack([jnp.cos(angles), sign * jnp.sin(angles)])  # [2, per_cta, 8]
+    places = [tab[:, p * block_f:(p + 1) * block_f] for p in range(max(head_dim // block_f, 1))]
+    ident = jnp.stack([jnp.ones((block_f, ROWS), jnp.float32), jnp.zeros((block_f, ROWS), jnp.float32)])
+    return jnp.stack([*places, ident])
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "head_dim", "norm_eps", "blocks",
+                                             "interpret", "pdl"))
+def qkv_rope_tma(x8, wqkv, cs, *, num_heads: int, num_kv_heads: int, head_dim: int, norm_eps: float,
+                 blocks: TmaBlocks | None = None, interpret=False, pdl: bool | None = None):
+    """q, k and v with RoPE on q and k, for up to 8 rows: x8 [8, D] (the padded residual stream),
+    wqkv [(N + 2K) H, D] = decode_gemv.fold_norm(Wqkv, attention norm scale), cs =
+    rope_tables(positions, inv_freq, H). The norm statistic is taken in the kernel. Returns
+    qkv8 [8, (N + 2K) H] in x8's dtype, row-major: per row the N q heads, the K k heads, the K v
+    heads. Each CTA also streams its rows' rotary partners (rows ± H/2, from L2: the same HBM
+    bytes) into a second ring, so the rotation is elementwise in the accumulator's layout. The
+    cache write is not in this kernel (an experiment: docs/decoding.md, "Eleventh session").
+    H must be a multiple of block_f or equal to it (64 and 128 at the default block_f = 64)."""
+    blocks = blocks or DEFAULT_BLOCKS
+    if head_dim not in (blocks.block_f, 2 * blocks.block_f):
+        raise ValueError(f"qkv_rope_tma: head_dim {head_dim} must be block_f ({blocks.block_f}) or twice it")
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    if wqkv.ndim != 2 or wqkv.shape[0] != rows:
+        raise ValueError(f"qkv_rope_tma: wqkv {wqkv.shape} must be [(N + 2K) H = {rows}, D]")
+    want = (head_dim // blocks.block_f + 1, 2, blocks.block_f, ROWS)
+    if cs.shape != want or cs.dtype != jnp.float32:
+        raise ValueError(f"qkv_rope_tma: cs must be float32 {want} (rope_tables), got {cs.dtype} {cs.shape}")
+    return _project(x8, wqkv, n=rows, halves=2, norm_eps=norm_eps, out_dtype=x8.dtype, blocks=blocks,
+                    interpret=interpret, pdl=pdl, what="qkv_rope_tma", cs=cs, rope_head_dim=head_dim,
+                    rope_rows=(num_heads + num_kv_heads) * head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret", "pdl"))
