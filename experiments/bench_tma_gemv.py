@@ -214,8 +214,8 @@ def profile(fn, args, reps: int, calls_per_rep: int) -> tuple[float, str, float]
 
 def qkv_rope_row(row: dict, model: str, x, ws, args) -> None:
     """The q/k/v projection as the decoder's layers run it: decode_gemv.qkv_rope (Triton, norm,
-    RoPE and the cache write) against decode_tma.qkv_rope_tma (TMA, norm and RoPE; its partner
-    rows from L2; no cache write). Adds their kernel-only µs and the TMA kernel's error against
+    RoPE and the cache write) against decode_tma.qkv_rope_tma (TMA, norm and RoPE; no cache
+    write). Adds their kernel-only µs and the TMA kernel's error against
     the reference's q to `row`."""
     from scaling import layers
     from scaling.config import load_config
@@ -234,13 +234,15 @@ def qkv_rope_row(row: dict, model: str, x, ws, args) -> None:
     _, _, row["triton_qkv_rope_us"] = profile(tri, (x, ws, cache, cache), args.reps, len(ws))
     x8 = jnp.pad(x, ((0, decode_tma.ROWS - b), (0, 0)))
     cs = decode_tma.rope_tables(jnp.pad(pos, (0, decode_tma.ROWS - b)), inv, h)
+    order = decode_tma.rope_row_order(ws[0].shape[0], h)
+    ws_r = [w[order] for w in ws]  # the kernel's row order (a decoder would store its weights so)
     fn = jax.jit(lambda x8, ws: [decode_tma.qkv_rope_tma(x8, w, cs, num_heads=n, num_kv_heads=kv, head_dim=h,
                                                          norm_eps=1e-5) for w in ws])
-    got = np.asarray(fn(x8, ws[:1])[0], np.float32)[:b, : n * h]
+    got = np.asarray(decode_tma.from_rope_order(fn(x8, ws_r[:1])[0], h), np.float32)[:b, : n * h]
     want = np.asarray(dg.qkv_rope_reference(x, ws[0], inv, pos, cache, cache, num_heads=n, eps=1e-5)[0],
                       np.float32).reshape(b, -1)
     row["tma_qkv_rope_err"] = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-9))
-    _, _, row["tma_qkv_rope_us"] = profile(fn, (x8, ws), args.reps, len(ws))
+    _, _, row["tma_qkv_rope_us"] = profile(fn, (x8, ws_r), args.reps, len(ws))
 
 
 def decoder_kernel_row(row: dict, name: str, x, ws, args) -> None:

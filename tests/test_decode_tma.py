@@ -62,12 +62,13 @@ def test_residual_and_head_projections_match_reference_interpret(b, k, n, blocks
 
 
 @pytest.mark.parametrize("b, n, kv, h, d, blocks", [
-    (1, 4, 2, 64, 256, t.TmaBlocks(block_f=64, block_k=128, stages=2)),  # one head per CTA: halves swapped
-    (3, 2, 1, 128, 512, t.TmaBlocks(block_f=64, block_k=256, stages=3)),  # two CTAs per head: partner tiles ± 64
+    (1, 4, 2, 64, 256, t.TmaBlocks(block_f=64, block_k=128, stages=2)),  # two heads per CTA (rows reordered)
+    (3, 2, 2, 128, 512, t.TmaBlocks(block_f=64, block_k=256, stages=3)),  # one head per CTA (natural order)
 ])
 def test_qkv_rope_matches_reference_interpret(b, n, kv, h, d, blocks, capfd):
-    """q and the new k/v rows of qkv_rope_tma (norm statistic in the kernel, RoPE from the partner
-    rows) against decode_gemv's qkv_rope reference, at positions of unlike size; NaN padding rows."""
+    """q and the new k/v rows of qkv_rope_tma (norm statistic in the kernel, RoPE between its two
+    accumulators) against decode_gemv's qkv_rope reference, at positions of unlike size; NaN
+    padding rows."""
     from scaling import layers
     from scaling.config import ModelConfig
 
@@ -80,10 +81,13 @@ def test_qkv_rope_matches_reference_interpret(b, n, kv, h, d, blocks, capfd):
     x8 = jnp.concatenate([x, jnp.full((8 - b, d), jnp.nan, jnp.bfloat16)])
     pos8 = jnp.zeros((8,), jnp.int32).at[:b].set(pos)
     capfd.readouterr()
-    got = t.qkv_rope_tma(x8, w, t.rope_tables(pos8, inv, h, blocks.block_f), num_heads=n, num_kv_heads=kv,
+    order = t.rope_row_order(w.shape[0], h, blocks.block_f)
+    assert sorted(np.asarray(order).tolist()) == list(range(w.shape[0]))  # a permutation
+    got = t.qkv_rope_tma(x8, w[order], t.rope_tables(pos8, inv, h, blocks.block_f), num_heads=n, num_kv_heads=kv,
                          head_dim=h, norm_eps=1e-5, blocks=blocks, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not (races := non_tma_races(capfd.readouterr().out)), races
     assert got.shape == (8, (n + 2 * kv) * h) and got.dtype == jnp.bfloat16
+    got = t.from_rope_order(got, h, blocks.block_f)
     cache = jnp.zeros((b, 4096, kv, h), jnp.float32)
     q, kc, vc = g.qkv_rope_reference(x, w, inv, pos, cache, cache, num_heads=n, eps=1e-5)
     heads = np.asarray(got[:b], np.float32).reshape(b, n + 2 * kv, h)
@@ -140,14 +144,14 @@ def test_lowers_for_hopper(monkeypatch):
 
 @pytest.mark.parametrize("h", [64, 128])
 def test_qkv_rope_lowers_for_hopper(monkeypatch, h):
-    """The partner-tile loads (one box, or a one-head CTA's two halves on a two-arrival barrier),
-    the f32 tables read in the accumulator's layout: the 1b's (H = 64) and the 7b's (H = 128) heads."""
+    """The two-half CTAs, the f32 tables read in the accumulators' layout, the two output halves
+    stored transposed side by side: the 1b's (H = 64) and the 7b's (H = 128) heads."""
     from test_gpu_lowering import MOSAIC_CALL, lower_for_cuda, sds
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     n, kv, d = (32, 8, 2048) if h == 64 else (32, 32, 4096)
     fn = lambda x8, w, cs: t.qkv_rope_tma(x8, w, cs, num_heads=n, num_kv_heads=kv, head_dim=h, norm_eps=1e-5)  # noqa: E731
-    text = lower_for_cuda(fn, sds((8, d)), sds(((n + 2 * kv) * h, d)), sds((h // 64 + 1, 2, 64, 8), jnp.float32))
+    text = lower_for_cuda(fn, sds((8, d)), sds(((n + 2 * kv) * h, d)), sds((2, 2, 64, 8), jnp.float32))
     assert text.count(MOSAIC_CALL) == 1
 
 

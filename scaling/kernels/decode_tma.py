@@ -93,6 +93,7 @@ def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = Fals
     res = blocks.block_f * ROWS * itemsize if residual else 0
     r = REDUCTION_SCRATCH if in_kernel_norm else ROWS * 4
     tables = 2 * blocks.block_f * ROWS * 4 if rope else 0  # qkv_rope_tma's cos and sin
+    out *= 2 if rope else 1  # qkv_rope_tma writes both halves' features
     return blocks.stages * per_slot + out + res + r + tables
 
 
@@ -195,8 +196,8 @@ class _Plan:
     features_major: bool  # out [n, 8] (f32: Mosaic stores no transposed f32 tile), else [8, n]
     interpret: bool
     pdl: bool
-    # q/k/v with RoPE (qkv_rope_tma): head_dim > 0; the second weight ring holds each row's rotary
-    # partner (row ± head_dim/2), and the tables `cs` give cos and the signed sin per CTA position
+    # q/k/v with RoPE (qkv_rope_tma): head_dim > 0. A CTA takes 2 block_f rows in rope order
+    # (rope_row_order): ring 0 the first halves of its heads, ring 1 their rotary partners
     rope_head_dim: int = 0
     rope_rows: int = 0  # rows [0, rope_rows) rotate (q and k); the rest (v) do not
 
@@ -223,7 +224,7 @@ def _kernel(*refs, plan: _Plan):
     w_fulls = [ref[f"w_full{i}"] for i in range(plan.halves)]
     bf, bk, stages = plan.blocks.block_f, plan.blocks.block_k, plan.blocks.stages
     steps = plan.k // bk
-    f0 = lax.axis_index("f") * bf
+    f0 = lax.axis_index("f") * bf * (2 if plan.rope_head_dim else 1)  # the CTA's first output row
     wg = lax.axis_index("wg")
     interpret, in_kernel_norm = plan.interpret, plan.norm == "kernel"
 
@@ -289,13 +290,15 @@ def _kernel(*refs, plan: _Plan):
         if r is not None:
             r = lax.broadcast_in_dim(r, acc0.shape, [1])  # column b is row b of x
             accs = tuple(a * r for a in accs)
-        if plan.rope_head_dim:  # out = y cos + y_partner sin_signed (the tables: rope_tables)
+        parts = None
+        if plan.rope_head_dim:  # rotate half: each first-half feature and its partner sit at the same place
             plgpu.barrier_wait(ref["cs_full"])
             cs = ref["cs_smem"]
             cos, sin = ((cs.at[i][...] if interpret else plgpu.load(cs.at[i], layout=plgpu.Layout.WGMMA))
                         for i in range(2))
-            y, y_partner = accs
-            h = y * cos + y_partner * sin
+            y1, y2 = accs
+            parts = (y1 * cos - y2 * sin, y2 * cos + y1 * sin)
+            h = None
         elif plan.halves == 2:
             g, u = accs
             h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
@@ -306,7 +309,11 @@ def _kernel(*refs, plan: _Plan):
             res_t = ref["res_smem"].T
             res = res_t[...] if interpret else plgpu.load(res_t, layout=plgpu.Layout.WGMMA)
             h = h + res.astype(jnp.float32)
-        if plan.features_major:
+        if parts is not None:  # the two halves side by side, rows of x's layout
+            for i, part in enumerate(parts):
+                out_smem.at[:, pl.ds(i * bf, bf)].T[...] = part.astype(out_smem.dtype)
+            out_block = ref["o"].at[:, pl.ds(f0, 2 * bf)]
+        elif plan.features_major:
             out_smem[...] = h.astype(out_smem.dtype)
             out_block = ref["o"].at[pl.ds(f0, bf)]
         else:
@@ -330,22 +337,10 @@ def _kernel(*refs, plan: _Plan):
 
         def load_w(j, slot):
             cols = pl.ds(j * bk, bk)
-            if hd and hd == 2 * bf:  # the partner tile: this CTA's rows ± head_dim/2, one box
-                first_half = lax.rem(f0, hd) < hd // 2
-                partner = f0 + jnp.where(first_half, hd // 2, -(hd // 2))
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], w_rings[0].at[slot], w_fulls[0].at[slot])
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(partner, bf), cols], w_rings[1].at[slot], w_fulls[1].at[slot])
-                return
-            if hd:  # head_dim == block_f: the CTA is one head; its partner tile is the head's halves swapped
-                half = bf // 2
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, bf), cols], w_rings[0].at[slot], w_fulls[0].at[slot])
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0 + half, half), cols], w_rings[1].at[slot, pl.ds(0, half)],
-                                        w_fulls[1].at[slot])
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(f0, half), cols], w_rings[1].at[slot, pl.ds(half, half)],
-                                        w_fulls[1].at[slot])
-                return
-            for i, (ring, full) in enumerate(zip(w_rings, w_fulls)):  # half i: rows [i * n, (i + 1) * n)
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(i * plan.n + f0, bf), cols], ring.at[slot], full.at[slot])
+            for i, (ring, full) in enumerate(zip(w_rings, w_fulls)):
+                # half i: rows [i * n, (i + 1) * n) (gate, up); with RoPE the CTA's rows [i * bf, (i + 1) * bf)
+                start = f0 + i * bf if hd else i * plan.n + f0
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(start, bf), cols], ring.at[slot], full.at[slot])
 
         first = 0
         if plan.pdl:  # the weights do not depend on the previous kernel: fill the ring with them first,
@@ -359,8 +354,8 @@ def _kernel(*refs, plan: _Plan):
             plgpu.copy_gmem_to_smem(ref["r8"], ref["r_smem"], ref["r_full"])
         if plan.residual:
             plgpu.copy_gmem_to_smem(ref["res"].at[:, pl.ds(f0, bf)], ref["res_smem"], ref["res_full"])
-        if hd:  # the tables of this CTA's place in its head (v rows: the last, cos 1 and sin 0)
-            place = jnp.where(f0 < plan.rope_rows, lax.div(lax.rem(f0, hd), bf), hd // bf)
+        if hd:  # the rotation's tables; v's rows: the second entry (cos 1, sin 0)
+            place = jnp.where(f0 < plan.rope_rows, 0, 1)
             plgpu.copy_gmem_to_smem(ref["cs"].at[place], ref["cs_smem"], ref["cs_full"])
 
         @pl.loop(first, steps)
@@ -420,12 +415,8 @@ def _project(x8, w, *, n: int, halves: int, r8=None, norm_eps=None, res=None, ou
         scratch.append(plgpu.SMEM((ROWS, bf), x8.dtype))
     if rope_head_dim:
         scratch.append(plgpu.SMEM((2, bf, ROWS), jnp.float32))  # cos and the signed sin
-    scratch.append(plgpu.SMEM((bf, ROWS) if features_major else (ROWS, bf), out_dtype))
-    # x, weights landed; slot free. A one-head CTA's partner tile lands in two copies (its halves swapped).
-    w_arrivals = [1] * halves
-    if rope_head_dim == bf:
-        w_arrivals[1] = 2
-    scratch += [plgpu.Barrier(num_arrivals=a, num_barriers=stages) for a in (1, *w_arrivals, 1)]
+    scratch.append(plgpu.SMEM((bf, ROWS) if features_major else (ROWS, 2 * bf if rope_head_dim else bf), out_dtype))
+    scratch += [plgpu.Barrier(num_barriers=stages) for _ in range(halves + 2)]  # x, weights landed; slot free
     if norm == "kernel":
         scratch.append(plgpu.Barrier(num_barriers=stages))  # plain x landed
     scratch += [plgpu.Barrier() for _ in range((norm == "given") + (res is not None) + bool(rope_head_dim))]
@@ -435,7 +426,7 @@ def _project(x8, w, *, n: int, halves: int, r8=None, norm_eps=None, res=None, ou
         functools.partial(_kernel, plan=plan),
         out_type=jax.ShapeDtypeStruct((n, ROWS) if features_major else (ROWS, n), out_dtype),
         scratch_types=tuple(scratch),
-        grid=(n // bf,),
+        grid=(n // (2 * bf if rope_head_dim else bf),),
         grid_names=("f",),
         num_threads=2,
         thread_name="wg",
@@ -465,47 +456,65 @@ def gate_up_swiglu_tma(x8, r8, wgu, *, blocks: TmaBlocks | None = None, interpre
                     blocks=blocks, interpret=interpret, pdl=pdl, what="gate_up_swiglu_tma")
 
 
+def rope_row_order(rows: int, head_dim: int, block_f: int = 64):
+    """The row order qkv_rope_tma takes its weights in and writes its output in: per block of
+    2 block_f rows (2 block_f / head_dim heads), the first halves of the block's heads, then their
+    second halves, each half in head order. Rotate half (layers.apply_rope) pairs feature j < H/2 of
+    a head with j + H/2, so a feature and its partner land at the same place of the CTA's two
+    accumulators. The identity when head_dim = 2 block_f. Returns an int32 index array: w[order]."""
+    per_block = 2 * block_f
+    if head_dim % 2 or per_block % head_dim or rows % per_block:
+        raise ValueError(f"rope_row_order: head_dim {head_dim} must be even and divide 2 * block_f = {per_block}, "
+                         f"which must divide the rows ({rows})")
+    half = head_dim // 2
+    j = jnp.arange(per_block)
+    head, within = (j % block_f) // half, j % half  # place in the block: half (j // block_f), head, feature
+    in_block = head * head_dim + (j // block_f) * half + within
+    return (jnp.arange(rows // per_block)[:, None] * per_block + in_block[None, :]).reshape(-1).astype(jnp.int32)
+
+
+def from_rope_order(y, head_dim: int, block_f: int = 64):
+    """qkv_rope_tma's output [..., rows] back in the natural row order (an XLA gather)."""
+    order = rope_row_order(y.shape[-1], head_dim, block_f)
+    return jnp.take(y, jnp.argsort(order), axis=-1)
+
+
 def rope_tables(pos8, inv_freq, head_dim: int, block_f: int = 64):
-    """The RoPE tables qkv_rope_tma reads: [head_dim / block_f + 1, 2, block_f, 8] f32. Entry p is
-    for a CTA at offset p * block_f within its head (the last entry, cos 1 and sin 0, for v):
-    [0] cos and [1] the signed sin of feature i of that CTA for row b, at position pos8[b]. Rotate
-    half (layers.apply_rope): feature j < head_dim/2 of a head pairs with j + head_dim/2, out_j =
-    y_j cos - y_(j+h/2) sin and out_(j+h/2) = y_(j+h/2) cos + y_j sin, so the sign is - for the
-    first half. pos8 [8] int32 (padding rows: any position); inv_freq [head_dim / 2] f32."""
-    if head_dim % block_f and block_f % head_dim:
-        raise ValueError(f"head_dim {head_dim} and block_f {block_f}: one must divide the other")
-    per_cta = max(block_f, head_dim)
-    j = jnp.arange(per_cta) % head_dim  # feature within the head
-    angles = pos8.astype(jnp.float32)[None, :] * inv_freq[j % (head_dim // 2)][:, None]  # [per_cta, 8]
-    sign = jnp.where(j < head_dim // 2, -1.0, 1.0)[:, None]
-    tab = jnp.stack([jnp.cos(angles), sign * jnp.sin(angles)])  # [2, per_cta, 8]
-    places = [tab[:, p * block_f:(p + 1) * block_f] for p in range(max(head_dim // block_f, 1))]
-    ident = jnp.stack([jnp.ones((block_f, ROWS), jnp.float32), jnp.zeros((block_f, ROWS), jnp.float32)])
-    return jnp.stack([*places, ident])
+    """The RoPE tables qkv_rope_tma reads: [2, 2, block_f, 8] f32, [0] for the q and k rows (cos,
+    sin of the frequency of first-half feature i of the CTA's heads, in rope_row_order, for row
+    b at position pos8[b]), [1] for v (cos 1, sin 0). pos8 [8] int32 (padding rows: any
+    position); inv_freq [head_dim / 2] f32."""
+    i = jnp.arange(block_f) % (head_dim // 2)
+    angles = inv_freq[i][:, None] * pos8.astype(jnp.float32)[None, :]  # [block_f, 8]
+    rot = jnp.stack([jnp.cos(angles), jnp.sin(angles)])
+    ident = jnp.stack([jnp.ones_like(angles), jnp.zeros_like(angles)])
+    return jnp.stack([rot, ident])
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "head_dim", "norm_eps", "blocks",
                                              "interpret", "pdl"))
-def qkv_rope_tma(x8, wqkv, cs, *, num_heads: int, num_kv_heads: int, head_dim: int, norm_eps: float,
+def qkv_rope_tma(x8, wqkv_r, cs, *, num_heads: int, num_kv_heads: int, head_dim: int, norm_eps: float,
                  blocks: TmaBlocks | None = None, interpret=False, pdl: bool | None = None):
     """q, k and v with RoPE on q and k, for up to 8 rows: x8 [8, D] (the padded residual stream),
-    wqkv [(N + 2K) H, D] = decode_gemv.fold_norm(Wqkv, attention norm scale), cs =
-    rope_tables(positions, inv_freq, H). The norm statistic is taken in the kernel. Returns
-    qkv8 [8, (N + 2K) H] in x8's dtype, row-major: per row the N q heads, the K k heads, the K v
-    heads. Each CTA also streams its rows' rotary partners (rows ± H/2, from L2: the same HBM
-    bytes) into a second ring, so the rotation is elementwise in the accumulator's layout. The
-    cache write is not in this kernel (an experiment: docs/decoding.md, "Eleventh session").
-    H must be a multiple of block_f or equal to it (64 and 128 at the default block_f = 64)."""
+    wqkv_r = fold_norm(Wqkv, attention norm scale)[rope_row_order(...)] ([(N + 2K) H, D]),
+    cs = rope_tables(positions, inv_freq, H). The norm statistic is taken in the kernel. Returns
+    [8, (N + 2K) H] in x8's dtype, its columns in rope_row_order (from_rope_order restores q, k,
+    v heads in order). Each CTA takes 2 block_f rows: the first halves of its heads in one ring,
+    their rotary partners in the other, so the rotation is elementwise in the accumulators'
+    layout. The cache write is not in this kernel (an experiment: docs/decoding.md, "Eleventh
+    session")."""
     blocks = blocks or DEFAULT_BLOCKS
-    if head_dim not in (blocks.block_f, 2 * blocks.block_f):
-        raise ValueError(f"qkv_rope_tma: head_dim {head_dim} must be block_f ({blocks.block_f}) or twice it")
     rows = (num_heads + 2 * num_kv_heads) * head_dim
-    if wqkv.ndim != 2 or wqkv.shape[0] != rows:
-        raise ValueError(f"qkv_rope_tma: wqkv {wqkv.shape} must be [(N + 2K) H = {rows}, D]")
-    want = (head_dim // blocks.block_f + 1, 2, blocks.block_f, ROWS)
+    per_cta = 2 * blocks.block_f
+    if head_dim % 2 or per_cta % head_dim or ((num_heads + num_kv_heads) * head_dim) % per_cta:
+        raise ValueError(f"qkv_rope_tma: head_dim {head_dim} must be even and divide 2 * block_f = {per_cta}, which "
+                         f"must divide the q and k rows ({(num_heads + num_kv_heads) * head_dim})")
+    if wqkv_r.ndim != 2 or wqkv_r.shape[0] != rows:
+        raise ValueError(f"qkv_rope_tma: wqkv_r {wqkv_r.shape} must be [(N + 2K) H = {rows}, D]")
+    want = (2, 2, blocks.block_f, ROWS)
     if cs.shape != want or cs.dtype != jnp.float32:
         raise ValueError(f"qkv_rope_tma: cs must be float32 {want} (rope_tables), got {cs.dtype} {cs.shape}")
-    return _project(x8, wqkv, n=rows, halves=2, norm_eps=norm_eps, out_dtype=x8.dtype, blocks=blocks,
+    return _project(x8, wqkv_r, n=rows, halves=2, norm_eps=norm_eps, out_dtype=x8.dtype, blocks=blocks,
                     interpret=interpret, pdl=pdl, what="qkv_rope_tma", cs=cs, rope_head_dim=head_dim,
                     rope_rows=(num_heads + num_kv_heads) * head_dim)
 
