@@ -1,8 +1,10 @@
-"""Decode projections whose weights stream by TMA (Mosaic GPU, Hopper): one kernel, three epilogues.
+"""Decode projections whose weights stream by TMA (Mosaic GPU, Hopper): one kernel, four epilogues.
 
 `gate_up_swiglu_tma` (the decoder's layers="pallas_tma"), `matmul_residual_tma` (the output and
-down projections with the residual add) and `norm_matmul_tma` (the head) share the kernel below;
-the last two are an experiment (TmaSettings.projections; docs/decoding.md, "Tenth session").
+down projections with the residual add), `norm_matmul_tma` (the head) and `qkv_rope_tma` (q/k/v
+with RoPE, weight rows in `rope_row_order`; not yet in the decoder) share the kernel below; which
+of the first three the decoder runs is TmaSettings.projections (docs/decoding.md, "Tenth
+session" and "Eleventh session").
 
 Why (docs/decoding.md, "A TMA-fed GEMV"): on an H200 the Triton kernels of decode_gemv.py
 plateau at 72-87% of the copy bandwidth for a batch-1 projection, while a kernel whose weight
@@ -31,7 +33,8 @@ cross-thread work per step), and after the last step reduces each row once. With
 needs no XLA kernel before this one: its residual stream stays padded to 8 rows for the whole
 step (docs/decoding.md, "Tenth session").
 
-Programmatic dependent launch (`pdl=True`, opt-in, not yet timed): at batch 1 a projection's
+Programmatic dependent launch (`pdl=True`, opt-in; measured in the eleventh session: no effect
+inside XLA's command buffers, 7-16% per kernel without them, docs/decoding.md): at batch 1 a projection's
 time is mostly bytes, but each kernel also pays a start and a tail (docs/decoding.md). With PDL
 the kernel may start while the previous one is still running: its producer fills the ring with
 weight tiles (which no earlier kernel writes), then waits at `griddepcontrol.wait` until the
@@ -78,7 +81,7 @@ DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs unless its tma=TmaSettings
 # 0.891) and an H100.
 TMA_PROJECTIONS: tuple[str, ...] | None = None
 PROJECTIONS = ("gate_up", "out", "down", "head")
-DEFAULT_PDL = False  # not yet measured on a GPU (experiments/bench_pdl.py; decode_variants.py's *_tma_pdl variants)
+DEFAULT_PDL = False  # inside XLA's command buffers (the default) PDL does nothing: docs/decoding.md, "Eleventh session"
 
 
 def smem_bytes(blocks: TmaBlocks, itemsize: int = 2, in_kernel_norm: bool = False, *, halves: int = 2,
