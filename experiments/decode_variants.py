@@ -66,6 +66,8 @@ VARIANTS = {
     # the projections whose grid has >= decode_tma.MIN_CTAS CTAs ("+grid"): 1b gate/up and head,
     # 7b all four
     "pallas_layers_tma_grid": ("", None, "pallas", "pallas_tma+grid"),
+    # + q/k/v by decode_tma.qkv_rope_tma, the cache written by the fused attention kernel (head_dim 128)
+    "pallas_layers_tma_grid_qkv": ("", None, "pallas", "pallas_tma+grid+qkv"),
     # the same launched by PDL, with XLA's command buffers (CUDA graphs) and without them
     "pallas_layers_tma_grid_pdl": ("", None, "pallas", "pallas_tma+grid+pdl"),
     "pallas_layers_tma_grid_nocmdbuf": ("--xla_gpu_enable_command_buffer=", None, "pallas", "pallas_tma+grid"),
@@ -105,6 +107,8 @@ def run_one(args) -> dict:
         elif "grid" in options:
             projections = decode_tma.projections_by_grid(cfg, -(-cfg.vocab_size // decode.HEAD_ROWS) * decode.HEAD_ROWS,
                                                          tma_blocks)
+        if "qkv" in options:
+            projections = (*projections, decode_tma.QKV)
         tma = decode_tma.TmaSettings(projections=projections, pdl="pdl" in options, blocks=tma_blocks)
         dec = decode.Decoder(model, chunk=args.chunk, min_batch=args.min_batch, attention=args.attention,
                              layers=layers, gemv_blocks=blocks, tma=tma)

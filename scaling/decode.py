@@ -400,16 +400,28 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
                 and combine_in_kernel_reason(cfg.num_heads, cfg.num_kv_heads) is None)
     # the in-kernel combine's counters, one set for every layer of the step (each call adds its splits)
     tickets = jnp.zeros((b, cfg.num_kv_heads, 1), jnp.int32) if combined else None
+    tma_qkv = decode_tma.QKV in tma_projections
+    if tma_qkv:  # q/k/v rotated by the TMA kernel; the fused attention kernel writes the cache (no rotation)
+        n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        cs = decode_tma.rope_tables(jnp.pad(write_b, (0, decode_tma.ROWS - b)), inv_freq, hd, tma.blocks.block_f)
+        no_turn = jnp.ones((b, hd // 2), jnp.float32), jnp.zeros((b, hd // 2), jnp.float32)
     ks, vs = [], []
     for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
-        q, ck, cv = decode_gemv.qkv_rope(x, w["wqkv_xd"], inv_freq, write_b, ck, cv, num_heads=cfg.num_heads, eps=eps,
-                                         blocks=blocks.qkv, q_layout="groups" if grouped else "heads")
-        if combined:
-            attn, tickets = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads, tickets=tickets)
-        elif grouped:
-            attn = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads)
+        if tma_qkv:
+            qkv8 = decode_tma.qkv_rope_tma(x, w["wqkv_xd"], cs, num_heads=n, num_kv_heads=kv, head_dim=hd,
+                                           norm_eps=eps, **tma_kw)
+            attn, ck, cv = decode_attention_fused(qkv8[:b].reshape(b, n + 2 * kv, hd), write_b, *no_turn, ck, cv,
+                                                  num_heads=n)
         else:
-            attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
+            q, ck, cv = decode_gemv.qkv_rope(x, w["wqkv_xd"], inv_freq, write_b, ck, cv, num_heads=cfg.num_heads,
+                                             eps=eps, blocks=blocks.qkv, q_layout="groups" if grouped else "heads")
+            if combined:
+                attn, tickets = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads,
+                                                         tickets=tickets)
+            elif grouped:
+                attn = decode_attention_grouped(q, ck, cv, write_b + 1, num_heads=cfg.num_heads)
+            else:
+                attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
         attn = attn.reshape(b, -1)
         if "out" in tma_projections:  # attention's rows padded too (XLA; it can fuse the pad into the combine)
             x = decode_tma.matmul_residual_tma(jnp.pad(attn, ((0, decode_tma.ROWS - b), (0, 0))), w["wo_dx"], x, **tma_kw)

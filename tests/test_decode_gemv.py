@@ -324,6 +324,21 @@ def test_decoder_with_every_tma_projection_equals_the_pallas_layers(tma_referenc
         decode.Decoder(model, layers="pallas_tma", tma=("head",))
 
 
+def test_decoder_with_tma_qkv_equals_the_pallas_layers():
+    """q/k/v by decode_tma.qkv_rope_tma (norm and RoPE in the TMA kernel) and the cache written by
+    the fused attention kernel with its rotation off (interpret mode): the same tokens as
+    layers="pallas", log-probs within bf16 rounding. Head dim 128 (the natural rope row order)."""
+    cfg = dataclasses.replace(TMA_CFG, num_heads=2, num_kv_heads=2, head_dim=128)
+    model = build_model(cfg, seed=6)
+    ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas").generate(TMA_PROMPTS, 4)
+    tma = decode_tma.TmaSettings(projections=("gate_up", decode_tma.QKV))
+    out = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas_tma", tma=tma).generate(TMA_PROMPTS, 4)
+    assert out.tokens == ref.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=0.05, rtol=0)
+    with pytest.raises(ValueError, match=r"qkv projection: head_dim 64 must be 2 \* block_f = 128"):
+        decode.Decoder(build_model(TMA_CFG), layers="pallas_tma", tma=tma)
+
+
 def test_tma_layers_refuse_a_gpu_other_than_hopper(monkeypatch):
     cfg = ModelConfig(vocab_size=97, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
                       mlp_dim=128, compute_dtype=DType.bfloat16)

@@ -81,6 +81,10 @@ DEFAULT_BLOCKS = TmaBlocks()  # what the decoder runs unless its tma=TmaSettings
 # 0.891) and an H100.
 TMA_PROJECTIONS: tuple[str, ...] | None = None
 PROJECTIONS = ("gate_up", "out", "down", "head")
+# q/k/v by qkv_rope_tma, with the cache write in decode_attention_fused (RoPE already applied):
+# an experiment (docs/decoding.md, "Eleventh session"); head_dim 2 block_f only, where the rope
+# row order is the natural one
+QKV = "qkv"
 DEFAULT_PDL = False  # inside XLA's command buffers (the default) PDL does nothing: docs/decoding.md, "Eleventh session"
 
 
@@ -148,8 +152,8 @@ def projections_reason(cfg, vocab_rows: int, tma: TmaSettings | None = None) -> 
     projections and tiles (None: settings() for it); vocab_rows: the head's padded rows."""
     tma = settings(cfg, vocab_rows) if tma is None else tma
     projections = tma.projections
-    if unknown := set(projections) - set(PROJECTIONS):
-        return f"unknown TMA projections {sorted(unknown)}; allowed {PROJECTIONS}"
+    if unknown := set(projections) - {*PROJECTIONS, QKV}:
+        return f"unknown TMA projections {sorted(unknown)}; allowed {(*PROJECTIONS, QKV)}"
     attn_width = cfg.num_heads * cfg.resolved_head_dim
     shapes = {  # name: (reduction, outputs per half, smem_bytes keywords)
         "gate_up": (cfg.hidden_size, cfg.mlp_dim, dict(in_kernel_norm=True)),
@@ -157,6 +161,11 @@ def projections_reason(cfg, vocab_rows: int, tma: TmaSettings | None = None) -> 
         "down": (cfg.mlp_dim, cfg.hidden_size, dict(halves=1, residual=True)),
         "head": (cfg.hidden_size, vocab_rows, dict(in_kernel_norm=True, halves=1, out_itemsize=4)),
     }
+    if QKV in projections:
+        h, bf = cfg.resolved_head_dim, tma.blocks.block_f
+        if h != 2 * bf:
+            return f"qkv projection: head_dim {h} must be 2 * block_f = {2 * bf} (the natural row order)"
+        shapes[QKV] = (cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * h, dict(in_kernel_norm=True, rope=True))
     for name in ("gate_up", *projections):
         k, n, kw = shapes[name]
         if reason := unsupported_reason(k, n, tma.blocks, **kw):
