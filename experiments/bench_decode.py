@@ -338,7 +338,46 @@ def check_layers_on_gpu(prompts) -> list[str]:
         every = decode.Decoder(bf16, attention="pallas", chunk=8, layers="pallas_tma",  # output, down, head too
                                tma=decode_tma.TmaSettings(projections=decode_tma.PROJECTIONS)).generate(prompts, 20)
         fails += _compare("decode bf16 layers pallas_tma (every projection) vs pallas", every, tma["pallas"], tol=0.05)
+        # q/k/v by TMA (qkv_rope_tma, head_dim 128) with the cache written by the fused attention
+        # kernel. One step's logits and cache rows, not a free-running decode: in bf16 this random
+        # model's tokens already part at the first step between any two summation orders (XLA's
+        # layers against the Pallas ones too).
+        wide = build_model(dataclasses.replace(small, num_heads=4, num_kv_heads=4, head_dim=128,
+                                               compute_dtype=DType.bfloat16, init_std=0.3))
+        every = decode_tma.TmaSettings(projections=(*decode_tma.PROJECTIONS, decode_tma.QKV))
+        errs = step_errors(wide, decode.DecodeLayerImpl.pallas_tma, every)
+        msg = "one step bf16, pallas_tma (every projection and q/k/v) vs pallas: " + ", ".join(
+            f"{k} rel err {v:.2e}" for k, v in errs.items())
+        print(msg, flush=True)
+        fails += [msg] if not max(errs.values()) < 2e-2 else []
     return fails
+
+
+def step_errors(model, layer_impl, tma, batch: int = 2, cache_len: int = 256) -> dict[str, float]:
+    """One decode step of `layer_impl` (with `tma`) against layers="pallas" on the same random
+    cache, tokens and positions: relative errors of the logits and of the K/V rows it writes."""
+    cfg = model.cfg
+    weights = decode.prepare_weights(model, model.compute_dtype, rows=True)
+    ks = iter(jax.random.split(jax.random.key(3), 4 * cfg.num_layers + 2))
+    shape = (batch, cache_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    cache = {name: tuple(jax.random.normal(next(ks), shape, model.compute_dtype) for _ in range(cfg.num_layers))
+             for name in ("k", "v")}
+    tokens = jax.random.randint(next(ks), (batch,), 0, cfg.vocab_size)
+    pos = jnp.arange(batch, dtype=jnp.int32) * 97 % cache_len + 5
+    out = {}
+    for name, impl, settings in (("ref", decode.DecodeLayerImpl.pallas, None), ("got", layer_impl, tma)):
+        logits, new = decode._step_forward(weights, jax.tree.map(jnp.copy, cache), tokens, pos, cfg=cfg,
+                                           attn_impl=decode.DecodeAttentionImpl.pallas, layer_impl=impl, tma=settings)
+        rows = jnp.arange(batch)
+        out[name] = (logits, [c[rows, pos] for c in new["k"]], [c[rows, pos] for c in new["v"]])
+
+    def rel(a, r):
+        a, r = jnp.asarray(a, jnp.float32), jnp.asarray(r, jnp.float32)
+        return float(jnp.linalg.norm(a - r) / jnp.linalg.norm(r))
+
+    (lg, kg, vg), (lr, kr, vr) = out["got"], out["ref"]
+    return {"logits": rel(lg, lr), "k rows": max(rel(a, r) for a, r in zip(kg, kr)),
+            "v rows": max(rel(a, r) for a, r in zip(vg, vr))}
 
 
 # ----------------------------------------------------------------------------- main
