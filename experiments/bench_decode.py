@@ -28,6 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import statistics
@@ -366,8 +367,9 @@ def step_errors(model, layer_impl, tma, batch: int = 2, cache_len: int = 256) ->
     pos = jnp.arange(batch, dtype=jnp.int32) * 97 % cache_len + 5
     out = {}
     for name, impl, settings in (("ref", decode.DecodeLayerImpl.pallas, None), ("got", layer_impl, tma)):
-        logits, new = decode._step_forward(weights, jax.tree.map(jnp.copy, cache), tokens, pos, cfg=cfg,
-                                           attn_impl=decode.DecodeAttentionImpl.pallas, layer_impl=impl, tma=settings)
+        step = jax.jit(functools.partial(decode._step_forward, cfg=cfg, attn_impl=decode.DecodeAttentionImpl.pallas,
+                                         layer_impl=impl, tma=settings))  # as the decoder runs it: compiled
+        logits, new = step(weights, jax.tree.map(jnp.copy, cache), tokens, pos)
         rows = jnp.arange(batch)
         out[name] = (logits, [c[rows, pos] for c in new["k"]], [c[rows, pos] for c in new["v"]])
 

@@ -55,8 +55,10 @@ from scaling.kernels.decode_attention import (
     decode_attention_fused,
     decode_attention_grouped,
     decode_attention_reference,
+    decode_attention_rotated,
     fused_supported,
     prime_lowering,
+    rotated_supported,
 )
 from scaling.model import Transformer
 
@@ -401,17 +403,22 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
     # the in-kernel combine's counters, one set for every layer of the step (each call adds its splits)
     tickets = jnp.zeros((b, cfg.num_kv_heads, 1), jnp.int32) if combined else None
     tma_qkv = decode_tma.QKV in tma_projections
-    if tma_qkv:  # q/k/v rotated by the TMA kernel; the fused attention kernel writes the cache (no rotation)
+    if tma_qkv:  # q/k/v rotated by the TMA kernel; the attention kernel writes the cache
         n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         cs = decode_tma.rope_tables(jnp.pad(write_b, (0, decode_tma.ROWS - b)), inv_freq, hd, tma.blocks.block_f)
         no_turn = jnp.ones((b, hd // 2), jnp.float32), jnp.zeros((b, hd // 2), jnp.float32)
+        # tensor-core attention where the heads allow its 16-row q tiles; else the CUDA-core fused kernel
+        rotated_ok = rotated_supported(n, kv, hd) is None
     ks, vs = [], []
     for w, ck, cv in zip(weights["layers"], cache["k"], cache["v"]):
         if tma_qkv:
             qkv8 = decode_tma.qkv_rope_tma(x, w["wqkv_xd"], cs, num_heads=n, num_kv_heads=kv, head_dim=hd,
                                            norm_eps=eps, **tma_kw)
-            attn, ck, cv = decode_attention_fused(qkv8[:b].reshape(b, n + 2 * kv, hd), write_b, *no_turn, ck, cv,
-                                                  num_heads=n)
+            qkv = qkv8[:b].reshape(b, n + 2 * kv, hd)
+            if rotated_ok:
+                attn, ck, cv = decode_attention_rotated(qkv, write_b, ck, cv, num_heads=n)
+            else:
+                attn, ck, cv = decode_attention_fused(qkv, write_b, *no_turn, ck, cv, num_heads=n)
         else:
             q, ck, cv = decode_gemv.qkv_rope(x, w["wqkv_xd"], inv_freq, write_b, ck, cv, num_heads=cfg.num_heads,
                                              eps=eps, blocks=blocks.qkv, q_layout="groups" if grouped else "heads")

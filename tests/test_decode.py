@@ -294,3 +294,33 @@ def test_cli_run_directory(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--prompt", "xyz", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "=== 'ab'" in out and "=== 'xyz'" in out
+
+
+@pytest.mark.parametrize("n,kh,h,dtype,tol", [(8, 8, 32, jnp.float32, 1e-5), (32, 4, 16, jnp.float32, 1e-5),
+                                                (8, 8, 64, jnp.bfloat16, 2e-2)])
+def test_rotated_decode_kernel_matches_scatter_and_reference(n, kh, h, dtype, tol):
+    """decode_attention_rotated (q/k/v already rotated: cache write + tensor-core attention)
+    against a scatter into the cache and the reference attention in plain jnp. MHA and GQA 8;
+    each group's 16-row q tile reads the heads after it (the last one's reach the v heads)."""
+    from scaling.kernels.decode_attention import decode_attention_rotated
+
+    b, s = 3, 128
+    ks = jax.random.split(jax.random.key(n * h + kh + 1), 4)
+    qkv = jax.random.normal(ks[0], (b, n + 2 * kh, h), dtype)
+    k = jax.random.normal(ks[1], (b, s, kh, h), dtype)
+    v = jax.random.normal(ks[2], (b, s, kh, h), dtype)
+    pos = jnp.asarray([0, 37, s - 1], jnp.int32)  # first slot, mid-tile, last slot
+    rows = jnp.arange(b)
+    k_r = k.at[rows, pos].set(qkv[:, n : n + kh])
+    v_r = v.at[rows, pos].set(qkv[:, n + kh :])
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out_r = decode_attention_reference(f32(qkv[:, :n]), f32(k_r), f32(v_r), pos + 1)
+    blocks = DecodeBlockSizes(block_s=16, min_programs=24)  # several splits and tiles per row
+    out, k2, v2 = decode_attention_rotated(qkv, pos, k, v, num_heads=n, blocks=blocks, interpret=True)
+    np.testing.assert_array_equal(np.asarray(f32(k2)), np.asarray(f32(k_r)))
+    np.testing.assert_array_equal(np.asarray(f32(v2)), np.asarray(f32(v_r)))
+    err = float(jnp.linalg.norm(f32(out) - out_r) / jnp.linalg.norm(out_r))
+    assert err < tol
+    from scaling.kernels.decode_attention import rotated_supported
+
+    assert "run past" in rotated_supported(4, 4, 16) and rotated_supported(32, 8, 64) is None  # the 1b's heads

@@ -5,6 +5,7 @@ Fresh random shapes and inputs each run: the batch rows, positions and weights a
 from an unseeded generator (the seed is printed on failure through the test id's `rng`)."""
 
 import dataclasses
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -324,19 +325,26 @@ def test_decoder_with_every_tma_projection_equals_the_pallas_layers(tma_referenc
         decode.Decoder(model, layers="pallas_tma", tma=("head",))
 
 
-def test_decoder_with_tma_qkv_equals_the_pallas_layers():
+@pytest.mark.parametrize("heads", [2, 8])
+def test_tma_qkv_step_matches_the_pallas_layers(heads):
     """q/k/v by decode_tma.qkv_rope_tma (norm and RoPE in the TMA kernel) and the cache written by
-    the fused attention kernel with its rotation off (interpret mode): the same tokens as
-    layers="pallas", log-probs within bf16 rounding. Head dim 128 (the natural rope row order)."""
-    cfg = dataclasses.replace(TMA_CFG, num_heads=2, num_kv_heads=2, head_dim=128)
-    model = build_model(cfg, seed=6)
-    ref = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas").generate(TMA_PROMPTS, 4)
+    the attention kernel (interpret mode), one compiled decode step against layers="pallas" on
+    the same random cache: logits and the written K/V rows within bf16 rounding (XLA's layers
+    differ from the Pallas ones by 2e-2 here). Head dim 128 (the natural rope row order). 2 heads:
+    the fused kernel with its rotation off; 8: decode_attention_rotated (its 16-row q tiles need
+    that many). A free-running bf16 decode is no test: its tokens part on rounding alone."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_decode
+
+    cfg = dataclasses.replace(TMA_CFG, num_heads=heads, num_kv_heads=heads, head_dim=128)
     tma = decode_tma.TmaSettings(projections=("gate_up", decode_tma.QKV))
-    out = decode.Decoder(model, max_len=32, attention="xla", chunk=4, layers="pallas_tma", tma=tma).generate(TMA_PROMPTS, 4)
-    assert out.tokens == ref.tokens
-    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=0.05, rtol=0)
-    with pytest.raises(ValueError, match=r"qkv projection: head_dim 64 must be 2 \* block_f = 128"):
-        decode.Decoder(build_model(TMA_CFG), layers="pallas_tma", tma=tma)
+    errs = bench_decode.step_errors(build_model(cfg, seed=6), decode.DecodeLayerImpl.pallas_tma, tma)
+    assert max(errs.values()) < 1.5e-2, errs
+    if heads == 2:  # the Decoder takes the settings; a head dim the rope order does not fit is refused
+        with pytest.raises(ValueError, match=r"qkv projection: head_dim 64 must be 2 \* block_f = 128"):
+            decode.Decoder(build_model(TMA_CFG), layers="pallas_tma", tma=tma)
 
 
 def test_tma_layers_refuse_a_gpu_other_than_hopper(monkeypatch):

@@ -52,6 +52,16 @@ def test_decode_kernels_lower_for_hopper(as_h100):
     assert text.count(TRITON_CALL) == 1
 
 
+def test_rotated_decode_kernel_lowers_for_hopper(as_h100):
+    """decode_attention_rotated at the 7b's heads (MHA, H = 128) and the 1b's (GQA 4, H = 64)."""
+    from scaling.kernels.decode_attention import decode_attention_rotated
+
+    for n, kh, h in ((32, 32, 128), (32, 8, 64)):
+        fn = lambda qkv, pos, k, v, n=n: decode_attention_rotated(qkv, pos, k, v, num_heads=n)  # noqa: E731
+        text = lower_for_cuda(fn, sds((1, n + 2 * kh, h)), sds((1,), jnp.int32), sds((1, 384, kh, h)), sds((1, 384, kh, h)))
+        assert text.count(TRITON_CALL) == 1
+
+
 def test_grid_barrier_kernels_lower_for_hopper(as_h100):
     """experiments/bench_grid_barrier.py: the spinning grid barrier (atomic arrive, a polling
     while loop, CTA barriers) and its prefetching variant lower as one Triton kernel for all

@@ -507,6 +507,136 @@ def decode_attention_fused(qkv_bmh, pos_b, cos_bf, sin_bf, k_bskh, v_bskh, *, nu
     return out.reshape(b, n, h).astype(qkv_bmh.dtype), k_out, v_out
 
 
+# ----------------------------------------------------------------------------------------------
+# Rotated q/k/v in, the cache write and the attention on the tensor cores.
+#
+# For a projection kernel that already applied RoPE (decode_tma.qkv_rope_tma): the fused kernel's
+# scheme (the new token's k/v written by the program whose chunk holds pos, its score as split 0's
+# initial state, cache reads stopping before pos) with `_chunk_softmax`'s tensor-core dots. A
+# program's q tile is the 16 rows of the projection output from its group's first head on: its G
+# heads, then whatever heads follow, whose rows are computed and dropped (no padding copy).
+
+
+def _rotated_kernel(pos_ref, q_ref, knew_ref, vnew_ref, k_ref, v_ref, o_ref, m_ref, l_ref, ko_ref, vo_ref, *,
+                    block_s: int, chunk: int, sm_scale: float, g: int):
+    """Refs: pos [1]; q [N + 2K, H] (this row's projection output: q tile read from it); knew,
+    vnew [1, H]; k, v [chunk, H]; outputs o [G16, H], m, l [G16]; ko, vo [chunk, H] (aliased)."""
+    split = pl.program_id(2)
+    pos = pos_ref[0]
+    start = split * chunk
+    q = q_ref[pl.ds(pl.program_id(1) * g, MIN_ROWS), :]  # [16, H]: the group's G heads first
+    qs = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
+    dt = k_ref.dtype
+    knew, vnew = knew_ref[...].astype(dt), vnew_ref[...].astype(dt)  # [1, H]
+
+    @pl.when((pos >= start) & (pos < start + chunk))
+    def _write():
+        ko_ref[pl.ds(pos - start, 1), :] = knew
+        vo_ref[pl.ds(pos - start, 1), :] = vnew
+
+    # Split 0 starts from the new token alone; the others start empty (see _fused_kernel).
+    s_new = jnp.sum(qs.astype(jnp.float32) * knew.astype(jnp.float32), axis=1)  # [16]
+    first = 1.0 - jnp.minimum(split, 1).astype(jnp.float32)
+    m0 = s_new * first + MASK_VALUE * (1.0 - first)
+    l0 = first + jnp.zeros_like(s_new)
+    acc0 = first * vnew.astype(jnp.float32) + jnp.zeros(q.shape, jnp.float32)
+
+    n_valid = jnp.clip(pos - start, 0, chunk)
+    n_tiles = (n_valid + block_s - 1) // block_s
+
+    def body(i, carry):
+        m_prev, l_prev, acc = carry
+        k = k_ref[pl.ds(i * block_s, block_s), :]
+        v = v_ref[pl.ds(i * block_s, block_s), :]
+        sc = _dot(qs, k, (1, 1))  # [16, block_s]
+        t = start + i * block_s + lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+        sc = jnp.where(t < pos, sc, MASK_VALUE)
+        m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(sc - m_new[:, None])
+        l_new = alpha * l_prev + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0))
+        return m_new, l_new, acc
+
+    m, l, acc = lax.fori_loop(0, n_tiles, body, (m0, l0, acc0))
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def rotated_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why decode_attention_rotated cannot take these heads (None: it can)."""
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MIN_ROWS:
+        return f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}, at most {MIN_ROWS} per group"
+    g = num_heads // num_kv_heads
+    if (num_kv_heads - 1) * g + MIN_ROWS > num_heads + 2 * num_kv_heads:
+        return f"the last group's {MIN_ROWS}-row q tile would run past the projection's {num_heads + 2 * num_kv_heads} heads"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} must be a power of two >= 16 (Triton tiles)"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "blocks", "interpret"), donate_argnames=("k_bskh", "v_bskh"))
+def decode_attention_rotated(qkv_bmh, pos_b, k_bskh, v_bskh, *, num_heads: int,
+                             blocks: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False):
+    """One decode step's attention from q/k/v with RoPE already applied, writing the new K/V.
+
+    qkv [B, N + 2K, H] (e.g. decode_tma.qkv_rope_tma's output, its batch rows); pos [B] int32;
+    k, v [B, S, K, H] caches (donated, updated in place). Returns (out [B, N, H], k, v), equal
+    to writing k/v at pos and calling `decode_attention` with lengths pos + 1. As
+    decode_attention_fused without the rotation, with tensor-core dots."""
+    b, m, h = qkv_bmh.shape
+    bk, s, kh, hk = k_bskh.shape
+    n = num_heads
+    if m != n + 2 * kh or (bk, hk) != (b, h) or v_bskh.shape != k_bskh.shape:
+        raise ValueError(f"shapes disagree: qkv {qkv_bmh.shape} (want [B, {n} + 2 * {kh}, H]), k {k_bskh.shape}, v {v_bskh.shape}")
+    if (why := rotated_supported(n, kh, h)) is not None:
+        raise ValueError(f"decode_attention_rotated: {why}")
+    g = n // kh
+    interpret = bool(interpret) or jax.default_backend() == "cpu"
+    plan = _plan(b, kh, s, blocks)
+    kernel = functools.partial(_rotated_kernel, block_s=blocks.block_s, chunk=plan.chunk, sm_scale=1.0 / math.sqrt(h),
+                               g=g)
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    cache_spec = pl.BlockSpec((None, plan.chunk, None, h), lambda i, j, c: (i, c, j, 0))
+    o, m_, l_, k_out, v_out = pl.pallas_call(
+        kernel,
+        grid=(b, kh, plan.splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, c: (i,)),
+            pl.BlockSpec((None, m, h), lambda i, j, c: (i, 0, 0)),  # the row's heads; q tile sliced inside
+            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + j, 0)),  # k head j
+            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + kh + j, 0)),  # v head j
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, MIN_ROWS, h), lambda i, j, c: (i, j, c, 0, 0)),
+            pl.BlockSpec((None, None, None, MIN_ROWS), lambda i, j, c: (i, j, c, 0)),
+            pl.BlockSpec((None, None, None, MIN_ROWS), lambda i, j, c: (i, j, c, 0)),
+            cache_spec,
+            cache_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kh, plan.splits, MIN_ROWS, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, MIN_ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, MIN_ROWS), jnp.float32),
+            jax.ShapeDtypeStruct(k_bskh.shape, k_bskh.dtype),
+            jax.ShapeDtypeStruct(v_bskh.shape, v_bskh.dtype),
+        ],
+        input_output_aliases={4: 3, 5: 4},
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="decode_attention_rotated",
+    )(pos_b.astype(jnp.int32), qkv_bmh, qkv_bmh, qkv_bmh, k_bskh, v_bskh)
+    out = _combine(o, m_, l_)[:, :, :g]  # [B, K, G, H]
+    return out.reshape(b, n, h).astype(qkv_bmh.dtype), k_out, v_out
+
+
 @functools.cache
 def prime_lowering() -> None:
     """Lower one tiny call, once per process.
