@@ -461,50 +461,59 @@ def decode_attention_fused(qkv_bmh, pos_b, cos_bf, sin_bf, k_bskh, v_bskh, *, nu
     if cos_bf.shape != (b, h // 2) or sin_bf.shape != (b, h // 2):
         raise ValueError(f"cos/sin must be [B, H/2] = {(b, h // 2)}, got {cos_bf.shape}, {sin_bf.shape}")
     g = n // kh
-    interpret = bool(interpret) or jax.default_backend() == "cpu"
     plan = _plan(b, kh, s, blocks)
     kernel = functools.partial(_fused_kernel, block_s=blocks.block_s, chunk=plan.chunk, sm_scale=1.0 / math.sqrt(h))
+    specs = [
+        pl.BlockSpec((1,), lambda i, j, c: (i,)),
+        pl.BlockSpec((None, h // 2), lambda i, j, c: (i, 0)),
+        pl.BlockSpec((None, h // 2), lambda i, j, c: (i, 0)),
+        pl.BlockSpec((None, g, h), lambda i, j, c: (i, j, 0)),  # q heads [jG, jG + G)
+        pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + j, 0)),  # k head j
+        pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + kh + j, 0)),  # v head j
+    ]
+    args = (pos_b.astype(jnp.int32), cos_bf.astype(jnp.float32), sin_bf.astype(jnp.float32), qkv_bmh, qkv_bmh, qkv_bmh)
+    o, m_, l_, k_out, v_out = _cache_writing_call(kernel, specs, args, k_bskh, v_bskh, rows=g, plan=plan,
+                                                  blocks=blocks, interpret=interpret, name="decode_attention_fused")
+    out = _combine(o, m_, l_)  # [B, K, G, H]
+    return out.reshape(b, n, h).astype(qkv_bmh.dtype), k_out, v_out
+
+
+def _cache_writing_call(kernel, specs, args, k_bskh, v_bskh, *, rows: int, plan: _Plan, blocks: DecodeBlockSizes,
+                        interpret: bool, name: str):
+    """The pallas_call of a kernel that also writes the new K/V rows: grid (B, K, splits); its
+    inputs `args` (with `specs`), then the two caches, aliased to its last two outputs; outputs
+    the partials o [B, K, splits, rows, H], m, l [B, K, splits, rows], and the caches."""
+    b, _, kh, h = k_bskh.shape
+    interpret = bool(interpret) or jax.default_backend() == "cpu"
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     cache_spec = pl.BlockSpec((None, plan.chunk, None, h), lambda i, j, c: (i, c, j, 0))
-    o, m_, l_, k_out, v_out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(b, kh, plan.splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j, c: (i,)),
-            pl.BlockSpec((None, h // 2), lambda i, j, c: (i, 0)),
-            pl.BlockSpec((None, h // 2), lambda i, j, c: (i, 0)),
-            pl.BlockSpec((None, g, h), lambda i, j, c: (i, j, 0)),  # q heads [jG, jG + G)
-            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + j, 0)),  # k head j
-            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + kh + j, 0)),  # v head j
-            cache_spec,
-            cache_spec,
-        ],
+        in_specs=[*specs, cache_spec, cache_spec],
         out_specs=[
-            pl.BlockSpec((None, None, None, g, h), lambda i, j, c: (i, j, c, 0, 0)),
-            pl.BlockSpec((None, None, None, g), lambda i, j, c: (i, j, c, 0)),
-            pl.BlockSpec((None, None, None, g), lambda i, j, c: (i, j, c, 0)),
+            pl.BlockSpec((None, None, None, rows, h), lambda i, j, c: (i, j, c, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, c: (i, j, c, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, j, c: (i, j, c, 0)),
             cache_spec,
             cache_spec,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, kh, plan.splits, g, h), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, plan.splits, g), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, plan.splits, g), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, rows, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh, plan.splits, rows), jnp.float32),
             jax.ShapeDtypeStruct(k_bskh.shape, k_bskh.dtype),
             jax.ShapeDtypeStruct(v_bskh.shape, v_bskh.dtype),
         ],
-        input_output_aliases={6: 3, 7: 4},
+        input_output_aliases={len(specs): 3, len(specs) + 1: 4},
         compiler_params=compiler_params,
         interpret=interpret,
-        name="decode_attention_fused",
-    )(pos_b.astype(jnp.int32), cos_bf.astype(jnp.float32), sin_bf.astype(jnp.float32), qkv_bmh, qkv_bmh, qkv_bmh,
-      k_bskh, v_bskh)
-    out = _combine(o, m_, l_)  # [B, K, G, H]
-    return out.reshape(b, n, h).astype(qkv_bmh.dtype), k_out, v_out
+        name=name,
+    )(*args, k_bskh, v_bskh)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -593,46 +602,18 @@ def decode_attention_rotated(qkv_bmh, pos_b, k_bskh, v_bskh, *, num_heads: int,
     if (why := rotated_supported(n, kh, h)) is not None:
         raise ValueError(f"decode_attention_rotated: {why}")
     g = n // kh
-    interpret = bool(interpret) or jax.default_backend() == "cpu"
     plan = _plan(b, kh, s, blocks)
     kernel = functools.partial(_rotated_kernel, block_s=blocks.block_s, chunk=plan.chunk, sm_scale=1.0 / math.sqrt(h),
                                g=g)
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    cache_spec = pl.BlockSpec((None, plan.chunk, None, h), lambda i, j, c: (i, c, j, 0))
-    o, m_, l_, k_out, v_out = pl.pallas_call(
-        kernel,
-        grid=(b, kh, plan.splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j, c: (i,)),
-            pl.BlockSpec((None, m, h), lambda i, j, c: (i, 0, 0)),  # the row's heads; q tile sliced inside
-            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + j, 0)),  # k head j
-            pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + kh + j, 0)),  # v head j
-            cache_spec,
-            cache_spec,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, MIN_ROWS, h), lambda i, j, c: (i, j, c, 0, 0)),
-            pl.BlockSpec((None, None, None, MIN_ROWS), lambda i, j, c: (i, j, c, 0)),
-            pl.BlockSpec((None, None, None, MIN_ROWS), lambda i, j, c: (i, j, c, 0)),
-            cache_spec,
-            cache_spec,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kh, plan.splits, MIN_ROWS, h), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, plan.splits, MIN_ROWS), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh, plan.splits, MIN_ROWS), jnp.float32),
-            jax.ShapeDtypeStruct(k_bskh.shape, k_bskh.dtype),
-            jax.ShapeDtypeStruct(v_bskh.shape, v_bskh.dtype),
-        ],
-        input_output_aliases={4: 3, 5: 4},
-        compiler_params=compiler_params,
-        interpret=interpret,
-        name="decode_attention_rotated",
-    )(pos_b.astype(jnp.int32), qkv_bmh, qkv_bmh, qkv_bmh, k_bskh, v_bskh)
+    specs = [
+        pl.BlockSpec((1,), lambda i, j, c: (i,)),
+        pl.BlockSpec((None, m, h), lambda i, j, c: (i, 0, 0)),  # the row's heads; q tile sliced inside
+        pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + j, 0)),  # k head j
+        pl.BlockSpec((None, 1, h), lambda i, j, c: (i, n + kh + j, 0)),  # v head j
+    ]
+    o, m_, l_, k_out, v_out = _cache_writing_call(kernel, specs, (pos_b.astype(jnp.int32), qkv_bmh, qkv_bmh, qkv_bmh),
+                                                  k_bskh, v_bskh, rows=MIN_ROWS, plan=plan, blocks=blocks,
+                                                  interpret=interpret, name="decode_attention_rotated")
     out = _combine(o, m_, l_)[:, :, :g]  # [B, K, G, H]
     return out.reshape(b, n, h).astype(qkv_bmh.dtype), k_out, v_out
 
