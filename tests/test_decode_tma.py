@@ -122,6 +122,20 @@ def test_refusals_name_the_problem():
     assert "shared memory" in t.unsupported_reason(4096, 11008, t.TmaBlocks(block_f=128, block_k=256, stages=4))
     assert "block_f=32" in t.unsupported_reason(4096, 11008, t.TmaBlocks(block_f=32))
     assert t.unsupported_reason(4096, 11008) is None and t.unsupported_reason(2048, 8192) is None
+    # qkv_rope_tma: the rope row order's conditions, the weight and the tables named
+    x8, cs = jnp.zeros((8, 256), jnp.bfloat16), t.rope_tables(jnp.zeros(8, jnp.int32), jnp.ones(48), 96)
+    with pytest.raises(ValueError, match=r"head_dim 96 must be even and divide 2 \* block_f = 128"):
+        t.qkv_rope_tma(x8, jnp.zeros((4 * 96, 256), jnp.bfloat16), cs, num_heads=2, num_kv_heads=1, head_dim=96,
+                       norm_eps=1e-5)
+    cs = t.rope_tables(jnp.zeros(8, jnp.int32), jnp.ones(32), 64)
+    with pytest.raises(ValueError, match=r"wqkv_r \(256, 256\) must be \[\(N \+ 2K\) H = 512, D\]"):
+        t.qkv_rope_tma(x8, jnp.zeros((256, 256), jnp.bfloat16), cs, num_heads=4, num_kv_heads=2, head_dim=64,
+                       norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"cs must be float32 \(2, 2, 64, 8\)"):
+        t.qkv_rope_tma(x8, jnp.zeros((512, 256), jnp.bfloat16), cs[:1], num_heads=4, num_kv_heads=2, head_dim=64,
+                       norm_eps=1e-5)
+    with pytest.raises(ValueError, match="must be even and divide 2 \\* block_f = 128, which must divide the rows"):
+        t.rope_row_order(100, 64)
 
 
 def test_lowers_for_hopper(monkeypatch):
