@@ -296,8 +296,7 @@ def test_cli_run_directory(tmp_path, capsys):
     assert "=== 'ab'" in out and "=== 'xyz'" in out
 
 
-@pytest.mark.parametrize("n,kh,h,dtype,tol", [(8, 8, 32, jnp.float32, 1e-5), (32, 4, 16, jnp.float32, 1e-5),
-                                                (8, 8, 64, jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n,kh,h,dtype,tol", [(32, 4, 16, jnp.float32, 1e-5), (8, 8, 64, jnp.bfloat16, 2e-2)])
 def test_rotated_decode_kernel_matches_scatter_and_reference(n, kh, h, dtype, tol):
     """decode_attention_rotated (q/k/v already rotated: cache write + tensor-core attention)
     against a scatter into the cache and the reference attention in plain jnp. MHA and GQA 8;

@@ -205,7 +205,7 @@ def test_decode_kernels_on_a_padded_stream_lower_for_hopper(as_h100, b):
     assert text.count(TRITON_CALL) == 1
 
 
-@pytest.mark.parametrize("b,tma,model", [(1, None, "1b"), (1, ("gate_up",), "1b"),
+@pytest.mark.parametrize("b,tma,model", [(1, ("gate_up",), "1b"),
                                          (2, ("gate_up", "out", "down", "head"), "1b"),
                                          (1, ("gate_up", "out", "down", "head", "qkv"), "llama2_7b")])
 def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma, model):
