@@ -56,6 +56,11 @@ VARIANTS = {
     "f-s0": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_swizzle=0),
     "f-s64": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_swizzle=64),
     "f2-s0": bwd.MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2, dq_stage_swizzle=0),
+    # twelfth session: dSᵀ to a global-memory workspace, dQ = dS K in a kernel of its own
+    "ds2": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=2),
+    "ds-c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=3, ds_workspace_max_bytes=1 << 20),  # chunked
+    "ds3": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=3),
+    "ds4": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4),
 }
 
 
@@ -149,6 +154,11 @@ def timing(shape, variants, reps, peers=True):
             "dq": jax.jit(lambda q, k, v, o, lse, do, geo=geo: bwd._dq_call(
                 q, k, v, do, lse, o if geo.cfg.delta_in_dq else delta, geo, False)),
         }
+        if cfg.dq_from_ds:  # the dK/dV kernel also writes dSᵀ; the dQ kernel reads it
+            ds = jax.jit(lambda q, k, v, do, lse, geo=geo: bwd._dkv_call(q, k, v, do, lse, delta, geo, False)[2])(
+                q, k, v, do, lse)
+            dq_fn = jax.jit(lambda ds, k, geo=geo: bwd._dq_from_ds_call(ds, k, geo, False))  # ds an argument,
+            parts["dq"] = lambda q, k, v, o, lse, do, ds=ds, dq_fn=dq_fn: dq_fn(ds, k)  # not a captured constant
         if cfg.fused_dq:  # one kernel (dK, dV and the dQ reduce-adds; the zeroed f32 dQ included)
             def fused_dkv(q, k, v, o, lse, do, geo=geo):
                 acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
@@ -161,7 +171,8 @@ def timing(shape, variants, reps, peers=True):
             try:
                 jax.block_until_ready(fn(q, k, v, o, lse, do))
                 part_calls[(name, part)] = (lambda fn=fn: fn(q, k, v, o, lse, do))
-                part_flops[(name, part)] = {"bwd": 2.5 * f, "dkv": (2.5 if cfg.fused_dq else 2.0) * f, "dq": 1.5 * f}[part]
+                part_flops[(name, part)] = {"bwd": 2.5 * f, "dkv": (2.5 if cfg.fused_dq else 2.0) * f,
+                                            "dq": (0.5 if cfg.dq_from_ds else 1.5) * f}[part]
             except Exception as e:
                 part_rows[name][f"error_{part}"] = f"{type(e).__name__}: {str(e)[:300]}"
     times = time_interleaved(part_calls, reps=reps)

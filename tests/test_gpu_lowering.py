@@ -154,13 +154,15 @@ MOSAIC_CALL = "mosaic_gpu_v2"
                                                   (True, 2, {"fused_dq": True, "dq_stage_buffers": 2}),
                                                   (True, 2, {"fused_dq": True, "dq_stage_swizzle": 0}),
                                                   (True, 8, {"persistent": True, "persistent_dq": True,
-                                                             "persistent_ctas": 132})])
+                                                             "persistent_ctas": 132}),
+                                                  (True, 2, {"dq_from_ds": True}), (False, 8, {"dq_from_ds": True})])
 def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal, kv, variant):
     """backend="mosaic": the Mosaic GPU forward, dK/dV and dQ kernels go through Pallas' Mosaic
     GPU lowering (with the register-A wgmmas interpret mode cannot run) for the "cuda" platform;
     once with delta computed inside the dQ kernel (its WGMMA-layout loads of O and dO), once with
     dQ fused into the dK/dV kernel (the transposed shared-memory A operand, the f32 staging
-    store and the TMA reduce-add, none of which interpret mode runs)."""
+    store and the TMA reduce-add, none of which interpret mode runs), once with dQ from the
+    stored dSᵀ (its transposed shared-memory A operand, accumulated in place)."""
     from scaling.kernels.flash_attention_mgpu_bwd import MosaicBwdConfig
 
     q, kvs = sds((1, 256, 8, 128)), sds((1, 256, kv, 128))

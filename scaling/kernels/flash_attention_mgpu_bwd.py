@@ -113,6 +113,17 @@ class MosaicBwdConfig:
       32; 0: none, row-major). The seventh session measured the f32 staging store as the fused
       kernel's largest cost; this tries the store's bank pattern. Timed on an H200 (eleventh
       session): 0 and 64 within 2% of 128, the fused kernel still 4-10% behind the split ones.
+    dq_from_ds: 5 matmuls per tile pair, deterministic, at the price of an O(T²) workspace. The
+      dK/dV kernel also writes each dSᵀ tile it computes (already rounded to the input dtype for
+      dK += dSᵀ Q) to a workspace in global memory, and a third kernel computes dQ = dS K from it:
+      one matmul per tile pair instead of the dQ kernel's three, plus streaming the dS tiles.
+      Workspace: the visible [block_kv_dkv, block_q_dkv] tiles of every (batch, head), packed
+      (`ds_workspace_bytes`: B·H·T·S·itemsize, about half that when causal). Needs
+      block_q_dkv == block_kv_dkv; not with fused_dq, delta_in_dq or the persistent grids. Off
+      by default (docs/attention.md, twelfth session).
+    ds_workspace_max_bytes: with dq_from_ds, the most workspace one chunk may take. Larger calls
+      run in chunks of whole batch rows, or of a row's KV heads (at least one per chunk), each
+      chunk's two kernels before the next chunk's.
     """
 
     block_q_dkv: int = 64
@@ -128,6 +139,8 @@ class MosaicBwdConfig:
     persistent_ctas: int = 0
     dq_stage_buffers: int = 1
     dq_stage_swizzle: int = 128
+    dq_from_ds: bool = False
+    ds_workspace_max_bytes: int = 4 << 30
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -164,9 +177,11 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
     cfg = config or default_config(d, s)
     if cfg.fused_dq and d != FUSED_HEAD_DIM:
         return f"fused_dq needs head dim {FUSED_HEAD_DIM} (its dQ product splits D into 64-column halves), got {d}"
-    dq = not cfg.fused_dq  # the dQ kernel's tiles count too
+    dq = not (cfg.fused_dq or cfg.dq_from_ds)  # the dQ kernel's tiles count too
     multiples = [(t, "q length", CONSUMERS * cfg.block_q_dq)] * dq + [(t, "q length", cfg.block_q_dkv),
                  (s, "kv length", CONSUMERS * cfg.block_kv_dkv)] + [(s, "kv length", cfg.block_kv_dq)] * dq
+    if cfg.dq_from_ds:  # its dQ kernel's CTAs take CONSUMERS q tiles of block_q_dkv rows
+        multiples.append((t, "q length", CONSUMERS * cfg.block_q_dkv))
     for length, name, multiple in multiples:
         if length % multiple:
             return f"{name} {length} is not a multiple of {multiple} (Mosaic backward tiles {cfg})"
@@ -187,6 +202,8 @@ def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
     kv_tiles = 2 * CONSUMERS * cfg.block_kv_dkv * head_dim * itemsize  # K, V
     ring = cfg.stages_dkv * (2 * cfg.block_q_dkv * head_dim * itemsize + 2 * cfg.block_q_dkv * 4)  # Q, dO, L, delta
     fused = kv_tiles if cfg.persistent else 0  # dK, dV staging
+    if cfg.dq_from_ds:  # each consumer's dSᵀ staging tile
+        fused = CONSUMERS * cfg.block_kv_dkv * cfg.block_q_dkv * itemsize
     if cfg.fused_dq:  # dSᵀ of the CTA's keys, double-buffered; each consumer's f32 dQ half tile(s)
         fused = (2 * CONSUMERS * cfg.block_kv_dkv * cfg.block_q_dkv * itemsize
                  + cfg.dq_stage_buffers * CONSUMERS * cfg.block_q_dkv * (head_dim // CONSUMERS) * 4)
@@ -194,7 +211,11 @@ def dkv_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
 
 
 def dq_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
-    """Shared memory of the dQ kernel's scratch (barriers aside), as `_dq_call` allocates it."""
+    """Shared memory of the dQ kernel's scratch (barriers aside), as `_dq_call` (or, with
+    dq_from_ds, `_dq_from_ds_call`) allocates it."""
+    if cfg.dq_from_ds:  # K and dSᵀ ring, dQ staging
+        tile = cfg.block_kv_dkv
+        return (cfg.stages_dq * (tile * head_dim + CONSUMERS * tile * tile) + CONSUMERS * tile * head_dim) * itemsize
     rows = CONSUMERS * cfg.block_q_dq
     q_do_o = (3 if cfg.delta_in_dq or cfg.persistent_dq else 2) * rows * head_dim * itemsize  # Q, dO, O or dQ
     stats = 2 * rows * 4  # L, delta
@@ -214,6 +235,14 @@ def validate_config(cfg: MosaicBwdConfig):
     if cfg.dq_stage_swizzle not in (0, 32, 64, 128) or (cfg.dq_stage_swizzle != 128 and not cfg.fused_dq):
         raise ValueError(f"MosaicBwdConfig.dq_stage_swizzle={cfg.dq_stage_swizzle!r} must be 128, or 0, 32 or 64 "
                          "with fused_dq")
+    if cfg.dq_from_ds and (cfg.fused_dq or cfg.delta_in_dq or cfg.persistent or cfg.persistent_dq):
+        raise ValueError("MosaicBwdConfig.dq_from_ds replaces the dQ kernel; it cannot be combined with fused_dq, "
+                         "delta_in_dq, persistent or persistent_dq")
+    if not isinstance(cfg.ds_workspace_max_bytes, int) or cfg.ds_workspace_max_bytes < 1:
+        raise ValueError(f"MosaicBwdConfig.ds_workspace_max_bytes={cfg.ds_workspace_max_bytes!r} must be an int >= 1")
+    if cfg.dq_from_ds and cfg.block_q_dkv != cfg.block_kv_dkv:
+        raise ValueError(f"MosaicBwdConfig.dq_from_ds needs block_q_dkv == block_kv_dkv (square dS tiles), got "
+                         f"{cfg.block_q_dkv} and {cfg.block_kv_dkv}")
     if cfg.delta_in_dq and cfg.persistent_dq:
         raise ValueError("MosaicBwdConfig.persistent_dq is not implemented with delta_in_dq")
     if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
@@ -244,10 +273,20 @@ class _Geometry:
     sm_scale: float
     cfg: MosaicBwdConfig
     in_place: bool = True  # False under interpret mode: register-A products as jnp.dot (docstring)
+    # dq_from_ds runs in chunks of (batch rows, KV heads) to bound its workspace (`_ds_chunks`):
+    # batch/heads/kv_heads are then the chunk's, and these its offsets into the inputs.
+    batch0: int = 0
+    kv_head0: int = 0
 
     @property
     def group(self) -> int:
         return self.heads // self.kv_heads
+
+    def input_batch(self, b):
+        return b + self.batch0 if self.batch0 else b
+
+    def input_kv_head(self, kv_head):
+        return kv_head + self.kv_head0 if self.kv_head0 else kv_head
 
     @property
     def scale_log2(self) -> float:  # logits times this are log2-domain exponents, like L
@@ -268,6 +307,31 @@ class _Geometry:
     @property
     def dq_ctas(self) -> int:  # CTAs of the persistent dQ grid
         return max(1, min(self.cfg.persistent_ctas or sm_count(), self.dq_items))
+
+
+def ds_workspace_tiles(q_len: int, kv_len: int, tile: int, causal: bool) -> int:
+    """dSᵀ tiles per (batch, head) in the dq_from_ds workspace: the visible ones, packed. Causal
+    (q_len == kv_len): q tile i sees key tiles 0..i, n(n + 1) / 2 in all."""
+    nq, nk = q_len // tile, kv_len // tile
+    return nq * (nq + 1) // 2 if causal else nq * nk
+
+
+def ds_workspace_bytes(q_shape, k_shape, itemsize: int, *, causal: bool, cfg: MosaicBwdConfig) -> int:
+    """Bytes of global memory the dq_from_ds workspace takes for this call ([B, T, H, D] queries,
+    [B, S, KV, D] keys): B·H tiles of block_kv_dkv² elements per visible tile."""
+    b, t, h, _ = q_shape
+    tile = cfg.block_kv_dkv
+    return b * h * ds_workspace_tiles(t, k_shape[1], tile, causal) * tile * tile * itemsize
+
+
+def _ds_row(geo: "_Geometry", i, j):
+    """First workspace row of the dSᵀ tile of q tile i and key tile j (tiles of block_kv_dkv):
+    q-tile-major, so the dQ kernel reads each q tile's key tiles in one contiguous run."""
+    if geo.causal:
+        index = lax.div(i * (i + 1), 2) + j
+    else:
+        index = i * (geo.kv_len // geo.cfg.block_kv_dkv) + j
+    return index * geo.cfg.block_kv_dkv
 
 
 def _bcast(x, shape, dim: int):
@@ -331,6 +395,10 @@ def _dkv_kernel(*refs, geo: _Geometry):
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
          k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, dk_stage, dv_stage,
          k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free) = refs
+    elif geo.cfg.dq_from_ds:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, ds_ref,
+         k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_stage,
+         k_full, v_full, q_full, do_full, lse_full, delta_full, slot_free) = refs
     else:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
          k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
@@ -368,12 +436,14 @@ def _dkv_kernel(*refs, geo: _Geometry):
         else:
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
 
-        def kv_rows(k):  # this consumer's keys in item k
+        def kv_rows(k, inputs=False):  # this consumer's keys in item k (in the inputs: + the chunk's offsets)
             b, kv_head, _, cta_s0, *_ = item(k)
+            if inputs:
+                b, kv_head = geo.input_batch(b), geo.input_kv_head(kv_head)
             return b, pl.ds(cta_s0 + wg * bkv, bkv), kv_head
 
         def load_kv(k):
-            rows = kv_rows(k)
+            rows = kv_rows(k, inputs=True)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, k_full.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, v_full.at[wg])
 
@@ -434,6 +504,13 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 dtype = q_ring.dtype
                 pt_lo, dst_lo = pt.astype(dtype), dst.astype(dtype)
                 if not fused:
+                    if geo.cfg.dq_from_ds:  # dSᵀ out to the workspace, read by _dq_from_ds_kernel
+                        my_ds = ds_stage.at[wg]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile has left
+                        my_ds[...] = dst_lo
+                        plgpu.commit_smem()
+                        ds_rows = pl.ds(_ds_row(geo, i, lax.div(s0, bkv)), bkv)
+                        plgpu.copy_smem_to_gmem(my_ds, ds_ref.at[b, kv_head * geo.group + g, ds_rows])
                     dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
                     plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
                     return dk, dv
@@ -515,6 +592,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
 
         def fetcher(k):
             b, kv_head, _, _, first, per_head, total = item(k)
+            b, kv_head = geo.input_batch(b), geo.input_kv_head(kv_head)
 
             def fetch(j, slot):
                 head = kv_head * geo.group + lax.div(j, per_head)
@@ -601,7 +679,8 @@ def _f32_swizzled(swizzle: int) -> tuple:
 
 
 def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, dq_acc=None):
-    """(dk, dv); with `fused_dq` the kernel also reduce-adds into the Ref `dq_acc`."""
+    """(dk, dv); with `fused_dq` the kernel also reduce-adds into the Ref `dq_acc`; with
+    `dq_from_ds` (dk, dv, dSᵀ workspace [B, H, tiles * block_kv_dkv, block_q_dkv])."""
     cfg = geo.cfg
     d, dtype = geo.head_dim, q.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -618,6 +697,12 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         dq_barrier = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),)  # ds_ready
     if cfg.persistent:  # dK, dV staging: the next item's K, V load while these are copied out
         dq_scratch = (plgpu.SMEM(kv_tile, dtype, transforms=tiled), plgpu.SMEM(kv_tile, dtype, transforms=tiled))
+    out = jax.ShapeDtypeStruct((geo.batch, geo.kv_len, geo.kv_heads, d), dtype)  # a dq_from_ds chunk's rows and heads
+    out_type = (out, out)
+    if cfg.dq_from_ds:  # each consumer's dSᵀ staging tile; the workspace is a third output
+        dq_scratch = (plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, cfg.block_q_dkv), dtype, transforms=tiled),)
+        rows = ds_workspace_tiles(geo.q_len, geo.kv_len, cfg.block_kv_dkv, geo.causal) * cfg.block_kv_dkv
+        out_type = (out, out, jax.ShapeDtypeStruct((geo.batch, geo.heads, rows, cfg.block_q_dkv), dtype))
     scratch = (
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # K
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # V
@@ -635,10 +720,9 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # slot_free
         *dq_barrier,
     )
-    out = jax.ShapeDtypeStruct(k.shape, dtype)
     return plgpu.kernel(
         functools.partial(_dkv_kernel, geo=geo),
-        out_type=(out, out),
+        out_type=out_type,
         scratch_types=scratch,
         **(dict(grid=(geo.dkv_ctas,), grid_names=("c",)) if cfg.persistent else _grid(
             {"s": geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), "h": geo.kv_heads, "b": geo.batch},
@@ -879,6 +963,172 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: plgpu.Inte
     )(q, k, v, do, lse, delta_or_o)
 
 
+# ----------------------------------------------------------------------------------------------
+# dQ from the stored dSᵀ (dq_from_ds).
+
+
+def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full, ds_full, free, *, geo: _Geometry):
+    """One CTA: CONSUMERS query tiles of one head, consumer c taking tile CONSUMERS * t + c.
+    ds [B, H, rows, tile] (the dK/dV kernel's workspace, `_ds_row`), k [B, S, KV, D],
+    dq [B, T, H, D]. The producer streams K tiles (shared by the consumers) and each consumer's
+    dSᵀ tile per ring slot; a consumer adds (dSᵀ)ᵀ K, A read transposed from shared memory, into
+    its f32 dQ. Under the causal mask q tile i reads key tiles 0..i, so the last slot of a CTA
+    serves only its last consumer."""
+    tile, stages = geo.cfg.block_kv_dkv, geo.cfg.stages_dq
+    wg = lax.axis_index("wg")
+    num_tiles = geo.q_len // (CONSUMERS * tile)
+    rank, head, b = work_item(0, tiles=num_tiles, heads=geo.heads, persistent=False)
+    cta_tile = num_tiles - 1 - rank if geo.causal else rank  # heavy causal tiles first
+    kv_head = geo.input_kv_head(lax.div(head, geo.group))  # K is read from the full input
+
+    def q_tile(c):
+        return cta_tile * CONSUMERS + c
+
+    def steps(c):  # key tiles q tile c of this CTA sees
+        return q_tile(c) + 1 if geo.causal else geo.kv_len // tile
+
+    total = steps(CONSUMERS - 1)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        mine = steps(wg)
+
+        def operands(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_full.at[slot])
+            plgpu.barrier_wait(ds_full.at[slot * CONSUMERS + wg])
+            return ds_ring.at[slot, wg], k_ring.at[slot]
+
+        if geo.in_place:
+            def products(acc_ref):  # one product in flight: slot j - 1 is released once product j is issued
+                def step(j, carry):
+                    ds_s, k_s = operands(j)
+                    plgpu.wgmma(acc_ref, ds_s.T, k_s)
+                    plgpu.wgmma_wait(1)
+
+                    @pl.when(j > 0)
+                    def _():
+                        plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, stages)])
+                    return carry
+
+                lax.fori_loop(0, mine, step, None)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(free.at[lax.rem(mine - 1, stages)])  # mine >= 1
+                return acc_ref[...]
+
+            dq = pl.run_scoped(products, plgpu.ACC((tile, geo.head_dim), jnp.float32))
+        else:
+            def step(j, dq):
+                ds_s, k_s = operands(j)
+                dq = dq + jnp.dot(ds_s[...].T, k_s[...], preferred_element_type=jnp.float32)
+                plgpu.barrier_arrive(free.at[lax.rem(j, stages)])
+                return dq
+
+            dq = lax.fori_loop(0, mine, step, _zeros((tile, geo.head_dim)))
+
+        @pl.loop(mine, total)  # the partner's extra tile: wait for it and release it
+        def _skip(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_full.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+
+        out = dq_stage.at[wg]
+        out[...] = (dq * geo.sm_scale).astype(out.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, dq_ref.at[b, pl.ds(q_tile(wg) * tile, tile), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def fetch(j, slot):
+            k_rows = (geo.input_batch(b), pl.ds(j * tile, tile), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[k_rows], k_ring.at[slot], k_full.at[slot])
+            for c in range(CONSUMERS):
+                @pl.when(j < steps(c))
+                def _():
+                    rows = pl.ds(_ds_row(geo, q_tile(c), j), tile)
+                    plgpu.copy_gmem_to_smem(ds_ref.at[b, head, rows], ds_ring.at[slot, c],
+                                            ds_full.at[slot * CONSUMERS + c])
+
+        # Fill statically only as far as the key tiles go (a static slice past S fails at trace time).
+        for j in range(min(stages, geo.kv_len // tile)):
+            pl.when(j < total)(functools.partial(fetch, j, j))
+
+        @pl.loop(stages, jnp.maximum(total, stages))
+        def _refill(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(free.at[slot])
+            fetch(j, slot)
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(j):
+            plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+
+
+def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None):
+    cfg = geo.cfg
+    tile, stages, d, dtype = cfg.block_kv_dkv, cfg.stages_dq, geo.head_dim, k.dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = (
+        plgpu.SMEM((stages, tile, d), dtype, transforms=tiled),  # K ring
+        plgpu.SMEM((stages, CONSUMERS, tile, tile), dtype, transforms=tiled),  # dSᵀ ring
+        plgpu.SMEM((CONSUMERS, tile, d), dtype, transforms=tiled),  # dQ staging
+        plgpu.Barrier(num_barriers=stages),  # k_full
+        plgpu.Barrier(num_barriers=stages * CONSUMERS),  # ds_full
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free
+    )
+    return plgpu.kernel(
+        functools.partial(_dq_from_ds_kernel, geo=geo),
+        out_type=jax.ShapeDtypeStruct((geo.batch, geo.q_len, geo.heads, d), dtype),
+        scratch_types=scratch,
+        **_grid({"t": geo.q_len // (CONSUMERS * tile), "h": geo.heads, "b": geo.batch}, tiles_outermost=True),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(ds, k)
+
+
+def _ds_chunks(geo: _Geometry, itemsize: int) -> list[tuple[int, int, int, int]]:
+    """(first batch row, rows, first KV head, KV heads) of each dq_from_ds chunk: whole batch
+    rows while a row's workspace fits `ds_workspace_max_bytes`, else runs of a row's KV heads
+    (at least one, whatever the budget)."""
+    per_kv_head = (geo.group * ds_workspace_tiles(geo.q_len, geo.kv_len, geo.cfg.block_kv_dkv, geo.causal)
+                   * geo.cfg.block_kv_dkv ** 2 * itemsize)
+    budget = geo.cfg.ds_workspace_max_bytes
+    if per_kv_head * geo.kv_heads <= budget:
+        rows = budget // (per_kv_head * geo.kv_heads)
+        return [(b0, min(rows, geo.batch - b0), 0, geo.kv_heads) for b0 in range(0, geo.batch, rows)]
+    heads = max(1, budget // per_kv_head)
+    return [(b0, 1, h0, min(heads, geo.kv_heads - h0)) for b0 in range(geo.batch) for h0 in range(0, geo.kv_heads, heads)]
+
+
+def _backward_from_ds(q, k, v, do, lse, delta, geo: _Geometry, interpret):
+    """dq_from_ds: per chunk (`_ds_chunks`), the dK/dV kernel writes the chunk's dSᵀ workspace
+    and the dQ kernel reads it. An optimization barrier makes each chunk's kernels wait for the
+    previous chunk's dQ, so XLA cannot hold two workspaces at once."""
+    chunks = _ds_chunks(geo, q.dtype.itemsize)
+    outs = []
+    for n, (b0, rows, kv0, kv_heads) in enumerate(chunks):
+        g = dataclasses.replace(geo, batch=rows, kv_heads=kv_heads, heads=kv_heads * geo.group, batch0=b0, kv_head0=kv0)
+        dk, dv, ds = _dkv_call(q, k, v, do, lse, delta, g, interpret)
+        dq = _dq_from_ds_call(ds, k, g, interpret)
+        if n + 1 < len(chunks):
+            dq, dk, dv, q, k, v, do, lse, delta = lax.optimization_barrier((dq, dk, dv, q, k, v, do, lse, delta))
+        outs.append((dq, dk, dv))
+    if len(outs) == 1:
+        return outs[0]
+    if chunks[0][3] == geo.kv_heads:  # whole batch rows
+        return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*outs))
+    per_row = len(chunks) // geo.batch  # runs of KV heads, the same for every row
+    rows = [outs[r * per_row:(r + 1) * per_row] for r in range(geo.batch)]
+    return tuple(jnp.concatenate([jnp.concatenate([c[i] for c in row], axis=2) for row in rows], axis=0)
+                 for i in range(3))
+
+
 def output_row_dot(o, do):
     """delta = rowsum(dO ∘ O) as [B, H, T] f32 from [B, T, H, D] inputs (FA2 Algorithm 2, line 4).
     One XLA kernel. Timed on an H100 (ninth session) at 0.23 ms for B·T = 16k, H = 32, D = 128.
@@ -906,6 +1156,8 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: plgpu.InterpretGPU
         dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret, dq_acc)
         dq = dq_acc[...].sum(0) if interpret else dq_acc[...]
         return (dq * geo.sm_scale).astype(q.dtype), dk, dv
+    if geo.cfg.dq_from_ds:  # dSᵀ through a workspace in global memory (docstring of MosaicBwdConfig)
+        return _backward_from_ds(q, k, v, do, lse, delta, geo, interpret)
     dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
     dq = _dq_call(q, k, v, do, lse, delta, geo, interpret)
     return dq, dk, dv
