@@ -61,6 +61,8 @@ VARIANTS = {
     "ds-c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=3, ds_workspace_max_bytes=1 << 20),  # chunked
     "ds3": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=3),
     "ds4": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4),
+    "ds4t2": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=2, ds_dq_tiles=4),  # 4 q tiles per dQ CTA
+    "ds4t3": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=3, ds_dq_tiles=4),
 }
 
 

@@ -16,6 +16,7 @@ before their matmuls, as in every flash kernel).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -67,9 +68,12 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
     (1, 256, 256, 4, 2, 128, True, jnp.bfloat16, MosaicBwdConfig(fused_dq=True),
      "fused dQ: causal GQA 2, dS K in the dK/dV kernel split by columns over the consumers, two K/V CTAs' "
      "partial dQ summed (interpret stand-in for the TMA reduce-add)"),
-    (1, 192, 256, 4, 2, 128, False, jnp.bfloat16, MosaicBwdConfig(fused_dq=True, dq_stage_buffers=2),
-     "fused dQ, two staging tiles: non-causal GQA 2, T != S, 3 q tiles per head (odd: the tiles alternate "
-     "by ring step, not by q tile, across the group's heads)"),
+    (2, 256, 256, 1, 1, 128, True, jnp.bfloat16,
+     MosaicBwdConfig(dq_from_ds=True, ds_dq_tiles=4, stages_dq=3, ds_workspace_max_bytes=1),
+     "dq from stored dS, causal MHA D=128: one batch row per chunk (the smallest budget), 4 q tiles per dQ CTA "
+     "whose accumulators drop out one by one"),
+    (1, 128, 256, 4, 2, 64, False, jnp.float16, MosaicBwdConfig(dq_from_ds=True, ds_workspace_max_bytes=1 << 17),
+     "dq from stored dS, non-causal GQA 2, T != S: one KV head per chunk"),
 ]
 
 
@@ -152,11 +156,14 @@ def test_auto_backend_rule(monkeypatch):
     assert [(p.mosaic is not None, p.mosaic_bwd is not None) for p in plans] == [
         (False, False), (True, True), (True, True), (True, True), (False, False), (False, False),
         (True, False), (True, True)]
-    assert plans[1].mosaic_bwd.block_kv_dq == 64
-    long_t = fa.mgpu_bwd.LONG_KV_DQ[0]  # rows from here on take 128-key dQ slots at D=128 (not at D=64)
-    run(z(long_t, 1, 128), z(long_t, 1, 128))
-    run(z(long_t - 128, 1, 128), z(long_t - 128, 1, 128))
+    assert plans[1].mosaic_bwd.dq_from_ds and not plans[2].mosaic_bwd.dq_from_ds  # MHA / GQA 4, D=128
+    assert plans[2].mosaic_bwd.block_kv_dq == 64
+    long_t = fa.mgpu_bwd.LONG_KV_DQ[0]  # GQA rows from here on take 128-key dQ slots at D=128 (not at D=64)
+    run(z(long_t, 2, 128), z(long_t, 1, 128))
+    run(z(long_t - 128, 2, 128), z(long_t - 128, 1, 128))
     assert [p.mosaic_bwd.block_kv_dq for p in plans[-2:]] == [128, 64]
+    run(z(long_t, 1, 128), z(long_t, 1, 128))  # MHA: dQ from the stored dS at every length
+    assert plans[-1].mosaic_bwd.dq_from_ds
     assert fa.mgpu_bwd.default_config(64, long_t) == fa.mgpu_bwd.DEFAULT_CONFIGS[64]
     assert fa.mgpu_bwd.unsupported_reason((1, long_t, 2, 128), (1, long_t, 2, 128), jnp.bfloat16, causal=True,
                                           segmented=False) is None
@@ -280,6 +287,66 @@ def test_backward_on_hopper(causal, h, kv, d, dtype):
     with jax.default_matmul_precision("highest"):
         ref = _ref_grads(q, k, v, do, causal)
     _check(seed, dtype, grads, ref)
+
+
+def test_ds_workspace_layout_and_chunks():
+    """The dq_from_ds workspace: every visible (q tile, key tile) pair gets its own rows inside
+    the workspace, the pairs a causal mask hides get none; the chunks cover every (batch row,
+    KV head) once and stay within the budget wherever one KV head does."""
+    from scaling.kernels import flash_attention_mgpu_bwd as bwd
+
+    tile = 64
+    for t, s_len, causal in ((512, 512, True), (256, 384, False), (64, 64, True)):
+        cfg = MosaicBwdConfig(dq_from_ds=True)
+        geo = bwd._Geometry(batch=1, q_len=t, kv_len=s_len, heads=2, kv_heads=1, head_dim=64, causal=causal,
+                            sm_scale=1.0, cfg=cfg)
+        visible = [(i, j) for i in range(t // tile) for j in range(s_len // tile) if not causal or j <= i]
+        tiles = bwd.ds_workspace_tiles(t, s_len, tile, causal)
+        assert tiles == len(visible)
+        rows = {int(bwd._ds_row(geo, i, j)) for i, j in visible}
+        assert len(rows) == len(visible) and all(r % tile == 0 and 0 <= r < tiles * tile for r in rows)
+        assert bwd.ds_workspace_bytes((3, t, 4, 64), (3, s_len, 2, 64), 2, causal=causal, cfg=cfg) == \
+            3 * 4 * len(visible) * tile * tile * 2
+
+    def chunks(batch, kv_heads, budget):
+        cfg = MosaicBwdConfig(dq_from_ds=True, ds_workspace_max_bytes=budget)
+        geo = bwd._Geometry(batch=batch, q_len=256, kv_len=256, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=64,
+                            causal=True, sm_scale=1.0, cfg=cfg)
+        return bwd._ds_chunks(geo, 2)
+
+    per_kv_head = 2 * 10 * tile * tile * 2  # group 2, 4 * 5 / 2 visible tiles
+    for batch, kv_heads, budget in ((3, 4, 1 << 40), (3, 4, 2 * 4 * per_kv_head), (3, 4, 3 * per_kv_head),
+                                    (2, 3, 1)):
+        got = chunks(batch, kv_heads, budget)
+        covered = sorted((b, h) for b0, nb, h0, nh in got for b in range(b0, b0 + nb) for h in range(h0, h0 + nh))
+        assert covered == [(b, h) for b in range(batch) for h in range(kv_heads)], got
+        assert all(nb * nh * per_kv_head <= budget or nb * nh == 1 for _, nb, _, nh in got), got
+    assert chunks(3, 4, 1 << 40) == [(0, 3, 0, 4)]
+    assert chunks(3, 4, 2 * 4 * per_kv_head) == [(0, 2, 0, 4), (2, 1, 0, 4)]
+    assert chunks(2, 3, 1) == [(b, 1, h, 1) for b in range(2) for h in range(3)]
+
+
+def test_dq_from_ds_default_and_refusals():
+    """Multi-head D=128 takes dQ from the stored dS by default; grouped heads and D=64 do not.
+    Its settings are checked before anything runs."""
+    from scaling.kernels.flash_attention_mgpu_bwd import default_config
+
+    assert default_config(128, 4096).dq_from_ds and default_config(128, 16384, group=1).dq_from_ds
+    assert not default_config(128, 4096, group=4).dq_from_ds and not default_config(64, 4096).dq_from_ds
+    assert dq_smem_bytes(default_config(128), 128, 2) <= SMEM_BYTES
+    assert dkv_smem_bytes(default_config(128), 128, 2) <= SMEM_BYTES
+    four = MosaicBwdConfig(dq_from_ds=True, ds_dq_tiles=4, stages_dq=3)
+    assert dq_smem_bytes(four, 128, 2) <= SMEM_BYTES < dq_smem_bytes(dataclasses.replace(four, stages_dq=4), 128, 2)
+    x = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    for bad, match in ((dict(fused_dq=True), "cannot be combined"), (dict(persistent=True), "cannot be combined"),
+                       (dict(block_q_dkv=128), "block_q_dkv == block_kv_dkv"), (dict(ds_dq_tiles=3), "ds_dq_tiles=3"),
+                       (dict(ds_workspace_max_bytes=0), "ds_workspace_max_bytes=0")):
+        with pytest.raises(ValueError, match=match):
+            mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(dq_from_ds=True, **bad))
+    y = jnp.zeros((1, 384, 2, 64), jnp.bfloat16)  # 384 rows: not 4 q tiles of 64 per dQ CTA
+    assert "multiple of 256" in unsupported_reason(y.shape, y.shape, jnp.bfloat16, causal=True, segmented=False,
+                                                   config=dataclasses.replace(four, stages_dq=2))
 
 
 def test_output_row_dot_matches_float64():

@@ -155,7 +155,8 @@ MOSAIC_CALL = "mosaic_gpu_v2"
                                                   (True, 2, {"fused_dq": True, "dq_stage_swizzle": 0}),
                                                   (True, 8, {"persistent": True, "persistent_dq": True,
                                                              "persistent_ctas": 132}),
-                                                  (True, 2, {"dq_from_ds": True}), (False, 8, {"dq_from_ds": True})])
+                                                  (True, 2, {"dq_from_ds": True, "ds_dq_tiles": 4, "stages_dq": 3}),
+                                                  (False, 8, {"dq_from_ds": True})])
 def test_mosaic_flash_attention_forward_and_backward_lower_for_hopper(as_h100, causal, kv, variant):
     """backend="mosaic": the Mosaic GPU forward, dK/dV and dQ kernels go through Pallas' Mosaic
     GPU lowering (with the register-A wgmmas interpret mode cannot run) for the "cuda" platform;

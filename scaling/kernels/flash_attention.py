@@ -818,11 +818,16 @@ def flash_attention(
     mosaic_config: tiles of the Mosaic forward; default per head dim and device (`mgpu.default_config`).
     mosaic_backward: False keeps the Triton backward behind the Mosaic forward (a switch for
       comparisons and a fallback; no effect with backend="triton").
-    mosaic_bwd_config: tiles of the Mosaic backward; default per head dim and key length
-      (`mgpu_bwd.default_config`).
+    mosaic_bwd_config: tiles of the Mosaic backward; default per head dim, key length and GQA
+      group size (`mgpu_bwd.default_config`).
 
     Returns [B, T, H, D] in q's dtype. The backward pass saves only q, k, v, the output and the
     per-row log-sum-exp, and recomputes the probabilities in two Pallas kernels (dK/dV, dQ).
+    The Mosaic backward of multi-head D=128 attention (its default since the twelfth session)
+    trades memory for speed inside the backward: the dK/dV kernel also writes dS, in the input
+    dtype, to a temporary workspace that a third kernel turns into dQ (about B·H·T·S bytes, half
+    of the 2-byte size when causal; in chunks of at most `MosaicBwdConfig.ds_workspace_max_bytes`,
+    4 GiB by default). `mosaic_bwd_config=MosaicBwdConfig()` keeps the O(T) split kernels.
     """
     if not isinstance(mosaic_backward, bool):
         raise TypeError(f"mosaic_backward must be True or False, got {mosaic_backward!r}")
@@ -849,7 +854,7 @@ def flash_attention(
     if (mosaic_backward and want_bwd and seg is None
             and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal), segmented=False,
                                             config=mosaic_bwd_config) is None):
-        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d, k.shape[1]))
+        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d, k.shape[1], q.shape[2] // k.shape[2]))
     return _flash(q, k, v, seg, plan)
 
 

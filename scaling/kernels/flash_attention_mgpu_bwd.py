@@ -3,7 +3,7 @@
 The companion of `flash_attention_mgpu.py` (the forward): it consumes the forward's output O
 and its log2-domain log-sum-exp L [B, H, T] and returns dQ, dK, dV. The algorithm is
 FlashAttention-2's Algorithm 2 (Dao 2023, arXiv:2307.08691): P is recomputed from L, so
-nothing of size T x S is ever stored. The backward runs as two kernels plus one XLA reduction:
+nothing of size T x S need be stored. The backward runs as two kernels plus one XLA reduction:
 
   delta = rowsum(dO * O)            [B, H, T] f32, a fused XLA reduction (memory bound, small)
   dK/dV kernel                      grid (S / (2 * block_kv_dkv), KV, B)
@@ -31,6 +31,14 @@ Why a separate dQ kernel rather than FlashAttention-3's in-kernel dQ (dS K accum
 f32 dQ in HBM with atomic TMA reduce-adds): it is deterministic, it needs no f32 dQ buffer, and
 jax 0.11.2's GPU interpret mode (our CPU tests) does not implement TMA reductions. It costs two
 recomputed matmuls per tile pair (7 instead of 5).
+
+dQ from the stored dS (`MosaicBwdConfig.dq_from_ds`, the default for multi-head D=128 since the
+twelfth session): the dK/dV kernel also copies each dSᵀ tile it computes (already rounded to
+the input dtype for dK += dSᵀ Q) to a workspace in global memory, and a third kernel streams
+those tiles with K to form dQ = dS K: 5 matmuls per tile pair instead of 7, still deterministic,
+for an O(T·S) workspace (B·H·T·S bytes in bf16, about half when causal, run in chunks of batch
+rows or KV heads of at most `ds_workspace_max_bytes`). So this path does store something of size
+T x S, for the length of one backward call; the split kernels above stay for GQA and on request.
 
 Causal: a K/V tile skips every q tile entirely above the diagonal (the producer starts at the
 first q tile that can see it); only tiles crossing the diagonal build the mask. The dQ kernel
@@ -124,6 +132,10 @@ class MosaicBwdConfig:
     ds_workspace_max_bytes: with dq_from_ds, the most workspace one chunk may take. Larger calls
       run in chunks of whole batch rows, or of a row's KV heads (at least one per chunk), each
       chunk's two kernels before the next chunk's.
+    ds_dq_tiles: with dq_from_ds, query tiles (of block_kv_dkv rows) per CTA of its dQ kernel, 2
+      or 4 (each consumer then keeps two accumulators). Every tile of a CTA shares its K tiles,
+      so 4 halves the K bytes each dS byte costs; its K and dSᵀ ring then fits 3 stages.
+      Timed on an H200 (twelfth session): no faster than 2, so 2 stays the default.
     """
 
     block_q_dkv: int = 64
@@ -141,6 +153,7 @@ class MosaicBwdConfig:
     dq_stage_swizzle: int = 128
     dq_from_ds: bool = False
     ds_workspace_max_bytes: int = 4 << 30
+    ds_dq_tiles: int = 2
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -155,10 +168,19 @@ DEFAULT_CONFIGS = {
 # and 0.95 vs 0.94 (H200, ninth session) of cuDNN at T=16k, the dQ kernel 4% faster in both
 # runs; at 8k they were 1-2% slower on both GPUs (docs/benchmarks.md).
 LONG_KV_DQ = (16384, MosaicBwdConfig(block_kv_dq=128))
+# Multi-head D=128 takes dQ from the stored dSᵀ (twelfth session, causal, forward+backward against
+# cuDNN): H100 1.10 / 0.97 / 0.97 at T = 4k / 8k / 16k against the split kernels' 1.03 / 0.93 /
+# 0.93; H200 (before the dSᵀ store moved between the products) 1.11 / 1.01 / 0.97 against
+# 1.01 / 0.97 / 0.93. With GQA 4 at 8k it was level with the split kernels (H100, 1.01
+# against 1.03), so grouped heads keep them.
+MHA_FROM_DS = MosaicBwdConfig(dq_from_ds=True, stages_dq=4)
 
 
-def default_config(head_dim: int, kv_len: int | None = None) -> MosaicBwdConfig:
-    """The tiles for this head dim (and key length, where it matters; None: a short row)."""
+def default_config(head_dim: int, kv_len: int | None = None, group: int = 1) -> MosaicBwdConfig:
+    """The tiles for this head dim (and key length and GQA group size, where they matter;
+    kv_len None: a short row)."""
+    if head_dim == 128 and group == 1:
+        return MHA_FROM_DS
     min_len, long_cfg = LONG_KV_DQ
     if head_dim == 128 and kv_len is not None and kv_len >= min_len:
         return long_cfg
@@ -174,14 +196,14 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
                                        head_dims=HEAD_DIMS)
     if reason:
         return reason
-    cfg = config or default_config(d, s)
+    cfg = config or default_config(d, s, h // kv)
     if cfg.fused_dq and d != FUSED_HEAD_DIM:
         return f"fused_dq needs head dim {FUSED_HEAD_DIM} (its dQ product splits D into 64-column halves), got {d}"
     dq = not (cfg.fused_dq or cfg.dq_from_ds)  # the dQ kernel's tiles count too
     multiples = [(t, "q length", CONSUMERS * cfg.block_q_dq)] * dq + [(t, "q length", cfg.block_q_dkv),
                  (s, "kv length", CONSUMERS * cfg.block_kv_dkv)] + [(s, "kv length", cfg.block_kv_dq)] * dq
-    if cfg.dq_from_ds:  # its dQ kernel's CTAs take CONSUMERS q tiles of block_q_dkv rows
-        multiples.append((t, "q length", CONSUMERS * cfg.block_q_dkv))
+    if cfg.dq_from_ds:  # its dQ kernel's CTAs take ds_dq_tiles q tiles of block_q_dkv rows
+        multiples.append((t, "q length", cfg.ds_dq_tiles * cfg.block_q_dkv))
     for length, name, multiple in multiples:
         if length % multiple:
             return f"{name} {length} is not a multiple of {multiple} (Mosaic backward tiles {cfg})"
@@ -214,8 +236,8 @@ def dq_smem_bytes(cfg: MosaicBwdConfig, head_dim: int, itemsize: int) -> int:
     """Shared memory of the dQ kernel's scratch (barriers aside), as `_dq_call` (or, with
     dq_from_ds, `_dq_from_ds_call`) allocates it."""
     if cfg.dq_from_ds:  # K and dSᵀ ring, dQ staging
-        tile = cfg.block_kv_dkv
-        return (cfg.stages_dq * (tile * head_dim + CONSUMERS * tile * tile) + CONSUMERS * tile * head_dim) * itemsize
+        tile, tiles = cfg.block_kv_dkv, cfg.ds_dq_tiles
+        return (cfg.stages_dq * (tile * head_dim + tiles * tile * tile) + tiles * tile * head_dim) * itemsize
     rows = CONSUMERS * cfg.block_q_dq
     q_do_o = (3 if cfg.delta_in_dq or cfg.persistent_dq else 2) * rows * head_dim * itemsize  # Q, dO, O or dQ
     stats = 2 * rows * 4  # L, delta
@@ -238,6 +260,8 @@ def validate_config(cfg: MosaicBwdConfig):
     if cfg.dq_from_ds and (cfg.fused_dq or cfg.delta_in_dq or cfg.persistent or cfg.persistent_dq):
         raise ValueError("MosaicBwdConfig.dq_from_ds replaces the dQ kernel; it cannot be combined with fused_dq, "
                          "delta_in_dq, persistent or persistent_dq")
+    if cfg.ds_dq_tiles not in (2, 4):
+        raise ValueError(f"MosaicBwdConfig.ds_dq_tiles={cfg.ds_dq_tiles!r} must be 2 or 4")
     if not isinstance(cfg.ds_workspace_max_bytes, int) or cfg.ds_workspace_max_bytes < 1:
         raise ValueError(f"MosaicBwdConfig.ds_workspace_max_bytes={cfg.ds_workspace_max_bytes!r} must be an int >= 1")
     if cfg.dq_from_ds and cfg.block_q_dkv != cfg.block_kv_dkv:
@@ -504,14 +528,27 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 dtype = q_ring.dtype
                 pt_lo, dst_lo = pt.astype(dtype), dst.astype(dtype)
                 if not fused:
-                    if geo.cfg.dq_from_ds:  # dSᵀ out to the workspace, read by _dq_from_ds_kernel
+                    def store_ds():  # dq_from_ds: dSᵀ out to the workspace, read by _dq_from_ds_kernel
                         my_ds = ds_stage.at[wg]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile has left
                         my_ds[...] = dst_lo
                         plgpu.commit_smem()
                         ds_rows = pl.ds(_ds_row(geo, i, lax.div(s0, bkv)), bkv)
                         plgpu.copy_smem_to_gmem(my_ds, ds_ref.at[b, kv_head * geo.group + g, ds_rows])
-                    dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
+
+                    if geo.cfg.dq_from_ds and geo.in_place:
+                        # The store runs while dV += Pᵀ dO does (dSᵀ is not yet an operand): the dK/dV
+                        # kernel's overhead from the store fell from 15% to 5% at T=16k (H100, 12th session).
+                        def products(acc_refs):
+                            plgpu.wgmma(acc_refs[0], pt_lo, do_s)
+                            store_ds()
+                            plgpu.wgmma(acc_refs[1], dst_lo, q_s)
+
+                        dv, dk = pl.run_state(products)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                    else:
+                        if geo.cfg.dq_from_ds:
+                            store_ds()
+                        dv, dk = _accumulate(geo, (dv, dk), (pt_lo, dst_lo), (do_s, q_s))
                     plgpu.barrier_arrive(slot_free.at[slot])  # both products have completed
                     return dk, dv
                 # Both consumers run every ring step in lockstep (a fully masked step gives dSᵀ = 0),
@@ -968,75 +1005,97 @@ def _dq_call(q, k, v, do, lse, delta_or_o, geo: _Geometry, interpret: plgpu.Inte
 
 
 def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full, ds_full, free, *, geo: _Geometry):
-    """One CTA: CONSUMERS query tiles of one head, consumer c taking tile CONSUMERS * t + c.
-    ds [B, H, rows, tile] (the dK/dV kernel's workspace, `_ds_row`), k [B, S, KV, D],
-    dq [B, T, H, D]. The producer streams K tiles (shared by the consumers) and each consumer's
-    dSᵀ tile per ring slot; a consumer adds (dSᵀ)ᵀ K, A read transposed from shared memory, into
-    its f32 dQ. Under the causal mask q tile i reads key tiles 0..i, so the last slot of a CTA
-    serves only its last consumer."""
+    """One CTA: `ds_dq_tiles` query tiles of one head; consumer c takes tiles t0 + c,
+    t0 + c + CONSUMERS, ... (interleaved, so the consumers' causal work differs by a step or
+    two), one f32 accumulator each. ds [B, H, rows, tile] (the dK/dV kernel's workspace,
+    `_ds_row`), k [B, S, KV, D], dq [B, T, H, D]. The producer streams K tiles, shared by every
+    tile of the CTA (the more tiles per CTA, the less K each dS byte costs), and the tiles' dSᵀ
+    per ring slot; a consumer adds (dSᵀ)ᵀ K, A read transposed from shared memory, into each
+    accumulator whose tile sees the slot's keys. Under the causal mask q tile i reads key tiles
+    0..i, so a consumer's accumulators drop out one by one (`phases`), and the CTA's last slots
+    serve only its last tiles."""
     tile, stages = geo.cfg.block_kv_dkv, geo.cfg.stages_dq
+    per = geo.cfg.ds_dq_tiles // CONSUMERS  # accumulators per consumer
     wg = lax.axis_index("wg")
-    num_tiles = geo.q_len // (CONSUMERS * tile)
+    num_tiles = geo.q_len // (geo.cfg.ds_dq_tiles * tile)
     rank, head, b = work_item(0, tiles=num_tiles, heads=geo.heads, persistent=False)
     cta_tile = num_tiles - 1 - rank if geo.causal else rank  # heavy causal tiles first
     kv_head = geo.input_kv_head(lax.div(head, geo.group))  # K is read from the full input
 
-    def q_tile(c):
-        return cta_tile * CONSUMERS + c
+    def q_tile(c, a):
+        return cta_tile * geo.cfg.ds_dq_tiles + c + CONSUMERS * a
 
-    def steps(c):  # key tiles q tile c of this CTA sees
-        return q_tile(c) + 1 if geo.causal else geo.kv_len // tile
+    def steps(c, a):  # key tiles q tile (c, a) sees
+        return q_tile(c, a) + 1 if geo.causal else geo.kv_len // tile
 
-    total = steps(CONSUMERS - 1)
+    def ds_barrier(slot, c, a):
+        return ds_full.at[(slot * CONSUMERS + c) * per + a]
+
+    total = steps(CONSUMERS - 1, per - 1)
+
+    def phases(c):  # (first step, end, accumulators still running) of consumer c
+        if not geo.causal:
+            return [(0, steps(c, 0), tuple(range(per)))]
+        ends = [steps(c, a) for a in range(per)]
+        return [(ends[a - 1] if a else 0, ends[a], tuple(range(a, per))) for a in range(per)]
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        mine = steps(wg)
+        mine = steps(wg, per - 1)
 
-        def operands(j):
+        def operands(j, active):
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_full.at[slot])
-            plgpu.barrier_wait(ds_full.at[slot * CONSUMERS + wg])
-            return ds_ring.at[slot, wg], k_ring.at[slot]
+            for a in active:
+                plgpu.barrier_wait(ds_barrier(slot, wg, a))
+            return k_ring.at[slot], [ds_ring.at[slot, wg, a] for a in active]
 
         if geo.in_place:
-            def products(acc_ref):  # one product in flight: slot j - 1 is released once product j is issued
-                def step(j, carry):
-                    ds_s, k_s = operands(j)
-                    plgpu.wgmma(acc_ref, ds_s.T, k_s)
-                    plgpu.wgmma_wait(1)
+            def products(*acc_refs):  # slot j - 1 is released once slot j's products are issued
+                for lo, hi, active in phases(wg):
+                    def step(j, carry, active=active):
+                        k_s, ds_s = operands(j, active)
+                        for a, ds_a in zip(active, ds_s):
+                            plgpu.wgmma(acc_refs[a], ds_a.T, k_s)
+                        plgpu.wgmma_wait(len(active))
 
-                    @pl.when(j > 0)
-                    def _():
-                        plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, stages)])
-                    return carry
+                        @pl.when(j > 0)
+                        def _():
+                            plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, stages)])
+                        return carry
 
-                lax.fori_loop(0, mine, step, None)
+                    lax.fori_loop(lo, hi, step, None)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(free.at[lax.rem(mine - 1, stages)])  # mine >= 1
-                return acc_ref[...]
+                return tuple(acc[...] for acc in acc_refs)
 
-            dq = pl.run_scoped(products, plgpu.ACC((tile, geo.head_dim), jnp.float32))
+            dqs = pl.run_scoped(products, *[plgpu.ACC((tile, geo.head_dim), jnp.float32)] * per)
         else:
-            def step(j, dq):
-                ds_s, k_s = operands(j)
-                dq = dq + jnp.dot(ds_s[...].T, k_s[...], preferred_element_type=jnp.float32)
-                plgpu.barrier_arrive(free.at[lax.rem(j, stages)])
-                return dq
+            dqs = tuple(_zeros((tile, geo.head_dim)) for _ in range(per))
+            for lo, hi, active in phases(wg):
+                def step(j, dqs, active=active):
+                    k_s, ds_s = operands(j, active)
+                    dqs = list(dqs)
+                    for a, ds_a in zip(active, ds_s):
+                        dqs[a] = dqs[a] + jnp.dot(ds_a[...].T, k_s[...], preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(free.at[lax.rem(j, stages)])
+                    return tuple(dqs)
 
-            dq = lax.fori_loop(0, mine, step, _zeros((tile, geo.head_dim)))
+                dqs = lax.fori_loop(lo, hi, step, dqs)
 
-        @pl.loop(mine, total)  # the partner's extra tile: wait for it and release it
+        @pl.loop(mine, total)  # the partner's extra tiles: wait for them and release them
         def _skip(j):
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_full.at[slot])
             plgpu.barrier_arrive(free.at[slot])
 
-        out = dq_stage.at[wg]
-        out[...] = (dq * geo.sm_scale).astype(out.dtype)
+        for a, dq in enumerate(dqs):
+            out = dq_stage.at[wg, a]
+            out[...] = (dq * geo.sm_scale).astype(out.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, dq_ref.at[b, pl.ds(q_tile(wg) * tile, tile), head])
+        for a in range(per):
+            plgpu.copy_smem_to_gmem(dq_stage.at[wg, a], dq_ref.at[b, pl.ds(q_tile(wg, a) * tile, tile), head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
@@ -1047,11 +1106,12 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
             k_rows = (geo.input_batch(b), pl.ds(j * tile, tile), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[k_rows], k_ring.at[slot], k_full.at[slot])
             for c in range(CONSUMERS):
-                @pl.when(j < steps(c))
-                def _():
-                    rows = pl.ds(_ds_row(geo, q_tile(c), j), tile)
-                    plgpu.copy_gmem_to_smem(ds_ref.at[b, head, rows], ds_ring.at[slot, c],
-                                            ds_full.at[slot * CONSUMERS + c])
+                for a in range(per):
+                    @pl.when(j < steps(c, a))
+                    def _():
+                        rows = pl.ds(_ds_row(geo, q_tile(c, a), j), tile)
+                        plgpu.copy_gmem_to_smem(ds_ref.at[b, head, rows], ds_ring.at[slot, c, a],
+                                                ds_barrier(slot, c, a))
 
         # Fill statically only as far as the key tiles go (a static slice past S fails at trace time).
         for j in range(min(stages, geo.kv_len // tile)):
@@ -1071,20 +1131,21 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
 def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None):
     cfg = geo.cfg
     tile, stages, d, dtype = cfg.block_kv_dkv, cfg.stages_dq, geo.head_dim, k.dtype
+    per = cfg.ds_dq_tiles // CONSUMERS
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = (
         plgpu.SMEM((stages, tile, d), dtype, transforms=tiled),  # K ring
-        plgpu.SMEM((stages, CONSUMERS, tile, tile), dtype, transforms=tiled),  # dSᵀ ring
-        plgpu.SMEM((CONSUMERS, tile, d), dtype, transforms=tiled),  # dQ staging
+        plgpu.SMEM((stages, CONSUMERS, per, tile, tile), dtype, transforms=tiled),  # dSᵀ ring
+        plgpu.SMEM((CONSUMERS, per, tile, d), dtype, transforms=tiled),  # dQ staging
         plgpu.Barrier(num_barriers=stages),  # k_full
-        plgpu.Barrier(num_barriers=stages * CONSUMERS),  # ds_full
+        plgpu.Barrier(num_barriers=stages * CONSUMERS * per),  # ds_full
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free
     )
     return plgpu.kernel(
         functools.partial(_dq_from_ds_kernel, geo=geo),
         out_type=jax.ShapeDtypeStruct((geo.batch, geo.q_len, geo.heads, d), dtype),
         scratch_types=scratch,
-        **_grid({"t": geo.q_len // (CONSUMERS * tile), "h": geo.heads, "b": geo.batch}, tiles_outermost=True),
+        **_grid({"t": geo.q_len // (cfg.ds_dq_tiles * tile), "h": geo.heads, "b": geo.batch}, tiles_outermost=True),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -1188,7 +1249,7 @@ def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float
         raise ValueError(f"lse must be float32 [B, H, T]={(b, h, t)}, got {lse.dtype} {lse.shape}")
     if d not in HEAD_DIMS:
         raise ValueError(f"Mosaic flash attention backward does not support head dim {d} (only {HEAD_DIMS})")
-    cfg = config if config is not None else default_config(d, k.shape[1])
+    cfg = config if config is not None else default_config(d, k.shape[1], q.shape[2] // k.shape[2])
     validate_config(cfg)
     reason = unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False, config=cfg)
     if reason is not None:
