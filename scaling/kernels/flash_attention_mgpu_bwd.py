@@ -648,10 +648,12 @@ def _dkv_kernel(*refs, geo: _Geometry):
             _produce(fetch, slot_free, total, stages)
 
 
-def _produce(fetch, free, total, stages: int):
+def _produce(fetch, free, total, stages: int, max_steps: int | None = None):
     """The producer's ring protocol: fill, refill each slot once both consumers released it,
-    then observe the last releases (so every barrier phase is waited on exactly once)."""
-    for j in range(stages):
+    then observe the last releases (so every barrier phase is waited on exactly once).
+    max_steps: a static bound on `total`; the fill stops there (a static tile index past the
+    end of an input fails at trace time, even under pl.when)."""
+    for j in range(stages if max_steps is None else min(stages, max_steps)):
         @pl.when(j < total)
         def _():
             fetch(j, j)
@@ -1113,19 +1115,7 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
                         plgpu.copy_gmem_to_smem(ds_ref.at[b, head, rows], ds_ring.at[slot, c, a],
                                                 ds_barrier(slot, c, a))
 
-        # Fill statically only as far as the key tiles go (a static slice past S fails at trace time).
-        for j in range(min(stages, geo.kv_len // tile)):
-            pl.when(j < total)(functools.partial(fetch, j, j))
-
-        @pl.loop(stages, jnp.maximum(total, stages))
-        def _refill(j):
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(free.at[slot])
-            fetch(j, slot)
-
-        @pl.loop(jnp.maximum(total - stages, 0), total)
-        def _drain(j):
-            plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+        _produce(fetch, free, total, stages, max_steps=geo.kv_len // tile)
 
 
 def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None):
