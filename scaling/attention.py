@@ -62,8 +62,10 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=
     return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, is_causal=causal, implementation="cudnn")
 
 
-def pallas_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
-    """Our flash-attention kernels, run per device under a mesh.
+def pallas_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None,
+                     bwd_workspace_mb: int | None = None):
+    """Our flash-attention kernels, run per device under a mesh. bwd_workspace_mb: the
+    backward's dS workspace budget (`AttentionConfig.bwd_workspace_mb`; None: the kernel's).
 
     XLA's SPMD partitioner cannot split an opaque custom call such as a pallas_call: it would
     run it on q, k and v gathered onto every device. Under `use_sharding` the kernels
@@ -76,7 +78,8 @@ def pallas_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids
         # "auto": on Hopper the faster measured forward (Triton or Mosaic GPU) and the Mosaic GPU
         # backward where they support the call (docs/attention.md, "Choosing the backend");
         # the Triton kernels everywhere else and for what the Mosaic kernels refuse.
-        return flash_attention(q, k, v, causal=causal, segment_ids=seg, backend="auto")
+        kw = {} if bwd_workspace_mb is None else dict(bwd_workspace_bytes=bwd_workspace_mb << 20)
+        return flash_attention(q, k, v, causal=causal, segment_ids=seg, backend="auto", **kw)
 
     ctx = active_sharding()
     if ctx is None or ctx[0].size == 1:
@@ -125,15 +128,20 @@ def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: 
     return AttentionImpl.cudnn
 
 
-def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
+def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None, bwd_workspace_mb=None):
     """The `auto` core: resolved per call (shapes are static under jit)."""
     impl = resolve_impl(AttentionImpl.auto, seq_len=max(q_btnh.shape[1], k_bskh.shape[1]),
                         segmented=segment_ids is not None, head_dim=q_btnh.shape[-1])
-    return ATTENTION_CORES[impl](q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
+    kw = dict(bwd_workspace_mb=bwd_workspace_mb) if impl == AttentionImpl.pallas and bwd_workspace_mb is not None else {}
+    return ATTENTION_CORES[impl](q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids, **kw)
 
 
-def attention_core(impl: AttentionImpl) -> Callable:
-    return auto_attention if impl == AttentionImpl.auto else ATTENTION_CORES[impl]
+def attention_core(impl: AttentionImpl, *, bwd_workspace_mb: int | None = None) -> Callable:
+    """The core for `impl`; bwd_workspace_mb goes to our kernels' backward (None: its default)."""
+    core = auto_attention if impl == AttentionImpl.auto else ATTENTION_CORES[impl]
+    if bwd_workspace_mb is not None and impl in (AttentionImpl.auto, AttentionImpl.pallas):
+        core = functools.partial(core, bwd_workspace_mb=bwd_workspace_mb)
+    return core
 
 
 class Attention(nnx.Module):

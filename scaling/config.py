@@ -172,6 +172,10 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     impl: AttentionImpl = AttentionImpl.auto
+    # Temporary memory (MiB) our Mosaic GPU backward may use for multi-head D=128 attention to
+    # keep dS between its kernels (5 matmuls per tile instead of 7; docs/attention.md, twelfth
+    # session). Larger calls run in chunks; 0 keeps the O(T) split kernels.
+    bwd_workspace_mb: int = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +402,9 @@ def validate(cfg: Config) -> None:
         "train.batch_size",
         f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
     )
+    _require(isinstance(cfg.attention.bwd_workspace_mb, int) and cfg.attention.bwd_workspace_mb >= 0,
+             "attention.bwd_workspace_mb",
+             f"must be an int >= 0 (MiB; 0 keeps the backward's split kernels), got {cfg.attention.bwd_workspace_mb!r}")
     _require(t.loss_chunk >= 0, "train.loss_chunk", f"must be >= 0 (0 turns chunking off), got {t.loss_chunk}")
     _require(
         t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0,

@@ -78,7 +78,7 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         inv_freq = layers.rope_frequencies(cfg)
-        core = attention_core(self.attention_cfg.impl)
+        core = attention_core(self.attention_cfg.impl, bwd_workspace_mb=self.attention_cfg.bwd_workspace_mb)
         x_btd = self.embed(tokens_bt, self.compute_dtype)
 
         graphdef, stacked = nnx.split(self.blocks)

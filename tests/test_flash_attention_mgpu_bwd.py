@@ -359,3 +359,24 @@ def test_output_row_dot_matches_float64():
     want = np.einsum("bthd,bthd->bht", np.asarray(o, np.float64), np.asarray(do, np.float64))
     assert got.shape == (2, 3, 5) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_workspace_budget_reaches_the_backward(monkeypatch):
+    """`attention.bwd_workspace_mb` from the command line reaches the Mosaic backward's default
+    tiles through the model's attention core: a budget per chunk, or 0 for the split kernels."""
+    from scaling import attention
+    from scaling.config import AttentionImpl, load_config
+
+    plans = []
+    monkeypatch.setattr(fa, "_flash", lambda q, k, v, seg, plan: plans.append(plan) or q)
+    monkeypatch.setattr(fa, "is_hopper", lambda: True)
+    x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+    for mb in (None, 64, 0):
+        attention.attention_core(AttentionImpl.pallas, bwd_workspace_mb=mb)(x, x, x)
+    assert [p.mosaic_bwd.dq_from_ds for p in plans] == [True, True, False]
+    assert plans[0].mosaic_bwd.ds_workspace_max_bytes == 4 << 30 and plans[1].mosaic_bwd.ds_workspace_max_bytes == 64 << 20
+    with pytest.raises(ValueError, match="bwd_workspace_bytes"):
+        flash_attention(x, x, x, backend="mosaic", bwd_workspace_bytes=-1)
+    assert load_config("configs/models/tiny.yaml", ["--attention.bwd_workspace_mb=0"]).attention.bwd_workspace_mb == 0
+    with pytest.raises(ValueError, match="attention.bwd_workspace_mb"):
+        load_config("configs/models/tiny.yaml", ["--attention.bwd_workspace_mb=-5"])

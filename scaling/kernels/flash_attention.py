@@ -790,6 +790,7 @@ def flash_attention(
     mosaic_config: mgpu.MosaicConfig | None = None,
     mosaic_backward: bool = True,
     mosaic_bwd_config: mgpu_bwd.MosaicBwdConfig | None = None,
+    bwd_workspace_bytes: int | None = None,
 ) -> jax.Array:
     """softmax(q kᵀ · sm_scale + mask) v with FlashAttention-2 Pallas kernels; differentiable.
 
@@ -820,6 +821,8 @@ def flash_attention(
       comparisons and a fallback; no effect with backend="triton").
     mosaic_bwd_config: tiles of the Mosaic backward; default per head dim, key length and GQA
       group size (`mgpu_bwd.default_config`).
+    bwd_workspace_bytes: with the default Mosaic backward tiles, the most temporary memory its
+      dS workspace may take per chunk (None: 4 GiB; 0: none, the split kernels). See below.
 
     Returns [B, T, H, D] in q's dtype. The backward pass saves only q, k, v, the output and the
     per-row log-sum-exp, and recomputes the probabilities in two Pallas kernels (dK/dV, dQ).
@@ -827,7 +830,8 @@ def flash_attention(
     trades memory for speed inside the backward: the dK/dV kernel also writes dS, in the input
     dtype, to a temporary workspace that a third kernel turns into dQ (about B·H·T·S bytes, half
     of the 2-byte size when causal; in chunks of at most `MosaicBwdConfig.ds_workspace_max_bytes`,
-    4 GiB by default). `mosaic_bwd_config=MosaicBwdConfig()` keeps the O(T) split kernels.
+    4 GiB by default, `bwd_workspace_bytes` otherwise). `bwd_workspace_bytes=0` (or
+    `mosaic_bwd_config=MosaicBwdConfig()`) keeps the O(T) split kernels.
     """
     if not isinstance(mosaic_backward, bool):
         raise TypeError(f"mosaic_backward must be True or False, got {mosaic_backward!r}")
@@ -835,6 +839,8 @@ def flash_attention(
         raise TypeError(f"mosaic_bwd_config must be a MosaicBwdConfig or None, got {type(mosaic_bwd_config).__name__}")
     if mosaic_bwd_config is not None:
         mgpu_bwd.validate_config(mosaic_bwd_config)
+    if bwd_workspace_bytes is not None and (not isinstance(bwd_workspace_bytes, int) or bwd_workspace_bytes < 0):
+        raise ValueError(f"bwd_workspace_bytes must be None or an int >= 0 (0: no dS workspace), got {bwd_workspace_bytes!r}")
     _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes)
     seg = split_segment_ids(segment_ids)
     if seg is not None:
@@ -854,7 +860,8 @@ def flash_attention(
     if (mosaic_backward and want_bwd and seg is None
             and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal), segmented=False,
                                             config=mosaic_bwd_config) is None):
-        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(d, k.shape[1], q.shape[2] // k.shape[2]))
+        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(
+            d, k.shape[1], q.shape[2] // k.shape[2], bwd_workspace_bytes))
     return _flash(q, k, v, seg, plan)
 
 

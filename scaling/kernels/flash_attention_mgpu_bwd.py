@@ -176,11 +176,15 @@ LONG_KV_DQ = (16384, MosaicBwdConfig(block_kv_dq=128))
 MHA_FROM_DS = MosaicBwdConfig(dq_from_ds=True, stages_dq=4)
 
 
-def default_config(head_dim: int, kv_len: int | None = None, group: int = 1) -> MosaicBwdConfig:
+def default_config(head_dim: int, kv_len: int | None = None, group: int = 1,
+                   workspace_bytes: int | None = None) -> MosaicBwdConfig:
     """The tiles for this head dim (and key length and GQA group size, where they matter;
-    kv_len None: a short row)."""
-    if head_dim == 128 and group == 1:
-        return MHA_FROM_DS
+    kv_len None: a short row). workspace_bytes: the most a dq_from_ds workspace may take per
+    chunk (None: `MHA_FROM_DS`'s; 0: no workspace, the split kernels)."""
+    if head_dim == 128 and group == 1 and workspace_bytes != 0:
+        if workspace_bytes is None:
+            return MHA_FROM_DS
+        return dataclasses.replace(MHA_FROM_DS, ds_workspace_max_bytes=workspace_bytes)
     min_len, long_cfg = LONG_KV_DQ
     if head_dim == 128 and kv_len is not None and kv_len >= min_len:
         return long_cfg
