@@ -63,6 +63,8 @@ VARIANTS = {
     "ds4": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4),
     "ds4t2": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=2, ds_dq_tiles=4),  # 4 q tiles per dQ CTA
     "ds4t3": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=3, ds_dq_tiles=4),
+    "ds6": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=6),  # 229 KB: just fits
+    "ds4-dkv3": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, stages_dkv=3),
 }
 
 
