@@ -72,6 +72,10 @@ VARIANTS = {
     "pallas_layers_tma_grid_pdl": ("", None, "pallas", "pallas_tma+grid+pdl"),
     "pallas_layers_tma_grid_nocmdbuf": ("--xla_gpu_enable_command_buffer=", None, "pallas", "pallas_tma+grid"),
     "pallas_layers_tma_grid_pdl_nocmdbuf": ("--xla_gpu_enable_command_buffer=", None, "pallas", "pallas_tma+grid+pdl"),
+    # q/k/v by TMA too, so the boundary from one layer's down projection to the next layer's
+    # q/k/v is between two Mosaic kernels as well (twelfth session)
+    "pallas_layers_tma_grid_qkv_pdl_nocmdbuf": ("--xla_gpu_enable_command_buffer=", None, "pallas",
+                                                "pallas_tma+grid+qkv+pdl"),
     # XLA's own PDL alone: its kernels (and, if its Triton pipeline treats them alike, the Pallas
     # Triton kernels it compiles) wait at their start, so each may launch before the previous ends
     "pallas_layers_xla_pdl": ("--xla_gpu_enable_pdl=true", None, "pallas", "pallas"),
