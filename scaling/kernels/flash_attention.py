@@ -857,11 +857,13 @@ def flash_attention(
     # "mosaic": the Mosaic backward behind the Mosaic forward; "auto" (Hopper): the Mosaic
     # backward whenever it supports the call, whichever forward ran.
     want_bwd = use_fwd or (backend == "auto" and is_hopper())
-    if (mosaic_backward and want_bwd and seg is None
+    bwd_config = mosaic_bwd_config
+    if bwd_config is None and d in mgpu_bwd.HEAD_DIMS:
+        bwd_config = mgpu_bwd.default_config(d, k.shape[1], q.shape[2] // k.shape[2], bwd_workspace_bytes)
+    if (mosaic_backward and want_bwd and seg is None and bwd_config is not None
             and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal), segmented=False,
-                                            config=mosaic_bwd_config) is None):
-        plan = dataclasses.replace(plan, mosaic_bwd=mosaic_bwd_config or mgpu_bwd.default_config(
-            d, k.shape[1], q.shape[2] // k.shape[2], bwd_workspace_bytes))
+                                            config=bwd_config) is None):
+        plan = dataclasses.replace(plan, mosaic_bwd=bwd_config)
     return _flash(q, k, v, seg, plan)
 
 
