@@ -214,17 +214,19 @@ def test_gpu_layout(tmp_path):
 
 
 def test_train_profile_writes_summary(tmp_path, capsys):
+    """`train --profile` (the default steps 5-8): a trace, and its summary next to it."""
     from scaling.__main__ import main
 
     run_dir = tmp_path / "prof"
     rc = main(
-        ["train", "--config", "configs/models/tiny.yaml", "--run_dir", str(run_dir), "--profile.steps=[2, 4]",
-         "--data.source=synthetic", "--train.steps=5", "--train.batch_size=8", "--train.seq_len=16",
+        ["train", "--config", "configs/models/tiny.yaml", "--run_dir", str(run_dir), "--profile",
+         "--data.source=synthetic", "--train.steps=9", "--train.batch_size=8", "--train.seq_len=16",
          "--model.num_layers=1", "--train.eval_every=0", "--checkpoint.enabled=false", "--logging.progress=false"]
     )
     assert rc == 0
+    assert list((run_dir / "profile").rglob("*.xplane.pb")), list((run_dir / "profile").rglob("*"))
     assert list((run_dir / "profile").rglob("perfetto_trace.json.gz"))
     summary = (run_dir / "profile" / "summary.md").read_text()
     assert "| matmul |" in summary
     out = capsys.readouterr().out
-    assert "profile: per step" in out and "summary.md" in out
+    assert "profile: per step" in out and "summary.md" in out and "profile: trace of steps" in out

@@ -74,16 +74,3 @@ def test_cli_train_runs_and_reports_config_errors(tmp_path, capsys):
     assert [r["step"] for r in lines] == [1, 2, 3]
     assert main(["train", "--config", "configs/models/tiny.yaml", "--model.num_kv_heads=3"]) == 2
     assert "model.num_heads" in capsys.readouterr().err
-
-
-def test_profile_flag_writes_a_trace(tmp_path, capsys):
-    run_dir = tmp_path / "prof"
-    rc = main(
-        ["train", "--config", "configs/models/tiny.yaml", "--run_dir", str(run_dir), "--profile",
-         "--data.source=synthetic", "--train.steps=9", "--train.batch_size=8", "--train.seq_len=16",
-         "--train.eval_every=0", "--checkpoint.enabled=false", "--logging.progress=false"]
-    )
-    assert rc == 0
-    traces = list((run_dir / "profile").rglob("*.xplane.pb"))
-    assert traces, list((run_dir / "profile").rglob("*"))
-    assert "profile: trace of steps" in capsys.readouterr().out
