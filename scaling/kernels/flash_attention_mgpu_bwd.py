@@ -171,7 +171,8 @@ LONG_KV_DQ = (16384, MosaicBwdConfig(block_kv_dq=128))
 # Multi-head D=128 takes dQ from the stored dSᵀ (twelfth session, causal, forward+backward against
 # cuDNN): H100 1.10 / 0.97 / 0.97 at T = 4k / 8k / 16k against the split kernels' 1.03 / 0.93 /
 # 0.93; H200 (before the dSᵀ store moved between the products) 1.11 / 1.01 / 0.97 against
-# 1.01 / 0.97 / 0.93. With GQA 4 at 8k it was level with the split kernels (H100, 1.01
+# 1.01 / 0.97 / 0.93; with the final kernels, bench_attention.py against cuDNN: H200 1.13 / 1.02 /
+# 1.02, H100 1.09 / 0.97 / 0.96 (docs/benchmarks.md, issue 5). With GQA 4 at 8k it was level with the split kernels (H100, 1.01
 # against 1.03), so grouped heads keep them.
 MHA_FROM_DS = MosaicBwdConfig(dq_from_ds=True, stages_dq=4)
 
