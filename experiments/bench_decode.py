@@ -162,7 +162,7 @@ def bench_hf(hf_dir: str, cfg: ModelConfig, cases: list[tuple[int, int]], new: i
         except Exception as e:  # noqa: BLE001
             results[(batch, prompt)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(f"  hf {'static' if static else 'eager'} b{batch} p{prompt}: {results[(batch, prompt)]}", flush=True)
-    del model
+    model = None  # free the weights before the next model loads (the closure above reads it)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

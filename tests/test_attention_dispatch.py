@@ -47,12 +47,13 @@ def test_auto_resolves_per_backend_device_and_shape(monkeypatch):
     place(monkeypatch, "cpu", False)
     assert resolve_impl(AttentionImpl.auto, seq_len=128) == AttentionImpl.xla
     place(monkeypatch, "gpu", True)  # Hopper: ours up to the measured length, cuDNN beyond and with segment ids
-    assert AUTO_PALLAS_MAX_LEN == {64: 8192, 128: 4096}
+    assert AUTO_PALLAS_MAX_LEN == {64: 8192, 128: 8192}
     for d, limit in AUTO_PALLAS_MAX_LEN.items():
         assert resolve_impl(AttentionImpl.auto, seq_len=limit, head_dim=d) == AttentionImpl.pallas
         assert resolve_impl(AttentionImpl.auto, seq_len=limit + 1, head_dim=d) == AttentionImpl.cudnn
     assert resolve_impl(AttentionImpl.auto, seq_len=6144, head_dim=64) == AttentionImpl.pallas
-    assert resolve_impl(AttentionImpl.auto, seq_len=6144) == AttentionImpl.cudnn  # head dim unknown: the strictest
+    strictest = min(AUTO_PALLAS_MAX_LEN.values())  # head dim unknown: the strictest limit
+    assert resolve_impl(AttentionImpl.auto, seq_len=strictest + 1) == AttentionImpl.cudnn
     for d in (32, 96, 256):  # head dims without the Mosaic backward: cuDNN at any length
         assert resolve_impl(AttentionImpl.auto, seq_len=1024, head_dim=d) == AttentionImpl.cudnn
     assert resolve_impl(AttentionImpl.auto, seq_len=1024, segmented=True, head_dim=64) == AttentionImpl.cudnn
@@ -72,10 +73,10 @@ def test_auto_core_dispatches_each_call_by_its_length(monkeypatch, recorded):
     core(*long, causal=True)
     seg = jnp.zeros((1, 256), jnp.int32)
     core(*short, causal=True, segment_ids=seg)
-    core(*qkv(limit * 2, d=64), causal=True)  # the head dim is read off q: D=64 runs ours at 8k
-    core(*qkv(256, d=32), causal=True)
+    core(*qkv(AUTO_PALLAS_MAX_LEN[64], d=64), causal=True)  # the head dim is read off q
+    core(*qkv(256, d=32), causal=True)  # no Mosaic backward at D=32: cuDNN however short
     assert recorded == [(AttentionImpl.pallas, 256), (AttentionImpl.cudnn, limit * 2), (AttentionImpl.cudnn, 256),
-                        (AttentionImpl.pallas, limit * 2), (AttentionImpl.cudnn, 256)]
+                        (AttentionImpl.pallas, AUTO_PALLAS_MAX_LEN[64]), (AttentionImpl.cudnn, 256)]
     np.testing.assert_allclose(got, attention.xla_attention(*short, causal=True), rtol=1e-6)
     place(monkeypatch, "cpu", False)
     core(*short, causal=True)

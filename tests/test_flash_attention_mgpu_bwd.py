@@ -70,10 +70,12 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
      "partial dQ summed (interpret stand-in for the TMA reduce-add)"),
     (2, 256, 256, 1, 1, 128, True, jnp.bfloat16,
      MosaicBwdConfig(dq_from_ds=True, ds_dq_tiles=4, stages_dq=3, ds_workspace_max_bytes=1),
-     "dq from stored dS, causal MHA D=128: one batch row per chunk (the smallest budget), 4 q tiles per dQ CTA "
-     "whose accumulators drop out one by one"),
-    (1, 128, 256, 4, 2, 64, False, jnp.float16, MosaicBwdConfig(dq_from_ds=True, ds_workspace_max_bytes=1 << 17),
-     "dq from stored dS, non-causal GQA 2, T != S: one KV head per chunk"),
+     "dq from stored dS, causal MHA D=128: one batch row per chunk (the smallest budget), written in place, "
+     "4 q tiles per dQ CTA whose accumulators drop out one by one"),
+    (1, 128, 256, 4, 2, 64, False, jnp.float16,
+     MosaicBwdConfig(dq_from_ds=True, ds_workspace_max_bytes=1 << 17, delta_kernel=True),
+     "dq from stored dS, non-causal GQA 2, T != S: one KV head per chunk, each writing its heads of dQ, dK, dV "
+     "in place; delta from the Pallas row-dot kernel"),
 ]
 
 

@@ -73,6 +73,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from scaling.kernels import row_dot
 from scaling.kernels.flash_attention_mgpu import (LOG2_E, common_unsupported_reason, interpret_params,
                                                   persistent_items, sm_count, work_item)
 
@@ -136,6 +137,17 @@ class MosaicBwdConfig:
       or 4 (each consumer then keeps two accumulators). Every tile of a CTA shares its K tiles,
       so 4 halves the K bytes each dS byte costs; its K and dSᵀ ring then fits 3 stages.
       Timed on an H200 (twelfth session): no faster than 2, so 2 stays the default.
+    ds_dq_head_major: with dq_from_ds, launch each head's dQ CTAs together (the tile axis varies
+      fastest), so the K tiles they all stream come from L2 after the first read; False
+      launches every head's heaviest tile first. Timed on an H100 (thirteenth session): the dQ
+      kernel 38-55% slower (2.02 -> 2.79 ms at 8k, 3.64 -> 5.26 at 16k), so K reads were not
+      what held it back.
+    dkv_head_major: the same launch order for the multi-head dK/dV kernel. Timed with
+      ds_dq_head_major (thirteenth session): 15-30% slower at 4k, level at 16k.
+    delta_kernel: delta = rowsum(dO ∘ O) by the Pallas kernel of `row_dot.py` instead of XLA's
+      fused reduction, where it applies (T a multiple of 16); not with delta_in_dq. Timed alone
+      on an H100 (thirteenth session): 0.26-0.36 ms against XLA's 0.31-0.38 at B·T = 16k, H = 32,
+      D = 128; in forward+backward no difference beyond the run-to-run spread, so off.
     """
 
     block_q_dkv: int = 64
@@ -154,6 +166,9 @@ class MosaicBwdConfig:
     dq_from_ds: bool = False
     ds_workspace_max_bytes: int = 4 << 30
     ds_dq_tiles: int = 2
+    ds_dq_head_major: bool = False
+    dkv_head_major: bool = False
+    delta_kernel: bool = False
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -173,7 +188,9 @@ LONG_KV_DQ = (16384, MosaicBwdConfig(block_kv_dq=128))
 # 0.93; H200 (before the dSᵀ store moved between the products) 1.11 / 1.01 / 0.97 against
 # 1.01 / 0.97 / 0.93; with the final kernels, bench_attention.py against cuDNN: H200 1.13 / 1.02 /
 # 1.02, H100 1.09 / 0.97 / 0.96 (docs/benchmarks.md, issue 5). With GQA 4 at 8k it was level with the split kernels (H100, 1.01
-# against 1.03), so grouped heads keep them.
+# against 1.03), so grouped heads keep them. Thirteenth session, chunks written in place (no
+# concatenation): H200 1.13 / 1.07 / 1.04, H100 1.10 / 1.03 / 0.98; one chunk (a workspace budget
+# above the 8.6 GB that 16k needs) adds ~3% at 8k-16k on the H100.
 MHA_FROM_DS = MosaicBwdConfig(dq_from_ds=True, stages_dq=4)
 
 
@@ -274,6 +291,10 @@ def validate_config(cfg: MosaicBwdConfig):
                          f"{cfg.block_q_dkv} and {cfg.block_kv_dkv}")
     if cfg.delta_in_dq and cfg.persistent_dq:
         raise ValueError("MosaicBwdConfig.persistent_dq is not implemented with delta_in_dq")
+    if cfg.delta_in_dq and cfg.delta_kernel:
+        raise ValueError("MosaicBwdConfig.delta_kernel and delta_in_dq both compute delta; choose one")
+    if cfg.ds_dq_head_major and not cfg.dq_from_ds:
+        raise ValueError("MosaicBwdConfig.ds_dq_head_major orders the dq_from_ds kernel; set dq_from_ds too")
     if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
         raise ValueError(f"MosaicBwdConfig.persistent_ctas={cfg.persistent_ctas!r} must be an int >= 0 (0: one per SM)")
     if cfg.block_q_dq != 64:
@@ -306,6 +327,9 @@ class _Geometry:
     # batch/heads/kv_heads are then the chunk's, and these its offsets into the inputs.
     batch0: int = 0
     kv_head0: int = 0
+    # dq_from_ds chunks write dK, dV and dQ into full-size buffers passed in as Refs (at the
+    # chunk's offsets), so no concatenation copies the chunks' outputs together afterwards.
+    full_outputs: bool = False
 
     @property
     def group(self) -> int:
@@ -316,6 +340,9 @@ class _Geometry:
 
     def input_kv_head(self, kv_head):
         return kv_head + self.kv_head0 if self.kv_head0 else kv_head
+
+    def input_head(self, head):
+        return head + self.kv_head0 * self.group if self.kv_head0 else head
 
     @property
     def scale_log2(self) -> float:  # logits times this are log2-domain exponents, like L
@@ -482,7 +509,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
             """Item k, its ring steps numbered from `ib` on; returns the next item's `ib`."""
             b, kv_head, s_tile, cta_s0, first, per_head, total = item(k)
             s0 = cta_s0 + wg * bkv
-            rows = kv_rows(k)
+            rows = kv_rows(k, inputs=geo.full_outputs)
             plgpu.barrier_wait(k_full.at[wg])
             plgpu.barrier_wait(v_full.at[wg])
             half = geo.head_dim // CONSUMERS
@@ -722,9 +749,11 @@ def _f32_swizzled(swizzle: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)) if swizzle else ()
 
 
-def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, dq_acc=None):
+def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, dq_acc=None,
+              out_refs=()):
     """(dk, dv); with `fused_dq` the kernel also reduce-adds into the Ref `dq_acc`; with
-    `dq_from_ds` (dk, dv, dSᵀ workspace [B, H, tiles * block_kv_dkv, block_q_dkv])."""
+    `dq_from_ds` (dk, dv, dSᵀ workspace [B, H, tiles * block_kv_dkv, block_q_dkv]), or only the
+    workspace when `geo.full_outputs` (dK and dV then go into `out_refs`, full-size Refs)."""
     cfg = geo.cfg
     d, dtype = geo.head_dim, q.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -746,7 +775,8 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
     if cfg.dq_from_ds:  # each consumer's dSᵀ staging tile; the workspace is a third output
         dq_scratch = (plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, cfg.block_q_dkv), dtype, transforms=tiled),)
         rows = ds_workspace_tiles(geo.q_len, geo.kv_len, cfg.block_kv_dkv, geo.causal) * cfg.block_kv_dkv
-        out_type = (out, out, jax.ShapeDtypeStruct((geo.batch, geo.heads, rows, cfg.block_q_dkv), dtype))
+        workspace = jax.ShapeDtypeStruct((geo.batch, geo.heads, rows, cfg.block_q_dkv), dtype)
+        out_type = (workspace,) if geo.full_outputs else (out, out, workspace)
     scratch = (
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # K
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # V
@@ -771,12 +801,12 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         **(dict(grid=(geo.dkv_ctas,), grid_names=("c",)) if cfg.persistent else _grid(
             {"s": geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), "h": geo.kv_heads, "b": geo.batch},
             # fused: same-head CTAs side by side would reduce-add into the same dQ rows at once
-            tiles_outermost=geo.group == 1 or cfg.fused_dq)),
+            tiles_outermost=cfg.fused_dq or (geo.group == 1 and not cfg.dkv_head_major))),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(q, k, v, do, lse, delta, *(() if dq_acc is None else (dq_acc,)))
+    )(q, k, v, do, lse, delta, *(() if dq_acc is None else (dq_acc,)), *out_refs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1102,7 +1132,9 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
             out[...] = (dq * geo.sm_scale).astype(out.dtype)
         plgpu.commit_smem()
         for a in range(per):
-            plgpu.copy_smem_to_gmem(dq_stage.at[wg, a], dq_ref.at[b, pl.ds(q_tile(wg, a) * tile, tile), head])
+            out_rows = (geo.input_batch(b), pl.ds(q_tile(wg, a) * tile, tile), geo.input_head(head)) \
+                if geo.full_outputs else (b, pl.ds(q_tile(wg, a) * tile, tile), head)
+            plgpu.copy_smem_to_gmem(dq_stage.at[wg, a], dq_ref.at[out_rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
@@ -1123,7 +1155,8 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
         _produce(fetch, free, total, stages, max_steps=geo.kv_len // tile)
 
 
-def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None):
+def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, out_ref=None):
+    """dQ from the workspace; with `geo.full_outputs` written into the full-size Ref `out_ref`."""
     cfg = geo.cfg
     tile, stages, d, dtype = cfg.block_kv_dkv, cfg.stages_dq, geo.head_dim, k.dtype
     per = cfg.ds_dq_tiles // CONSUMERS
@@ -1138,14 +1171,15 @@ def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams 
     )
     return plgpu.kernel(
         functools.partial(_dq_from_ds_kernel, geo=geo),
-        out_type=jax.ShapeDtypeStruct((geo.batch, geo.q_len, geo.heads, d), dtype),
+        out_type=() if geo.full_outputs else jax.ShapeDtypeStruct((geo.batch, geo.q_len, geo.heads, d), dtype),
         scratch_types=scratch,
-        **_grid({"t": geo.q_len // (cfg.ds_dq_tiles * tile), "h": geo.heads, "b": geo.batch}, tiles_outermost=True),
+        **_grid({"t": geo.q_len // (cfg.ds_dq_tiles * tile), "h": geo.heads, "b": geo.batch},
+                tiles_outermost=not cfg.ds_dq_head_major),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(ds, k)
+    )(ds, k, *(() if out_ref is None else (out_ref,)))
 
 
 def _ds_chunks(geo: _Geometry, itemsize: int) -> list[tuple[int, int, int, int]]:
@@ -1164,25 +1198,25 @@ def _ds_chunks(geo: _Geometry, itemsize: int) -> list[tuple[int, int, int, int]]
 
 def _backward_from_ds(q, k, v, do, lse, delta, geo: _Geometry, interpret):
     """dq_from_ds: per chunk (`_ds_chunks`), the dK/dV kernel writes the chunk's dSᵀ workspace
-    and the dQ kernel reads it. An optimization barrier makes each chunk's kernels wait for the
-    previous chunk's dQ, so XLA cannot hold two workspaces at once."""
+    and the dQ kernel reads it. With several chunks, each writes its rows and heads of dQ, dK
+    and dV into full-size Refs (zeroed first; concatenating chunk-sized outputs instead cost
+    2-4% of forward+backward at 8k and 16k on an H100, thirteenth session). The next chunk's
+    inputs pass an optimization barrier with one element of the dQ just written, so its dK/dV
+    kernel (and workspace) cannot start before that dQ: XLA holds one workspace at a time."""
     chunks = _ds_chunks(geo, q.dtype.itemsize)
-    outs = []
+    if len(chunks) == 1:
+        dk, dv, ds = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
+        return _dq_from_ds_call(ds, k, geo, interpret), dk, dv
+    dq_ref, dk_ref, dv_ref = (jax.new_ref(jnp.zeros(x.shape, x.dtype)) for x in (q, k, v))
     for n, (b0, rows, kv0, kv_heads) in enumerate(chunks):
-        g = dataclasses.replace(geo, batch=rows, kv_heads=kv_heads, heads=kv_heads * geo.group, batch0=b0, kv_head0=kv0)
-        dk, dv, ds = _dkv_call(q, k, v, do, lse, delta, g, interpret)
-        dq = _dq_from_ds_call(ds, k, g, interpret)
+        g = dataclasses.replace(geo, batch=rows, kv_heads=kv_heads, heads=kv_heads * geo.group, batch0=b0,
+                                kv_head0=kv0, full_outputs=True)
+        (ds,) = _dkv_call(q, k, v, do, lse, delta, g, interpret, out_refs=(dk_ref, dv_ref))
+        _dq_from_ds_call(ds, k, g, interpret, out_ref=dq_ref)
         if n + 1 < len(chunks):
-            dq, dk, dv, q, k, v, do, lse, delta = lax.optimization_barrier((dq, dk, dv, q, k, v, do, lse, delta))
-        outs.append((dq, dk, dv))
-    if len(outs) == 1:
-        return outs[0]
-    if chunks[0][3] == geo.kv_heads:  # whole batch rows
-        return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*outs))
-    per_row = len(chunks) // geo.batch  # runs of KV heads, the same for every row
-    rows = [outs[r * per_row:(r + 1) * per_row] for r in range(geo.batch)]
-    return tuple(jnp.concatenate([jnp.concatenate([c[i] for c in row], axis=2) for row in rows], axis=0)
-                 for i in range(3))
+            _, q, k, v, do, lse, delta = lax.optimization_barrier(
+                (dq_ref[b0, 0, kv0 * geo.group, 0], q, k, v, do, lse, delta))
+    return dq_ref[...], dk_ref[...], dv_ref[...]
 
 
 def output_row_dot(o, do):
@@ -1191,6 +1225,10 @@ def output_row_dot(o, do):
     A multiply-and-sum form took 0.25-0.28 ms, and the reduction alone, without the layout
     change to [B, H, T], 0.23 ms."""
     return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+
+
+def _delta_by_kernel(geo: _Geometry, shape) -> bool:
+    return geo.cfg.delta_kernel and row_dot.supported(shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1205,7 +1243,8 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: plgpu.InterpretGPU
         dq, delta = _dq_call(q, k, v, do, lse, o, geo, interpret)
         dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
         return dq, dk, dv
-    delta = output_row_dot(o, do)
+    delta = row_dot.output_row_dot_pallas(o, do, interpret=interpret is not None) if _delta_by_kernel(geo, o.shape) \
+        else output_row_dot(o, do)
     if geo.cfg.fused_dq:  # dQ accumulates in f32 inside the dK/dV kernel (docstring of MosaicBwdConfig)
         slices = (geo.kv_len // (CONSUMERS * geo.cfg.block_kv_dkv),) if interpret else ()  # one per CTA
         dq_acc = jax.new_ref(jnp.zeros((*slices, *q.shape), jnp.float32))
