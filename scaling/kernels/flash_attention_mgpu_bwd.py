@@ -752,8 +752,9 @@ def _f32_swizzled(swizzle: int) -> tuple:
 def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, dq_acc=None,
               out_refs=()):
     """(dk, dv); with `fused_dq` the kernel also reduce-adds into the Ref `dq_acc`; with
-    `dq_from_ds` (dk, dv, dSᵀ workspace [B, H, tiles * block_kv_dkv, block_q_dkv]), or only the
-    workspace when `geo.full_outputs` (dK and dV then go into `out_refs`, full-size Refs)."""
+    `dq_from_ds` (dk, dv, dSᵀ workspace [B, H, tiles * block_kv_dkv, block_q_dkv]). With
+    `geo.full_outputs` dk and dv are full-size and only the chunk's part is written, or, given
+    `out_refs` (full-size Refs), the chunk writes into those and only the workspace is returned."""
     cfg = geo.cfg
     d, dtype = geo.head_dim, q.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -770,13 +771,15 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         dq_barrier = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),)  # ds_ready
     if cfg.persistent:  # dK, dV staging: the next item's K, V load while these are copied out
         dq_scratch = (plgpu.SMEM(kv_tile, dtype, transforms=tiled), plgpu.SMEM(kv_tile, dtype, transforms=tiled))
-    out = jax.ShapeDtypeStruct((geo.batch, geo.kv_len, geo.kv_heads, d), dtype)  # a dq_from_ds chunk's rows and heads
+    # a dq_from_ds chunk's rows and heads, or (full_outputs) the whole of dK, dV, of which the
+    # chunk writes its part
+    out = jax.ShapeDtypeStruct(k.shape if geo.full_outputs else (geo.batch, geo.kv_len, geo.kv_heads, d), dtype)
     out_type = (out, out)
     if cfg.dq_from_ds:  # each consumer's dSᵀ staging tile; the workspace is a third output
         dq_scratch = (plgpu.SMEM((CONSUMERS, cfg.block_kv_dkv, cfg.block_q_dkv), dtype, transforms=tiled),)
         rows = ds_workspace_tiles(geo.q_len, geo.kv_len, cfg.block_kv_dkv, geo.causal) * cfg.block_kv_dkv
         workspace = jax.ShapeDtypeStruct((geo.batch, geo.heads, rows, cfg.block_q_dkv), dtype)
-        out_type = (workspace,) if geo.full_outputs else (out, out, workspace)
+        out_type = (workspace,) if out_refs else (out, out, workspace)
     scratch = (
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # K
         plgpu.SMEM(kv_tile, dtype, transforms=tiled),  # V
@@ -1156,7 +1159,8 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
 
 
 def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams | None, out_ref=None):
-    """dQ from the workspace; with `geo.full_outputs` written into the full-size Ref `out_ref`."""
+    """dQ from the workspace. With `geo.full_outputs`: a full-size dQ of which the chunk writes its
+    part, or nothing returned and the part written into the full-size Ref `out_ref`."""
     cfg = geo.cfg
     tile, stages, d, dtype = cfg.block_kv_dkv, cfg.stages_dq, geo.head_dim, k.dtype
     per = cfg.ds_dq_tiles // CONSUMERS
@@ -1171,7 +1175,9 @@ def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams 
     )
     return plgpu.kernel(
         functools.partial(_dq_from_ds_kernel, geo=geo),
-        out_type=() if geo.full_outputs else jax.ShapeDtypeStruct((geo.batch, geo.q_len, geo.heads, d), dtype),
+        out_type=() if out_ref is not None else jax.ShapeDtypeStruct(
+            (k.shape[0], geo.q_len, k.shape[2] * geo.group, d) if geo.full_outputs else (geo.batch, geo.q_len, geo.heads, d),
+            dtype),
         scratch_types=scratch,
         **_grid({"t": geo.q_len // (cfg.ds_dq_tiles * tile), "h": geo.heads, "b": geo.batch},
                 tiles_outermost=not cfg.ds_dq_head_major),
@@ -1199,20 +1205,24 @@ def _ds_chunks(geo: _Geometry, itemsize: int) -> list[tuple[int, int, int, int]]
 def _backward_from_ds(q, k, v, do, lse, delta, geo: _Geometry, interpret):
     """dq_from_ds: per chunk (`_ds_chunks`), the dK/dV kernel writes the chunk's dSᵀ workspace
     and the dQ kernel reads it. With several chunks, each writes its rows and heads of dQ, dK
-    and dV into full-size Refs (zeroed first; concatenating chunk-sized outputs instead cost
-    2-4% of forward+backward at 8k and 16k on an H100, thirteenth session). The next chunk's
+    and dV into full-size buffers: the first chunk's kernels return them (only its part
+    written), the later ones write theirs into them as Refs. (Concatenating chunk-sized outputs
+    instead cost 2-4% of forward+backward at 8k and 16k on an H100, thirteenth session.) The next chunk's
     inputs pass an optimization barrier with one element of the dQ just written, so its dK/dV
     kernel (and workspace) cannot start before that dQ: XLA holds one workspace at a time."""
     chunks = _ds_chunks(geo, q.dtype.itemsize)
     if len(chunks) == 1:
         dk, dv, ds = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
         return _dq_from_ds_call(ds, k, geo, interpret), dk, dv
-    dq_ref, dk_ref, dv_ref = (jax.new_ref(jnp.zeros(x.shape, x.dtype)) for x in (q, k, v))
     for n, (b0, rows, kv0, kv_heads) in enumerate(chunks):
         g = dataclasses.replace(geo, batch=rows, kv_heads=kv_heads, heads=kv_heads * geo.group, batch0=b0,
                                 kv_head0=kv0, full_outputs=True)
-        (ds,) = _dkv_call(q, k, v, do, lse, delta, g, interpret, out_refs=(dk_ref, dv_ref))
-        _dq_from_ds_call(ds, k, g, interpret, out_ref=dq_ref)
+        if n == 0:  # full-size outputs, this chunk's part written: the later chunks fill in the rest
+            dk, dv, ds = _dkv_call(q, k, v, do, lse, delta, g, interpret)
+            dq_ref, dk_ref, dv_ref = (jax.new_ref(x) for x in (_dq_from_ds_call(ds, k, g, interpret), dk, dv))
+        else:
+            (ds,) = _dkv_call(q, k, v, do, lse, delta, g, interpret, out_refs=(dk_ref, dv_ref))
+            _dq_from_ds_call(ds, k, g, interpret, out_ref=dq_ref)
         if n + 1 < len(chunks):
             _, q, k, v, do, lse, delta = lax.optimization_barrier(
                 (dq_ref[b0, 0, kv0 * geo.group, 0], q, k, v, do, lse, delta))
