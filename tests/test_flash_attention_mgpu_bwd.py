@@ -294,7 +294,8 @@ def test_backward_on_hopper(causal, h, kv, d, dtype):
 def test_ds_workspace_layout_and_chunks():
     """The dq_from_ds workspace: every visible (q tile, key tile) pair gets its own rows inside
     the workspace, the pairs a causal mask hides get none; the chunks cover every (batch row,
-    KV head) once and stay within the budget wherever one KV head does."""
+    KV head) once, stay within the budget wherever one KV head does, and are as few and as
+    even as the budget allows."""
     from scaling.kernels import flash_attention_mgpu_bwd as bwd
 
     tile = 64
@@ -326,6 +327,11 @@ def test_ds_workspace_layout_and_chunks():
     assert chunks(3, 4, 1 << 40) == [(0, 3, 0, 4)]
     assert chunks(3, 4, 2 * 4 * per_kv_head) == [(0, 2, 0, 4), (2, 1, 0, 4)]
     assert chunks(2, 3, 1) == [(b, 1, h, 1) for b in range(2) for h in range(3)]
+    # As few chunks as the budget allows, of even sizes: 32 KV heads at 15 per chunk are
+    # 11 + 11 + 10, not 15 + 15 + 2 (the 16k benchmark shape under the 4 GiB default).
+    assert chunks(1, 32, 15 * per_kv_head) == [(0, 1, 0, 11), (0, 1, 11, 11), (0, 1, 22, 10)]
+    assert chunks(5, 1, 2 * per_kv_head) == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 1, 0, 1)]
+    assert [nb for _, nb, _, _ in chunks(7, 1, 3 * per_kv_head)] == [3, 2, 2]
 
 
 def test_dq_from_ds_default_and_refusals():

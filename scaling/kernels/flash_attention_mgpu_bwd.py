@@ -1188,18 +1188,25 @@ def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams 
     )(ds, k, *(() if out_ref is None else (out_ref,)))
 
 
+def _even_runs(total: int, most: int) -> list[tuple[int, int]]:
+    """(first, size) of the fewest runs of at most `most` that cover range(total), their sizes
+    differing by at most one (15 + 15 + 2 would leave the last chunk's kernels a few CTAs)."""
+    n = -(-total // max(1, most))
+    sizes = [total // n + (i < total % n) for i in range(n)]
+    return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+
+
 def _ds_chunks(geo: _Geometry, itemsize: int) -> list[tuple[int, int, int, int]]:
     """(first batch row, rows, first KV head, KV heads) of each dq_from_ds chunk: whole batch
     rows while a row's workspace fits `ds_workspace_max_bytes`, else runs of a row's KV heads
-    (at least one, whatever the budget)."""
+    (at least one, whatever the budget); as few chunks as the budget allows, of even sizes."""
     per_kv_head = (geo.group * ds_workspace_tiles(geo.q_len, geo.kv_len, geo.cfg.block_kv_dkv, geo.causal)
                    * geo.cfg.block_kv_dkv ** 2 * itemsize)
     budget = geo.cfg.ds_workspace_max_bytes
     if per_kv_head * geo.kv_heads <= budget:
-        rows = budget // (per_kv_head * geo.kv_heads)
-        return [(b0, min(rows, geo.batch - b0), 0, geo.kv_heads) for b0 in range(0, geo.batch, rows)]
-    heads = max(1, budget // per_kv_head)
-    return [(b0, 1, h0, min(heads, geo.kv_heads - h0)) for b0 in range(geo.batch) for h0 in range(0, geo.kv_heads, heads)]
+        return [(b0, rows, 0, geo.kv_heads)
+                for b0, rows in _even_runs(geo.batch, budget // (per_kv_head * geo.kv_heads))]
+    return [(b0, 1, h0, heads) for b0 in range(geo.batch) for h0, heads in _even_runs(geo.kv_heads, budget // per_kv_head)]
 
 
 def _backward_from_ds(q, k, v, do, lse, delta, geo: _Geometry, interpret):
