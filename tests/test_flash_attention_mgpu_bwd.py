@@ -73,9 +73,9 @@ CASES = [  # b, t, s, h, kv, d, causal, dtype, backward config, what it covers
      "dq from stored dS, causal MHA D=128: one batch row per chunk (the smallest budget), written in place, "
      "4 q tiles per dQ CTA whose accumulators drop out one by one"),
     (1, 128, 256, 4, 2, 64, False, jnp.float16,
-     MosaicBwdConfig(dq_from_ds=True, ds_workspace_max_bytes=1 << 17, delta_kernel=True),
+     MosaicBwdConfig(dq_from_ds=True, ds_workspace_max_bytes=1 << 17),
      "dq from stored dS, non-causal GQA 2, T != S: one KV head per chunk, each writing its heads of dQ, dK, dV "
-     "in place; delta from the Pallas row-dot kernel"),
+     "in place"),
 ]
 
 

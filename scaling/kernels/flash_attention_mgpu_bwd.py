@@ -73,7 +73,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels import row_dot
 from scaling.kernels.flash_attention_mgpu import (LOG2_E, common_unsupported_reason, interpret_params,
                                                   persistent_items, sm_count, work_item)
 
@@ -144,10 +143,6 @@ class MosaicBwdConfig:
       what held it back.
     dkv_head_major: the same launch order for the multi-head dK/dV kernel. Timed with
       ds_dq_head_major (thirteenth session): 15-30% slower at 4k, level at 16k.
-    delta_kernel: delta = rowsum(dO ∘ O) by the Pallas kernel of `row_dot.py` instead of XLA's
-      fused reduction, where it applies (T a multiple of 16); not with delta_in_dq. Timed alone
-      on an H100 (thirteenth session): 0.26-0.36 ms against XLA's 0.31-0.38 at B·T = 16k, H = 32,
-      D = 128; in forward+backward no difference beyond the run-to-run spread, so off.
     """
 
     block_q_dkv: int = 64
@@ -168,7 +163,6 @@ class MosaicBwdConfig:
     ds_dq_tiles: int = 2
     ds_dq_head_major: bool = False
     dkv_head_major: bool = False
-    delta_kernel: bool = False
 
 
 # Per head dim, from experiments/check_mgpu_bwd.py on an H100 (docs/attention.md, "Mosaic GPU
@@ -291,8 +285,6 @@ def validate_config(cfg: MosaicBwdConfig):
                          f"{cfg.block_q_dkv} and {cfg.block_kv_dkv}")
     if cfg.delta_in_dq and cfg.persistent_dq:
         raise ValueError("MosaicBwdConfig.persistent_dq is not implemented with delta_in_dq")
-    if cfg.delta_in_dq and cfg.delta_kernel:
-        raise ValueError("MosaicBwdConfig.delta_kernel and delta_in_dq both compute delta; choose one")
     if cfg.ds_dq_head_major and not cfg.dq_from_ds:
         raise ValueError("MosaicBwdConfig.ds_dq_head_major orders the dq_from_ds kernel; set dq_from_ds too")
     if not isinstance(cfg.persistent_ctas, int) or cfg.persistent_ctas < 0:
@@ -1238,14 +1230,11 @@ def _backward_from_ds(q, k, v, do, lse, delta, geo: _Geometry, interpret):
 
 def output_row_dot(o, do):
     """delta = rowsum(dO ∘ O) as [B, H, T] f32 from [B, T, H, D] inputs (FA2 Algorithm 2, line 4).
-    One XLA kernel. Timed on an H100 (ninth session) at 0.23 ms for B·T = 16k, H = 32, D = 128.
-    A multiply-and-sum form took 0.25-0.28 ms, and the reduction alone, without the layout
-    change to [B, H, T], 0.23 ms."""
+    One XLA kernel: 0.09 ms at B·T = 16k, H = 32, D = 128 on an H100 inside the backward, by the
+    profiler (thirteenth session, `profile_mgpu_bwd.py`). Timed alone from the host it shows
+    0.23-0.6 ms, mostly dispatch: a Pallas kernel written for it (thirteenth session) gained
+    nothing measurable, so it was dropped."""
     return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-
-
-def _delta_by_kernel(geo: _Geometry, shape) -> bool:
-    return geo.cfg.delta_kernel and row_dot.supported(shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1260,8 +1249,7 @@ def _backward(q, k, v, o, lse, do, geo: _Geometry, interpret: plgpu.InterpretGPU
         dq, delta = _dq_call(q, k, v, do, lse, o, geo, interpret)
         dk, dv = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
         return dq, dk, dv
-    delta = row_dot.output_row_dot_pallas(o, do, interpret=interpret is not None) if _delta_by_kernel(geo, o.shape) \
-        else output_row_dot(o, do)
+    delta = output_row_dot(o, do)
     if geo.cfg.fused_dq:  # dQ accumulates in f32 inside the dK/dV kernel (docstring of MosaicBwdConfig)
         slices = (geo.kv_len // (CONSUMERS * geo.cfg.block_kv_dkv),) if interpret else ()  # one per CTA
         dq_acc = jax.new_ref(jnp.zeros((*slices, *q.shape), jnp.float32))
