@@ -29,14 +29,14 @@ def corpus_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data-cache"))
 
 
-# Files by their measured time on 2 CPU cores, heaviest first (`pytest --durations`, twelfth
+# Files by their measured time on 2 CPU cores, heaviest first (`pytest --durations`, thirteenth
 # session). `./scripts/run test` hands whole files to the two workers (`--dist loadfile`) in
 # collection order (`--no-loadscope-reorder`), each taking the next file when it finishes:
 # longest-first keeps the last file to start short, so the workers end close together.
-HEAVY_FIRST = ("test_decode_gemv.py", "test_remat.py", "test_flash_attention_mgpu_bwd.py", "test_checkpoint.py",
-               "test_decode.py", "test_sweep.py", "test_train.py", "test_sharding.py", "test_flash_attention_mgpu.py",
-               "test_chunked_loss.py", "test_profile_summary.py", "test_multihost.py", "test_bench_train.py",
-               "test_model.py", "test_decode_tma.py")
+HEAVY_FIRST = ("test_flash_attention_mgpu_bwd.py", "test_decode_gemv.py", "test_remat.py", "test_checkpoint.py",
+               "test_sweep.py", "test_decode.py", "test_train.py", "test_sharding.py", "test_flash_attention_mgpu.py",
+               "test_bench_train.py", "test_multihost.py", "test_chunked_loss.py", "test_model.py",
+               "test_profile_summary.py", "test_scaling_laws.py", "test_decode_tma.py")
 
 
 def pytest_collection_modifyitems(config, items):
