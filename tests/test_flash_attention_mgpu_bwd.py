@@ -158,14 +158,12 @@ def test_auto_backend_rule(monkeypatch):
     assert [(p.mosaic is not None, p.mosaic_bwd is not None) for p in plans] == [
         (False, False), (True, True), (True, True), (True, True), (False, False), (False, False),
         (True, False), (True, True)]
-    assert plans[1].mosaic_bwd.dq_from_ds and not plans[2].mosaic_bwd.dq_from_ds  # MHA / GQA 4, D=128
-    assert plans[2].mosaic_bwd.block_kv_dq == 64
-    long_t = fa.mgpu_bwd.LONG_KV_DQ[0]  # GQA rows from here on take 128-key dQ slots at D=128 (not at D=64)
+    assert plans[1].mosaic_bwd.dq_from_ds and plans[2].mosaic_bwd.dq_from_ds  # MHA / GQA 4, D=128
+    long_t = fa.mgpu_bwd.LONG_KV_DQ[0]  # dQ from the stored dS at every length, GQA or not
     run(z(long_t, 2, 128), z(long_t, 1, 128))
-    run(z(long_t - 128, 2, 128), z(long_t - 128, 1, 128))
-    assert [p.mosaic_bwd.block_kv_dq for p in plans[-2:]] == [128, 64]
-    run(z(long_t, 1, 128), z(long_t, 1, 128))  # MHA: dQ from the stored dS at every length
-    assert plans[-1].mosaic_bwd.dq_from_ds
+    run(z(long_t, 1, 128), z(long_t, 1, 128))
+    assert plans[-2].mosaic_bwd.dq_from_ds and plans[-1].mosaic_bwd.dq_from_ds
+    assert fa.mgpu_bwd.default_config(128, long_t, workspace_bytes=0) == fa.mgpu_bwd.LONG_KV_DQ[1]
     assert fa.mgpu_bwd.default_config(64, long_t) == fa.mgpu_bwd.DEFAULT_CONFIGS[64]
     assert fa.mgpu_bwd.unsupported_reason((1, long_t, 2, 128), (1, long_t, 2, 128), jnp.bfloat16, causal=True,
                                           segmented=False) is None
@@ -203,7 +201,7 @@ def test_triton_forward_mosaic_backward_interpret(monkeypatch):
     (dict(segmented=True), "segment ids"),
     (dict(dtype=jnp.float32), "dtype float32"),
     (dict(d=256), "head dim 256"),
-    (dict(t=192, s=192), "q length 192"),
+    (dict(t=192, s=256, causal=False), "q length 192"),
     (dict(t=256, s=320, causal=False), "kv length 320"),
     (dict(t=256, s=512, causal=True), "causal with q length"),
     (dict(config=MosaicBwdConfig(fused_dq=True, stages_dkv=4)), "dK/dV kernel would need"),
@@ -335,12 +333,13 @@ def test_ds_workspace_layout_and_chunks():
 
 
 def test_dq_from_ds_default_and_refusals():
-    """Multi-head D=128 takes dQ from the stored dS by default; grouped heads and D=64 do not.
+    """D=128 takes dQ from the stored dS by default, grouped heads too; D=64 does not.
     Its settings are checked before anything runs."""
     from scaling.kernels.flash_attention_mgpu_bwd import default_config
 
     assert default_config(128, 4096).dq_from_ds and default_config(128, 16384, group=1).dq_from_ds
-    assert not default_config(128, 4096, group=4).dq_from_ds and not default_config(64, 4096).dq_from_ds
+    assert default_config(128, 4096, group=4).dq_from_ds and not default_config(64, 4096).dq_from_ds
+    assert not default_config(128, 4096, workspace_bytes=0).dq_from_ds
     assert dq_smem_bytes(default_config(128), 128, 2) <= SMEM_BYTES
     assert dkv_smem_bytes(default_config(128), 128, 2) <= SMEM_BYTES
     four = MosaicBwdConfig(dq_from_ds=True, ds_dq_tiles=4, stages_dq=3)

@@ -819,8 +819,8 @@ def flash_attention(
     mosaic_config: tiles of the Mosaic forward; default per head dim and device (`mgpu.default_config`).
     mosaic_backward: False keeps the Triton backward behind the Mosaic forward (a switch for
       comparisons and a fallback; no effect with backend="triton").
-    mosaic_bwd_config: tiles of the Mosaic backward; default per head dim, key length and GQA
-      group size (`mgpu_bwd.default_config`).
+    mosaic_bwd_config: tiles of the Mosaic backward; default per head dim and key length
+      (`mgpu_bwd.default_config`).
     bwd_workspace_bytes: with the default Mosaic backward tiles, the most temporary memory its
       dS workspace may take per chunk (None: 4 GiB; 0: none, the split kernels). See below.
 

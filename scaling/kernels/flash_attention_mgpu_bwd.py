@@ -177,26 +177,26 @@ DEFAULT_CONFIGS = {
 # and 0.95 vs 0.94 (H200, ninth session) of cuDNN at T=16k, the dQ kernel 4% faster in both
 # runs; at 8k they were 1-2% slower on both GPUs (docs/benchmarks.md).
 LONG_KV_DQ = (16384, MosaicBwdConfig(block_kv_dq=128))
-# Multi-head D=128 takes dQ from the stored dSᵀ (twelfth session, causal, forward+backward against
-# cuDNN): H100 1.10 / 0.97 / 0.97 at T = 4k / 8k / 16k against the split kernels' 1.03 / 0.93 /
-# 0.93; H200 (before the dSᵀ store moved between the products) 1.11 / 1.01 / 0.97 against
-# 1.01 / 0.97 / 0.93; with the final kernels, bench_attention.py against cuDNN: H200 1.13 / 1.02 /
-# 1.02, H100 1.09 / 0.97 / 0.96 (docs/benchmarks.md, issue 5). With GQA 4 at 8k it was level with the split kernels (H100, 1.01
-# against 1.03), so grouped heads keep them. Thirteenth session, chunks written in place (no
-# concatenation): H200 1.13 / 1.07 / 1.04, H100 1.10 / 1.03 / 0.98; one chunk (a workspace budget
-# above the 8.6 GB that 16k needs) adds ~3% at 8k-16k on the H100.
-MHA_FROM_DS = MosaicBwdConfig(dq_from_ds=True, stages_dq=4)
+# D=128 takes dQ from the stored dSᵀ. Twelfth session, multi-head, causal, forward+backward
+# against cuDNN: H100 1.10 / 0.97 / 0.97 at T = 4k / 8k / 16k against the split kernels' 1.03 /
+# 0.93 / 0.93. Thirteenth session, chunks written in place and even: bench_attention.py, H200 1.13 /
+# 1.07 / 1.04, H100 1.10 / 1.03 / 0.99; with GQA 4 (check_mgpu_bwd.py) at 8k / 16k H100 1.07 / 0.97
+# against the split kernels' 1.03-1.05 / 0.97-0.98, H200 1.11 / 1.01 against 1.01 / 0.95-0.96
+# (docs/benchmarks.md, issue 5). One chunk (a workspace budget above the 8.6 GB that 16k needs at
+# 32 query heads) adds 3-5% at 16k.
+D128_FROM_DS = MosaicBwdConfig(dq_from_ds=True, stages_dq=4)
 
 
 def default_config(head_dim: int, kv_len: int | None = None, group: int = 1,
                    workspace_bytes: int | None = None) -> MosaicBwdConfig:
-    """The tiles for this head dim (and key length and GQA group size, where they matter;
-    kv_len None: a short row). workspace_bytes: the most a dq_from_ds workspace may take per
-    chunk (None: `MHA_FROM_DS`'s; 0: no workspace, the split kernels)."""
-    if head_dim == 128 and group == 1 and workspace_bytes != 0:
+    """The tiles for this head dim (and key length, where it matters; kv_len None: a short row).
+    workspace_bytes: the most a dq_from_ds workspace may take per chunk (None: `D128_FROM_DS`'s;
+    0: no workspace, the split kernels). `group` (query heads per KV head) no longer changes the
+    choice since the thirteenth session; it stays for callers."""
+    if head_dim == 128 and workspace_bytes != 0:
         if workspace_bytes is None:
-            return MHA_FROM_DS
-        return dataclasses.replace(MHA_FROM_DS, ds_workspace_max_bytes=workspace_bytes)
+            return D128_FROM_DS
+        return dataclasses.replace(D128_FROM_DS, ds_workspace_max_bytes=workspace_bytes)
     min_len, long_cfg = LONG_KV_DQ
     if head_dim == 128 and kv_len is not None and kv_len >= min_len:
         return long_cfg
