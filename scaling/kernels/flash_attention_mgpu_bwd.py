@@ -319,8 +319,9 @@ class _Geometry:
     # batch/heads/kv_heads are then the chunk's, and these its offsets into the inputs.
     batch0: int = 0
     kv_head0: int = 0
-    # dq_from_ds chunks write dK, dV and dQ into full-size buffers passed in as Refs (at the
-    # chunk's offsets), so no concatenation copies the chunks' outputs together afterwards.
+    # dq_from_ds chunks write their part of dK, dV and dQ at their offsets into full-size
+    # buffers (the first chunk's outputs, passed to the later ones as Refs), so no concatenation
+    # copies the chunks' outputs together afterwards.
     full_outputs: bool = False
 
     @property
@@ -1168,8 +1169,8 @@ def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams 
     return plgpu.kernel(
         functools.partial(_dq_from_ds_kernel, geo=geo),
         out_type=() if out_ref is not None else jax.ShapeDtypeStruct(
-            (k.shape[0], geo.q_len, k.shape[2] * geo.group, d) if geo.full_outputs else (geo.batch, geo.q_len, geo.heads, d),
-            dtype),
+            (k.shape[0], geo.q_len, k.shape[2] * geo.group, d) if geo.full_outputs
+            else (geo.batch, geo.q_len, geo.heads, d), dtype),
         scratch_types=scratch,
         **_grid({"t": geo.q_len // (cfg.ds_dq_tiles * tile), "h": geo.heads, "b": geo.batch},
                 tiles_outermost=not cfg.ds_dq_head_major),
@@ -1206,9 +1207,10 @@ def _backward_from_ds(q, k, v, do, lse, delta, geo: _Geometry, interpret):
     and the dQ kernel reads it. With several chunks, each writes its rows and heads of dQ, dK
     and dV into full-size buffers: the first chunk's kernels return them (only its part
     written), the later ones write theirs into them as Refs. (Concatenating chunk-sized outputs
-    instead cost 2-4% of forward+backward at 8k and 16k on an H100, thirteenth session.) The next chunk's
-    inputs pass an optimization barrier with one element of the dQ just written, so its dK/dV
-    kernel (and workspace) cannot start before that dQ: XLA holds one workspace at a time."""
+    instead cost 2-4% of forward+backward at 8k and 16k on an H100, thirteenth session.) The
+    next chunk's inputs pass an optimization barrier with one element of the dQ just written,
+    so its dK/dV kernel (and workspace) cannot start before that dQ: XLA holds one workspace at
+    a time."""
     chunks = _ds_chunks(geo, q.dtype.itemsize)
     if len(chunks) == 1:
         dk, dv, ds = _dkv_call(q, k, v, do, lse, delta, geo, interpret)
