@@ -351,6 +351,8 @@ def test_dq_from_ds_default_and_refusals():
                        (dict(ds_workspace_max_bytes=0), "ds_workspace_max_bytes=0")):
         with pytest.raises(ValueError, match=match):
             mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(dq_from_ds=True, **bad))
+    with pytest.raises(ValueError, match="set dq_from_ds too"):  # the launch order of a kernel not there
+        mosaic_backward(x, x, x, x, lse, x, config=MosaicBwdConfig(ds_dq_head_major=True))
     y = jnp.zeros((1, 384, 2, 64), jnp.bfloat16)  # 384 rows: not 4 q tiles of 64 per dQ CTA
     assert "multiple of 256" in unsupported_reason(y.shape, y.shape, jnp.bfloat16, causal=True, segmented=False,
                                                    config=dataclasses.replace(four, stages_dq=2))
