@@ -5,9 +5,8 @@
 
 For each variant of `check_mgpu_bwd.VARIANTS`, traces `--calls` calls of the jitted backward
 (`mosaic_backward`, o and lse from the Mosaic forward) and prints, per GPU kernel name, the count
-and total time per call, plus the busy time (union of kernel intervals) and the span from the
-first kernel's start to the last one's end per call: span - busy is time the GPU sat idle
-between kernels. Writes $OUT/profile_mgpu_bwd.json when $OUT is set.
+and total time per call, plus the busy time per call (the union of the kernel intervals).
+Writes $OUT/profile_mgpu_bwd.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -52,14 +51,11 @@ def profile(fn, calls: int) -> dict:
     for name, _, dur in kernels:
         by_name[name][0] += 1
         by_name[name][1] += dur
-    spans = sorted(kernels, key=lambda k: k[1])
-    span = (spans[-1][1] + spans[-1][2] - spans[0][1]) if spans else 0.0
     busy = union_length([(ts, ts + dur) for _, ts, dur in kernels])
     return {
         "kernels": {n: {"count_per_call": c / calls, "ms_per_call": t / calls / 1e3}
                     for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])},
         "busy_ms_per_call": busy / calls / 1e3,
-        "span_ms_per_call": span / calls / 1e3,  # includes the host gaps between calls
     }
 
 

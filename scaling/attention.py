@@ -103,9 +103,9 @@ ATTENTION_CORES: dict[AttentionImpl, Callable] = {
 # head dim, and cuDNN beyond and at other head dims (their backward is the Triton kernel's,
 # slower than cuDNN's). Measured (docs/benchmarks.md, issue 5; forward+backward, causal,
 # interleaved rounds against cuDNN in the same run): D=64 at T=8k 1.07x (H200, ninth session);
-# D=128 (thirteenth session) at 8k 1.03x (H100) and 1.07x (H200) with 32 heads, 1.03x and 1.00x
-# with GQA 4, at 16k 0.98x / 1.04x and 0.97x / 0.96x: cuDNN from 16k on. (Non-causal D=128 at 8k,
-# which the model never runs, is 0.96x on the H100.)
+# D=128 (thirteenth session) at 8k 1.03x (H100) and 1.07x (H200) with 32 heads, 1.07x and 1.11x
+# with GQA 4; at 16k 0.99x / 1.04x and 0.97x / 1.01x: cuDNN from 16k on. (Non-causal D=128 at 8k,
+# which the model never runs, is 0.98x on the H100.)
 AUTO_PALLAS_MAX_LEN: dict[int, int] = {64: 8192, 128: 8192}
 
 

@@ -337,8 +337,8 @@ def test_dq_from_ds_default_and_refusals():
     Its settings are checked before anything runs."""
     from scaling.kernels.flash_attention_mgpu_bwd import default_config
 
-    assert default_config(128, 4096).dq_from_ds and default_config(128, 16384, group=1).dq_from_ds
-    assert default_config(128, 4096, group=4).dq_from_ds and not default_config(64, 4096).dq_from_ds
+    assert default_config(128, 4096).dq_from_ds and default_config(128, 16384).dq_from_ds
+    assert not default_config(64, 4096).dq_from_ds  # GQA takes the same: test_auto_backend_rule
     assert not default_config(128, 4096, workspace_bytes=0).dq_from_ds
     assert dq_smem_bytes(default_config(128), 128, 2) <= SMEM_BYTES
     assert dkv_smem_bytes(default_config(128), 128, 2) <= SMEM_BYTES

@@ -859,7 +859,7 @@ def flash_attention(
     want_bwd = use_fwd or (backend == "auto" and is_hopper())
     bwd_config = mosaic_bwd_config
     if bwd_config is None and d in mgpu_bwd.HEAD_DIMS:
-        bwd_config = mgpu_bwd.default_config(d, k.shape[1], q.shape[2] // k.shape[2], bwd_workspace_bytes)
+        bwd_config = mgpu_bwd.default_config(d, k.shape[1], bwd_workspace_bytes)
     if (mosaic_backward and want_bwd and seg is None and bwd_config is not None
             and mgpu_bwd.unsupported_reason(q.shape, k.shape, q.dtype, causal=bool(causal), segmented=False,
                                             config=bwd_config) is None):

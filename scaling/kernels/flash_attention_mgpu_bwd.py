@@ -187,12 +187,10 @@ LONG_KV_DQ = (16384, MosaicBwdConfig(block_kv_dq=128))
 D128_FROM_DS = MosaicBwdConfig(dq_from_ds=True, stages_dq=4)
 
 
-def default_config(head_dim: int, kv_len: int | None = None, group: int = 1,
-                   workspace_bytes: int | None = None) -> MosaicBwdConfig:
+def default_config(head_dim: int, kv_len: int | None = None, workspace_bytes: int | None = None) -> MosaicBwdConfig:
     """The tiles for this head dim (and key length, where it matters; kv_len None: a short row).
     workspace_bytes: the most a dq_from_ds workspace may take per chunk (None: `D128_FROM_DS`'s;
-    0: no workspace, the split kernels). `group` (query heads per KV head) no longer changes the
-    choice since the thirteenth session; it stays for callers."""
+    0: no workspace, the split kernels). Grouped heads take the same tiles (thirteenth session)."""
     if head_dim == 128 and workspace_bytes != 0:
         if workspace_bytes is None:
             return D128_FROM_DS
@@ -212,7 +210,7 @@ def unsupported_reason(q_shape, k_shape, dtype, *, causal: bool, segmented: bool
                                        head_dims=HEAD_DIMS)
     if reason:
         return reason
-    cfg = config or default_config(d, s, h // kv)
+    cfg = config or default_config(d, s)
     if cfg.fused_dq and d != FUSED_HEAD_DIM:
         return f"fused_dq needs head dim {FUSED_HEAD_DIM} (its dQ product splits D into 64-column halves), got {d}"
     dq = not (cfg.fused_dq or cfg.dq_from_ds)  # the dQ kernel's tiles count too
@@ -1290,7 +1288,7 @@ def mosaic_backward(q, k, v, o, lse, do, *, causal: bool = True, sm_scale: float
         raise ValueError(f"lse must be float32 [B, H, T]={(b, h, t)}, got {lse.dtype} {lse.shape}")
     if d not in HEAD_DIMS:
         raise ValueError(f"Mosaic flash attention backward does not support head dim {d} (only {HEAD_DIMS})")
-    cfg = config if config is not None else default_config(d, k.shape[1], q.shape[2] // k.shape[2])
+    cfg = config if config is not None else default_config(d, k.shape[1])
     validate_config(cfg)
     reason = unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, segmented=False, config=cfg)
     if reason is not None:
