@@ -73,6 +73,10 @@ VARIANTS = {
     "ds4t3h": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=3, ds_dq_tiles=4, ds_dq_head_major=True),
     "ds4hk": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_dq_head_major=True, dkv_head_major=True),
     "ds4-1c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=16 << 30),
+    # fourteenth session: 4.5 GB, two chunks at B·T = 16k, T = 16k (each 16 KV heads, 4.31 GB)
+    "ds4-2c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=4500 << 20),
+    "ds4-4c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=2200 << 20),  # 4 x 8 heads
+    "ds4-7c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=1400 << 20),  # 5 and 4 heads
 }
 
 

@@ -309,10 +309,10 @@ def test_ds_workspace_layout_and_chunks():
         assert bwd.ds_workspace_bytes((3, t, 4, 64), (3, s_len, 2, 64), 2, causal=causal, cfg=cfg) == \
             3 * 4 * len(visible) * tile * tile * 2
 
-    def chunks(batch, kv_heads, budget):
+    def chunks(batch, kv_heads, budget, group=2):
         cfg = MosaicBwdConfig(dq_from_ds=True, ds_workspace_max_bytes=budget)
-        geo = bwd._Geometry(batch=batch, q_len=256, kv_len=256, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=64,
-                            causal=True, sm_scale=1.0, cfg=cfg)
+        geo = bwd._Geometry(batch=batch, q_len=256, kv_len=256, heads=group * kv_heads, kv_heads=kv_heads,
+                            head_dim=64, causal=True, sm_scale=1.0, cfg=cfg)
         return bwd._ds_chunks(geo, 2)
 
     per_kv_head = 2 * 10 * tile * tile * 2  # group 2, 4 * 5 / 2 visible tiles
@@ -328,6 +328,13 @@ def test_ds_workspace_layout_and_chunks():
     # As few chunks as the budget allows, of even sizes: 32 KV heads at 15 per chunk are
     # 11 + 11 + 10, not 15 + 15 + 2 (the 16k benchmark shape under the 4 GiB default).
     assert chunks(1, 32, 15 * per_kv_head) == [(0, 1, 0, 11), (0, 1, 11, 11), (0, 1, 22, 10)]
+    # Multi-head: runs of an even number of heads where that takes no more chunks (the dK/dV
+    # kernel takes as long for an odd number of heads as for one more).
+    mha = per_kv_head // 2
+    assert chunks(1, 32, 15 * mha, group=1) == [(0, 1, 0, 12), (0, 1, 12, 10), (0, 1, 22, 10)]
+    assert chunks(1, 8, 3 * mha, group=1) == [(0, 1, 0, 3), (0, 1, 3, 3), (0, 1, 6, 2)]  # pairs: 4 chunks
+    assert chunks(1, 33, 15 * mha, group=1) == [(0, 1, 0, 11), (0, 1, 11, 11), (0, 1, 22, 11)]
+    assert chunks(1, 4, mha, group=1) == [(0, 1, h, 1) for h in range(4)]
     assert chunks(5, 1, 2 * per_kv_head) == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 1, 0, 1)]
     assert [nb for _, nb, _, _ in chunks(7, 1, 3 * per_kv_head)] == [3, 2, 2]
 

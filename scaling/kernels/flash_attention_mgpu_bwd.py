@@ -717,6 +717,13 @@ def _produce_items(fetcher, num_items, free, stages: int):
         plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
+def _dkv_heads_fastest(cfg: MosaicBwdConfig, group: int) -> bool:
+    """Whether the dK/dV kernel launches a tile's heads side by side (tile axis outermost): the
+    fused dQ (whose same-head CTAs would reduce into the same dQ rows at once) and multi-head
+    calls, unless `dkv_head_major`."""
+    return cfg.fused_dq or (group == 1 and not cfg.dkv_head_major)
+
+
 def _grid(dims: dict[str, int], *, tiles_outermost: bool) -> dict:
     """plgpu.kernel's grid and grid_names from {name: size}, the tile axis first in `dims`.
 
@@ -795,7 +802,7 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         **(dict(grid=(geo.dkv_ctas,), grid_names=("c",)) if cfg.persistent else _grid(
             {"s": geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), "h": geo.kv_heads, "b": geo.batch},
             # fused: same-head CTAs side by side would reduce-add into the same dQ rows at once
-            tiles_outermost=cfg.fused_dq or (geo.group == 1 and not cfg.dkv_head_major))),
+            tiles_outermost=_dkv_heads_fastest(cfg, geo.group))),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -1179,9 +1186,12 @@ def _dq_from_ds_call(ds, k, geo: _Geometry, interpret: plgpu.InterpretGPUParams 
     )(ds, k, *(() if out_ref is None else (out_ref,)))
 
 
-def _even_runs(total: int, most: int) -> list[tuple[int, int]]:
+def _even_runs(total: int, most: int, unit: int = 1) -> list[tuple[int, int]]:
     """(first, size) of the fewest runs of at most `most` that cover range(total), their sizes
-    differing by at most one (15 + 15 + 2 would leave the last chunk's kernels a few CTAs)."""
+    differing by at most `unit` (15 + 15 + 2 would leave the last chunk's kernels a few CTAs) and,
+    where `unit` divides `total` and `most` allows it, multiples of `unit`."""
+    if unit > 1 and total % unit == 0 and most >= unit:
+        return [(first * unit, size * unit) for first, size in _even_runs(total // unit, most // unit)]
     n = -(-total // max(1, most))
     sizes = [total // n + (i < total % n) for i in range(n)]
     return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
@@ -1190,14 +1200,25 @@ def _even_runs(total: int, most: int) -> list[tuple[int, int]]:
 def _ds_chunks(geo: _Geometry, itemsize: int) -> list[tuple[int, int, int, int]]:
     """(first batch row, rows, first KV head, KV heads) of each dq_from_ds chunk: whole batch
     rows while a row's workspace fits `ds_workspace_max_bytes`, else runs of a row's KV heads
-    (at least one, whatever the budget); as few chunks as the budget allows, of even sizes."""
+    (at least one, whatever the budget); as few chunks as the budget allows, of even sizes.
+
+    Runs of heads hold an even number of heads where that takes no more chunks and the dK/dV
+    kernel launches the heads of a tile side by side (multi-head): on an H100 at T = 16k that
+    kernel takes as long for an odd number of heads as for one more (fourteenth session,
+    `profile_mgpu_bwd.py`: 2.45 ms for 11 heads, 2.49 for 12, 2.08 for 10). So 32 heads under a
+    15-head budget run as 12 + 10 + 10, not 11 + 11 + 10."""
     per_kv_head = (geo.group * ds_workspace_tiles(geo.q_len, geo.kv_len, geo.cfg.block_kv_dkv, geo.causal)
                    * geo.cfg.block_kv_dkv ** 2 * itemsize)
     budget = geo.cfg.ds_workspace_max_bytes
     if per_kv_head * geo.kv_heads <= budget:
         return [(b0, rows, 0, geo.kv_heads)
                 for b0, rows in _even_runs(geo.batch, budget // (per_kv_head * geo.kv_heads))]
-    return [(b0, 1, h0, heads) for b0 in range(geo.batch) for h0, heads in _even_runs(geo.kv_heads, budget // per_kv_head)]
+    most = budget // per_kv_head
+    runs = _even_runs(geo.kv_heads, most)
+    if _dkv_heads_fastest(geo.cfg, geo.group):
+        paired = _even_runs(geo.kv_heads, most, unit=2)
+        runs = paired if len(paired) == len(runs) else runs
+    return [(b0, 1, h0, heads) for b0 in range(geo.batch) for h0, heads in runs]
 
 
 def _backward_from_ds(q, k, v, do, lse, delta, geo: _Geometry, interpret):
