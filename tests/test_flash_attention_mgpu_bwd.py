@@ -326,15 +326,16 @@ def test_ds_workspace_layout_and_chunks():
     assert chunks(3, 4, 2 * 4 * per_kv_head) == [(0, 2, 0, 4), (2, 1, 0, 4)]
     assert chunks(2, 3, 1) == [(b, 1, h, 1) for b in range(2) for h in range(3)]
     # As few chunks as the budget allows, of even sizes: 32 KV heads at 15 per chunk are
-    # 11 + 11 + 10, not 15 + 15 + 2 (the 16k benchmark shape under the 4 GiB default).
-    assert chunks(1, 32, 15 * per_kv_head) == [(0, 1, 0, 11), (0, 1, 11, 11), (0, 1, 22, 10)]
-    # Multi-head: runs of an even number of heads where that takes no more chunks (the dK/dV
-    # kernel takes as long for an odd number of heads as for one more).
-    mha = per_kv_head // 2
-    assert chunks(1, 32, 15 * mha, group=1) == [(0, 1, 0, 12), (0, 1, 12, 10), (0, 1, 22, 10)]
-    assert chunks(1, 8, 3 * mha, group=1) == [(0, 1, 0, 3), (0, 1, 3, 3), (0, 1, 6, 2)]  # pairs: 4 chunks
-    assert chunks(1, 33, 15 * mha, group=1) == [(0, 1, 0, 11), (0, 1, 11, 11), (0, 1, 22, 11)]
-    assert chunks(1, 4, mha, group=1) == [(0, 1, h, 1) for h in range(4)]
+    # 12 + 10 + 10, not 15 + 15 + 2 (the 16k benchmark shape under the 4 GiB default), nor
+    # 11 + 11 + 10: runs of heads hold an even number of heads where the count and the budget
+    # allow, even at the price of a chunk (the dK/dV kernel takes as long for an odd number of
+    # heads as for one more).
+    for group in (1, 2):
+        per_head = per_kv_head * group // 2
+        assert chunks(1, 32, 15 * per_head, group) == [(0, 1, 0, 12), (0, 1, 12, 10), (0, 1, 22, 10)]
+        assert chunks(1, 8, 3 * per_head, group) == [(0, 1, h, 2) for h in (0, 2, 4, 6)]
+        assert chunks(1, 33, 15 * per_head, group) == [(0, 1, 0, 11), (0, 1, 11, 11), (0, 1, 22, 11)]
+        assert chunks(1, 4, per_head, group) == [(0, 1, h, 1) for h in range(4)]
     assert chunks(5, 1, 2 * per_kv_head) == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 1, 0, 1)]
     assert [nb for _, nb, _, _ in chunks(7, 1, 3 * per_kv_head)] == [3, 2, 2]
 

@@ -1202,22 +1202,19 @@ def _ds_chunks(geo: _Geometry, itemsize: int) -> list[tuple[int, int, int, int]]
     rows while a row's workspace fits `ds_workspace_max_bytes`, else runs of a row's KV heads
     (at least one, whatever the budget); as few chunks as the budget allows, of even sizes.
 
-    Runs of heads hold an even number of heads where that takes no more chunks and the dK/dV
-    kernel launches the heads of a tile side by side (multi-head): on an H100 at T = 16k that
-    kernel takes as long for an odd number of heads as for one more (fourteenth session,
-    `profile_mgpu_bwd.py`: 2.45 ms for 11 heads, 2.49 for 12, 2.08 for 10). So 32 heads under a
-    15-head budget run as 12 + 10 + 10, not 11 + 11 + 10."""
+    Runs of KV heads hold an even number of heads where the count and the budget allow, even at
+    the price of more chunks: on an H100 at T = 16k the dK/dV kernel takes as long for an odd
+    number of heads as for one more (fourteenth session, `profile_mgpu_bwd.py`: 2.45 ms for 11
+    heads, 2.49 for 12, 2.08 for 10). So 32 heads under a 15-head budget run as 12 + 10 + 10, not
+    11 + 11 + 10 (9.82 against 10.26 ms for the whole backward), and GQA 4's 8 KV heads under a
+    3-head budget as 2 + 2 + 2 + 2, not 3 + 3 + 2 (10.39 against 10.76 ms)."""
     per_kv_head = (geo.group * ds_workspace_tiles(geo.q_len, geo.kv_len, geo.cfg.block_kv_dkv, geo.causal)
                    * geo.cfg.block_kv_dkv ** 2 * itemsize)
     budget = geo.cfg.ds_workspace_max_bytes
     if per_kv_head * geo.kv_heads <= budget:
         return [(b0, rows, 0, geo.kv_heads)
                 for b0, rows in _even_runs(geo.batch, budget // (per_kv_head * geo.kv_heads))]
-    most = budget // per_kv_head
-    runs = _even_runs(geo.kv_heads, most)
-    if _dkv_heads_fastest(geo.cfg, geo.group):
-        paired = _even_runs(geo.kv_heads, most, unit=2)
-        runs = paired if len(paired) == len(runs) else runs
+    runs = _even_runs(geo.kv_heads, budget // per_kv_head, unit=2)
     return [(b0, 1, h0, heads) for b0 in range(geo.batch) for h0, heads in runs]
 
 
