@@ -1,0 +1,240 @@
+"""Does a persistent kernel keep the weight stream going across dependent phases (Mosaic GPU)?
+
+    PYTHONPATH=.:experiments python3 experiments/bench_weight_stream.py [--shapes "8192,512,16;8192,2048,16"]
+
+The question behind it (docs/decoding.md, "Fourteenth session"): at batch 1 the decoder's step is
+a chain of dependent projections, and every kernel boundary costs a start and a tail during which
+no weights stream. The ninth session's grid barrier (Pallas Triton) was no cheaper than a
+boundary, but its kernel streamed weights at 0.5-2.6 TB/s and waited at the barrier before
+loading anything. Here the weights stream by TMA from a producer warpgroup that never waits at
+a barrier: weights do not depend on the activations, so its ring keeps filling while the
+consumer waits for the previous phase. If that hides the barrier, a decode step written as one
+persistent kernel ("megakernel") could reach the bandwidth the separate kernels cannot.
+
+The chain: `phases` projections y_l = x_l W_lᵀ with W_l [N, K] bf16, x_0 [8, K] (batch 1 padded
+to 8 rows), x_(l+1) = the first K columns of y_l. One CTA per 64 output rows (N / 64 CTAs, all
+resident), each streaming its rows of every W_l through a `stages`-slot ring.
+- `persistent`: one kernel for all phases. Between phases each CTA writes its [8, 64] tile of y_l
+  by TMA, waits for the store, signals a global semaphore, and waits until all CTAs have signalled
+  before loading x_(l+1).
+- `separate`: the same kernel with one phase, launched once per phase (what the decoder does:
+  the boundaries are kernel boundaries inside XLA's command buffer).
+Both run the same arithmetic in the same order, so their outputs must be equal bit for bit; the
+first phase is also checked against XLA. Timed interleaved (bench_attention.time_interleaved);
+reported: µs per phase, the weight bytes' share of the copy bandwidth measured in the same
+process, and separate / persistent.
+
+GPU only: the global semaphores have no interpret mode; tests/test_bench_weight_stream.py lowers
+the kernel for sm_90 on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+ROWS = 8  # activation rows (a TMA box of one 8-row tile)
+BLOCK_F = 64  # output rows per CTA (wgmma M)
+
+
+def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *, phases: int, k: int,
+          block_k: int, stages: int, ctas: int):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    steps = k // block_k
+    total = phases * steps
+    f0 = lax.axis_index("f") * BLOCK_F
+    wg = lax.axis_index("wg")
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((max(phases - 1, 1),)))  # zeroed per call
+
+    @pl.when(wg == 0)
+    def _consumer():
+        def load_x(src):  # x_l in block_k-column chunks, each to its own slot and barrier
+            for j in range(steps):
+                plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * block_k, block_k)], x_smem.at[j], x_full.at[j])
+
+        @pl.loop(0, phases)
+        def _phase(p):
+            @pl.when(p == 0)
+            def _():
+                load_x(x_ref)
+
+            @pl.when(p > 0)
+            def _():  # every CTA's tile of y_(p-1) is written: then x_p = its first K columns
+                plgpu.semaphore_wait(done.at[p - 1], ctas, decrement=False, memory_scope="gpu")
+                load_x(y_ref.at[p - 1])
+
+            def step(j, acc):
+                slot = lax.rem(p * steps + j, stages)
+                plgpu.barrier_wait(x_full.at[j])
+                plgpu.barrier_wait(w_full.at[slot])
+
+                def issue(acc_ref):
+                    plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[j].T)
+
+                acc = pl.run_state(issue)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_F, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+            acc = lax.fori_loop(0, steps, step, acc0)
+            out_smem.T[...] = acc.astype(out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, y_ref.at[p, :, pl.ds(f0, BLOCK_F)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, not only read out of shared memory
+
+            @pl.when(p + 1 < phases)
+            def _():
+                plgpu.semaphore_signal(done.at[p], 1, memory_scope="gpu")
+
+    @pl.when(wg == 1)
+    def _producer():  # the weights of every phase, back to back: they depend on no activation
+        @pl.loop(0, total)
+        def _fetch(g):
+            slot = lax.rem(g, stages)
+
+            @pl.when(g >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+            p, j = g // steps, lax.rem(g, steps)
+            plgpu.copy_gmem_to_smem(w_ref.at[p, pl.ds(f0, BLOCK_F), pl.ds(j * block_k, block_k)], w_ring.at[slot],
+                                    w_full.at[slot])
+
+        @pl.loop(max(total - stages, 0), total)
+        def _drain(g):
+            plgpu.barrier_wait(free.at[lax.rem(g, stages)])
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "stages"))
+def stream_phases(x, w, *, block_k: int = 256, stages: int = 4):
+    """y [phases, 8, N]: y_0 = x[:, :K] W_0ᵀ, y_l = y_(l-1)[:, :K] W_lᵀ, for w [phases, N, K] and x [8, >= K]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    phases, n, k = w.shape
+    if x.shape[0] != ROWS or x.shape[1] < k or n < k:
+        raise ValueError(f"x must be [{ROWS}, >= K={k}] and N={n} >= K, got x {x.shape}")
+    if n % BLOCK_F or k % block_k or block_k % 64:
+        raise ValueError(f"N={n} must be a multiple of {BLOCK_F}, K={k} of block_k={block_k}, block_k of 64")
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    steps = k // block_k
+    scratch = (
+        plgpu.SMEM((steps, ROWS, block_k), x.dtype, transforms=tiled),  # x_l, in chunks
+        plgpu.SMEM((stages, BLOCK_F, block_k), w.dtype, transforms=tiled),  # the weight ring
+        plgpu.SMEM((ROWS, BLOCK_F), x.dtype),
+        plgpu.Barrier(num_barriers=steps),  # x chunk landed
+        plgpu.Barrier(num_barriers=stages),  # weight tile landed
+        plgpu.Barrier(num_barriers=stages),  # slot free
+    )
+    ctas = n // BLOCK_F
+    return plgpu.kernel(
+        functools.partial(_body, phases=phases, k=k, block_k=block_k, stages=stages, ctas=ctas),
+        out_type=jax.ShapeDtypeStruct((phases, ROWS, n), x.dtype),
+        scratch_types=scratch,
+        grid=(ctas,),
+        grid_names=("f",),
+        num_threads=2,
+        thread_name="wg",
+    )(x, w)
+
+
+def chain_persistent(x, w_stacked, **kw):
+    return stream_phases(x, w_stacked, **kw)[-1]
+
+
+def chain_separate(x, ws, **kw):
+    for w in ws:  # each [1, N, K]: one phase per launch
+        x = stream_phases(x, w, **kw)[0]
+    return x
+
+
+def reference_first_phase(x, w0):
+    """y_0 in XLA: f32 products of the bf16 inputs, rounded to bf16 as the kernel stores."""
+    k = w0.shape[1]
+    return jnp.einsum("bk,nk->bn", x[:, :k].astype(jnp.float32), w0.astype(jnp.float32)).astype(x.dtype)
+
+
+def measure(n: int, k: int, phases: int, reps: int, block_k: int, stages: int, bw: float) -> dict:
+    import numpy as np
+
+    from bench_attention import ratio_stats, time_interleaved
+
+    keys = jax.random.split(jax.random.key(0), phases + 1)
+    # 1/sqrt(K) keeps the chained activations at scale ~1; rows 1-7 are the batch padding (zeros)
+    ws = [(jax.random.normal(key, (1, n, k), jnp.float32) / k**0.5).astype(jnp.bfloat16) for key in keys[1:]]
+    stacked = jnp.concatenate(ws)
+    x = jnp.zeros((ROWS, k), jnp.bfloat16).at[0].set(jax.random.normal(keys[0], (k,), jnp.bfloat16))
+    kw = dict(block_k=block_k, stages=stages)
+    persistent = jax.jit(functools.partial(chain_persistent, **kw))
+    separate = jax.jit(functools.partial(chain_separate, **kw))
+    out_p, out_s = (np.asarray(f(x, a), np.float32) for f, a in ((persistent, stacked), (separate, ws)))
+    first = np.asarray(stream_phases(x, ws[0], **kw)[0], np.float32)[0]
+    want = np.asarray(reference_first_phase(x, ws[0][0]), np.float32)[0]
+    row = dict(N=n, K=k, phases=phases, ctas=n // BLOCK_F, block_k=block_k, stages=stages,
+               MB_per_phase=n * k * 2 / 1e6, persistent_equals_separate=bool(np.array_equal(out_p, out_s)),
+               rel_err_first_phase=float(np.linalg.norm(first - want) / max(np.linalg.norm(want), 1e-30)),
+               nonzero_output=bool(np.abs(out_p[0]).max() > 0))
+    times = time_interleaved({"persistent": lambda: persistent(x, stacked), "separate": lambda: separate(x, ws)},
+                             warmup=2, reps=reps)
+    for name in ("persistent", "separate"):
+        us = float(np.median(times[name])) / phases * 1e6
+        row[f"us_per_phase_{name}"] = us
+        row[f"pct_bw_{name}"] = 100 * n * k * 2 / (us * 1e-6) / bw
+    row["separate_over_persistent"], row["q1"], row["q3"] = ratio_stats(times["separate"], times["persistent"])
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| N | K | phases | CTAs | MB per phase | µs per phase, separate | persistent | separate / persistent "
+             "(quartiles) | % of copy BW separate / persistent | outputs equal | first phase vs XLA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['N']} | {r['K']} | {r['phases']} | {r['ctas']} | {r['MB_per_phase']:.1f} | "
+            f"{r['us_per_phase_separate']:.2f} | {r['us_per_phase_persistent']:.2f} | "
+            f"{r['separate_over_persistent']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | "
+            f"{r['pct_bw_separate']:.0f}% / {r['pct_bw_persistent']:.0f}% | {r['persistent_equals_separate']} | "
+            f"{r['rel_err_first_phase']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="8192,512,32;8192,1024,32;8192,2048,16;4096,2048,16",
+                   help="'N,K,phases;...' (N / 64 CTAs, all resident: N <= 64 x the SM count)")
+    p.add_argument("--block-k", type=int, default=256)
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None, help="write the rows as JSON and the table as markdown here (a prefix)")
+    args = p.parse_args(argv)
+
+    from bench_attention import header
+    from bench_decode import measure_bandwidth
+
+    bw = max(measure_bandwidth(1 << 30).values())
+    print(header(), f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for spec in args.shapes.split(";"):
+        n, k, phases = map(int, spec.split(","))
+        if n // BLOCK_F > jax.devices()[0].core_count:
+            raise SystemExit(f"--shapes: N={n} needs {n // BLOCK_F} resident CTAs, more than the "
+                             f"{jax.devices()[0].core_count} SMs")
+        row = measure(n, k, phases, args.reps, args.block_k, args.stages, bw)
+        row["copy_TBps"], row["device"] = bw / 1e12, jax.devices()[0].device_kind
+        print("row", json.dumps(row), flush=True)
+        rows.append(row)
+    md = table(rows)
+    print(md)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(rows, indent=1))
+        Path(f"{args.out}.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
