@@ -45,14 +45,16 @@ BLOCK_F = 64  # output rows per CTA (wgmma M)
 
 
 def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *, phases: int, k: int,
-          block_k: int, stages: int, ctas: int):
+          block_k: int, stages: int, ctas: int, barrier: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     steps = k // block_k
     total = phases * steps
     f0 = lax.axis_index("f") * BLOCK_F
     wg = lax.axis_index("wg")
-    done = pl.get_global(plgpu.SemaphoreType.REGULAR((max(phases - 1, 1),)))  # zeroed per call
+    sync = barrier and phases > 1
+    # zeroed per call (an XLA memset before the kernel, so only where there is something to wait for)
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((phases - 1,))) if sync else None
 
     @pl.when(wg == 0)
     def _consumer():
@@ -68,7 +70,8 @@ def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *
 
             @pl.when(p > 0)
             def _():  # every CTA's tile of y_(p-1) is written: then x_p = its first K columns
-                plgpu.semaphore_wait(done.at[p - 1], ctas, decrement=False, memory_scope="gpu")
+                if sync:
+                    plgpu.semaphore_wait(done.at[p - 1], ctas, decrement=False, memory_scope="gpu")
                 load_x(y_ref.at[p - 1])
 
             def step(j, acc):
@@ -90,9 +93,10 @@ def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *
             plgpu.copy_smem_to_gmem(out_smem, y_ref.at[p, :, pl.ds(f0, BLOCK_F)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, not only read out of shared memory
 
-            @pl.when(p + 1 < phases)
-            def _():
-                plgpu.semaphore_signal(done.at[p], 1, memory_scope="gpu")
+            if sync:
+                @pl.when(p + 1 < phases)
+                def _():
+                    plgpu.semaphore_signal(done.at[p], 1, memory_scope="gpu")
 
     @pl.when(wg == 1)
     def _producer():  # the weights of every phase, back to back: they depend on no activation
@@ -112,9 +116,12 @@ def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *
             plgpu.barrier_wait(free.at[lax.rem(g, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "stages"))
-def stream_phases(x, w, *, block_k: int = 256, stages: int = 4):
-    """y [phases, 8, N]: y_0 = x[:, :K] W_0ᵀ, y_l = y_(l-1)[:, :K] W_lᵀ, for w [phases, N, K] and x [8, >= K]."""
+@functools.partial(jax.jit, static_argnames=("block_k", "stages", "barrier"))
+def stream_phases(x, w, *, block_k: int = 256, stages: int = 4, barrier: bool = True):
+    """y [phases, 8, N]: y_0 = x[:, :K] W_0ᵀ, y_l = y_(l-1)[:, :K] W_lᵀ, for w [phases, N, K] and x [8, >= K].
+
+    barrier=False leaves out the wait between phases: the outputs are then wrong (a phase may
+    read its x before it is written), but the time is the kernel's streaming ceiling."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     phases, n, k = w.shape
@@ -134,7 +141,7 @@ def stream_phases(x, w, *, block_k: int = 256, stages: int = 4):
     )
     ctas = n // BLOCK_F
     return plgpu.kernel(
-        functools.partial(_body, phases=phases, k=k, block_k=block_k, stages=stages, ctas=ctas),
+        functools.partial(_body, phases=phases, k=k, block_k=block_k, stages=stages, ctas=ctas, barrier=barrier),
         out_type=jax.ShapeDtypeStruct((phases, ROWS, n), x.dtype),
         scratch_types=scratch,
         grid=(ctas,),
@@ -172,6 +179,7 @@ def measure(n: int, k: int, phases: int, reps: int, block_k: int, stages: int, b
     x = jnp.zeros((ROWS, k), jnp.bfloat16).at[0].set(jax.random.normal(keys[0], (k,), jnp.bfloat16))
     kw = dict(block_k=block_k, stages=stages)
     persistent = jax.jit(functools.partial(chain_persistent, **kw))
+    unsynced = jax.jit(functools.partial(chain_persistent, barrier=False, **kw))
     separate = jax.jit(functools.partial(chain_separate, **kw))
     out_p, out_s = (np.asarray(f(x, a), np.float32) for f, a in ((persistent, stacked), (separate, ws)))
     first = np.asarray(stream_phases(x, ws[0], **kw)[0], np.float32)[0]
@@ -180,9 +188,9 @@ def measure(n: int, k: int, phases: int, reps: int, block_k: int, stages: int, b
                MB_per_phase=n * k * 2 / 1e6, persistent_equals_separate=bool(np.array_equal(out_p, out_s)),
                rel_err_first_phase=float(np.linalg.norm(first - want) / max(np.linalg.norm(want), 1e-30)),
                nonzero_output=bool(np.abs(out_p[0]).max() > 0))
-    times = time_interleaved({"persistent": lambda: persistent(x, stacked), "separate": lambda: separate(x, ws)},
-                             warmup=2, reps=reps)
-    for name in ("persistent", "separate"):
+    times = time_interleaved({"persistent": lambda: persistent(x, stacked), "separate": lambda: separate(x, ws),
+                              "no_barrier": lambda: unsynced(x, stacked)}, warmup=2, reps=reps)
+    for name in ("persistent", "separate", "no_barrier"):
         us = float(np.median(times[name])) / phases * 1e6
         row[f"us_per_phase_{name}"] = us
         row[f"pct_bw_{name}"] = 100 * n * k * 2 / (us * 1e-6) / bw
@@ -190,16 +198,51 @@ def measure(n: int, k: int, phases: int, reps: int, block_k: int, stages: int, b
     return row
 
 
+def single_launches(n: int, k: int, reps: int, bw: float, chain: int = 20) -> list[str]:
+    """One phase per launch, for scale: this kernel against the decoder's TMA head kernel
+    (decode_tma.norm_matmul_tma, the same ring with one weight half) and XLA's product, each
+    `chain` times in one jitted call, a scalar dependency (a tiny XLA kernel) between them."""
+    import numpy as np
+
+    from bench_attention import time_interleaved
+    from scaling.kernels import decode_tma
+
+    w = (jax.random.normal(jax.random.key(1), (1, n, k), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    x = jnp.zeros((ROWS, k), jnp.bfloat16).at[0].set(1.0)
+
+    def chained(f):
+        @jax.jit
+        def run(x, w):
+            acc = jnp.float32(0)
+            for _ in range(chain):
+                acc = acc + f(x, w).astype(jnp.float32)[0, 0]
+                x = x + (acc * 0).astype(x.dtype)  # each launch waits for the one before
+            return acc
+        return run
+
+    fns = {"stream_phases (this kernel, one phase)": chained(lambda x, w: stream_phases(x, w)[0]),
+           "decode_tma.norm_matmul_tma": chained(lambda x, w: decode_tma.norm_matmul_tma(x, w[0], eps=1e-5)),
+           "XLA einsum": chained(lambda x, w: jnp.einsum("bk,nk->bn", x, w[0]))}
+    times = time_interleaved({name: (lambda f=f: f(x, w)) for name, f in fns.items()}, warmup=2, reps=reps)
+    out = []
+    for name, ts in times.items():
+        us = float(np.median(ts)) / chain * 1e6
+        out.append(f"| {n} | {k} | {n * k * 2 / 1e6:.1f} | {name} | {us:.2f} | {100 * n * k * 2 / (us * 1e-6) / bw:.0f}% |")
+    return out
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| N | K | phases | CTAs | MB per phase | µs per phase, separate | persistent | separate / persistent "
-             "(quartiles) | % of copy BW separate / persistent | outputs equal | first phase vs XLA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| N | K | phases | CTAs | stages | MB per phase | µs per phase, separate | persistent | persistent "
+             "without the barrier | separate / persistent (quartiles) | % of copy BW separate / persistent / "
+             "without the barrier | outputs equal | first phase vs XLA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['N']} | {r['K']} | {r['phases']} | {r['ctas']} | {r['MB_per_phase']:.1f} | "
+            f"| {r['N']} | {r['K']} | {r['phases']} | {r['ctas']} | {r['stages']} | {r['MB_per_phase']:.1f} | "
             f"{r['us_per_phase_separate']:.2f} | {r['us_per_phase_persistent']:.2f} | "
-            f"{r['separate_over_persistent']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | "
-            f"{r['pct_bw_separate']:.0f}% / {r['pct_bw_persistent']:.0f}% | {r['persistent_equals_separate']} | "
+            f"{r['us_per_phase_no_barrier']:.2f} | {r['separate_over_persistent']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) | "
+            f"{r['pct_bw_separate']:.0f}% / {r['pct_bw_persistent']:.0f}% / {r['pct_bw_no_barrier']:.0f}% | "
+            f"{r['persistent_equals_separate']} | "
             f"{r['rel_err_first_phase']:.1e} |")
     return "\n".join(lines)
 
@@ -207,10 +250,12 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8192,512,32;8192,1024,32;8192,2048,16;4096,2048,16",
-                   help="'N,K,phases;...' (N / 64 CTAs, all resident: N <= 64 x the SM count)")
+                   help="'N,K,phases[,stages];...' (N / 64 CTAs, all resident: N <= 64 x the SM count)")
     p.add_argument("--block-k", type=int, default=256)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--single", default="", help="'N,K;...': also time one launch per phase of this kernel, "
+                   "the decoder's TMA head kernel and XLA (single_launches)")
     p.add_argument("--out", default=None, help="write the rows as JSON and the table as markdown here (a prefix)")
     args = p.parse_args(argv)
 
@@ -220,16 +265,20 @@ def main(argv=None) -> None:
     bw = max(measure_bandwidth(1 << 30).values())
     print(header(), f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for spec in args.shapes.split(";"):
-        n, k, phases = map(int, spec.split(","))
+    for spec in filter(None, args.shapes.split(";")):
+        n, k, phases, *st = map(int, spec.split(","))
         if n // BLOCK_F > jax.devices()[0].core_count:
             raise SystemExit(f"--shapes: N={n} needs {n // BLOCK_F} resident CTAs, more than the "
                              f"{jax.devices()[0].core_count} SMs")
-        row = measure(n, k, phases, args.reps, args.block_k, args.stages, bw)
+        row = measure(n, k, phases, args.reps, args.block_k, st[0] if st else args.stages, bw)
         row["copy_TBps"], row["device"] = bw / 1e12, jax.devices()[0].device_kind
         print("row", json.dumps(row), flush=True)
         rows.append(row)
     md = table(rows)
+    if args.single:
+        md += ("\n\n| N | K | MB | one launch per phase | µs | % of copy BW |\n|---|---|---|---|---|---|\n"
+               + "\n".join(line for spec in args.single.split(";")
+                           for line in single_launches(*map(int, spec.split(",")), args.reps, bw)))
     print(md)
     if args.out:
         Path(f"{args.out}.json").write_text(json.dumps(rows, indent=1))

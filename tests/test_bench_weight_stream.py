@@ -29,6 +29,8 @@ def test_persistent_and_separate_chains_lower_for_hopper():
     phases, n, k = 3, 512, 256
     text = lower(ws.chain_persistent, sds((8, k)), sds((phases, n, k)))
     assert text.count(MOSAIC_CALL) == 1
+    assert lower(lambda x, w: ws.chain_persistent(x, w, barrier=False), sds((8, k)),
+                 sds((phases, n, k))).count(MOSAIC_CALL) == 1
     text = lower(lambda x, *w: ws.chain_separate(x, w), sds((8, k)), *[sds((1, n, k))] * phases)
     # one launch per phase (the phases after the first share one function: x is [8, N] there)
     assert text.count("call @stream_phases") == phases
