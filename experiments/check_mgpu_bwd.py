@@ -77,6 +77,8 @@ VARIANTS = {
     "ds4-2c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=4500 << 20),
     "ds4-4c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=2200 << 20),  # 4 x 8 heads
     "ds4-7c": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=1400 << 20),  # 5 and 4 heads
+    # for the correctness checks: 3.5 MB, so at T = 1k (1.1 MB per head) runs of 2 heads, not 3 + 3 + 2
+    "ds4-c3": bwd.MosaicBwdConfig(dq_from_ds=True, stages_dq=4, ds_workspace_max_bytes=3500 << 10),
 }
 
 
@@ -230,7 +232,7 @@ def main():
             (1, 768, 768, 12, 4, 128, True, f16),
         ], args.check_configs.split(","))
     rows = []
-    for shape in args.shapes.split(";"):
+    for shape in filter(None, args.shapes.split(";")):  # --shapes "": the correctness checks only
         b, t, h, kv, d, c = (int(x) for x in shape.split(","))
         names = [n for n in args.variants.split(",") if n]
         variants = {n: VARIANTS[n] for n in names
