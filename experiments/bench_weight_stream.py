@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 ROWS = 8  # activation rows (a TMA box of one 8-row tile)
+SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (as scaling.kernels.flash_attention_mgpu_bwd)
 BLOCK_F = 64  # output rows per CTA (wgmma M)
 
 
@@ -151,6 +152,187 @@ def stream_phases(x, w, *, block_k: int = 256, stages: int = 4, barrier: bool = 
     )(x, w)
 
 
+def _chain_body(*refs, shapes: tuple[tuple[int, int], ...], block_k: int, stages: int, ctas: int, sync: bool):
+    """A chain of phases of different shapes: phase p is y_p = x_p W_pᵀ, W_p [N_p, K_p], x_0 the
+    input and x_p the first K_p columns of y_(p-1). CTA c takes the 64-row tiles c, c + ctas, ...
+    of each phase (a phase with fewer tiles than CTAs leaves the rest idle: no K splits here)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    phases = len(shapes)
+    x_ref, w_refs, y_refs = refs[0], refs[1:1 + phases], refs[1 + phases:1 + 2 * phases]
+    x_smem, w_ring, out_smem, x_full, w_full, free = refs[1 + 2 * phases:]
+    c = lax.axis_index("f")
+    wg = lax.axis_index("wg")
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((phases - 1,))) if sync else None
+
+    def tile(p, i):
+        """The CTA's i-th tile of phase p, and whether it exists."""
+        t = c + i * ctas
+        return t, t < shapes[p][0] // BLOCK_F
+
+    def max_items(p):
+        return -(-(shapes[p][0] // BLOCK_F) // ctas)
+
+    @pl.when(wg == 0)
+    def _consumer():
+        g = jnp.int32(0)  # ring steps consumed so far
+        for p, (n, k) in enumerate(shapes):
+            steps = k // block_k
+            if p and sync:  # every CTA has written its tiles of y_(p-1)
+                plgpu.semaphore_wait(done.at[p - 1], ctas, decrement=False, memory_scope="gpu")
+            src = x_ref if p == 0 else y_refs[p - 1]
+            has_work = tile(p, 0)[1]
+
+            @pl.when(has_work)
+            def _load_x():
+                for j in range(steps):
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * block_k, block_k)], x_smem.at[j], x_full.at[j])
+                for j in range(steps):
+                    plgpu.barrier_wait(x_full.at[j])
+
+            def item(i, g, p=p, steps=steps):
+                t, exists = tile(p, i)
+
+                @pl.when(exists)
+                def _():
+                    def step(j, acc):
+                        slot = lax.rem(g + j, stages)
+                        plgpu.barrier_wait(w_full.at[slot])
+
+                        def issue(acc_ref):
+                            plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[j].T)
+
+                        acc = pl.run_state(issue)(plgpu.ACC.init(acc))
+                        plgpu.barrier_arrive(free.at[slot])
+                        return acc
+
+                    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_F, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+                    acc = lax.fori_loop(0, steps, step, acc0)
+                    out_smem.T[...] = acc.astype(out_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem, y_refs[p].at[:, pl.ds(t * BLOCK_F, BLOCK_F)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+                return g + jnp.where(exists, steps, 0)
+
+            g = lax.fori_loop(0, max_items(p), item, g)
+            if sync and p + 1 < phases:
+                plgpu.semaphore_signal(done.at[p], 1, memory_scope="gpu")
+
+    @pl.when(wg == 1)
+    def _producer():  # every phase's weight tiles, back to back
+        g = jnp.int32(0)
+        for p, (n, k) in enumerate(shapes):
+            steps = k // block_k
+
+            def item(i, g, p=p, steps=steps):
+                t, exists = tile(p, i)
+
+                @pl.when(exists)
+                def _():
+                    @pl.loop(0, steps)
+                    def _fetch(j):
+                        slot = lax.rem(g + j, stages)
+
+                        @pl.when(g + j >= stages)
+                        def _():
+                            plgpu.barrier_wait(free.at[slot])
+                        plgpu.copy_gmem_to_smem(w_refs[p].at[pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)],
+                                                w_ring.at[slot], w_full.at[slot])
+
+                return g + jnp.where(exists, steps, 0)
+
+            g = lax.fori_loop(0, max_items(p), item, g)
+
+        @pl.loop(0, stages)
+        def _drain(i):  # the last `stages` releases (fewer if the CTA streamed fewer tiles)
+            @pl.when(g - stages + i >= 0)
+            def _():
+                plgpu.barrier_wait(free.at[lax.rem(g - stages + i, stages)])
+
+
+def chain_smem_bytes(max_k: int, block_k: int, stages: int) -> int:
+    """Shared memory of stream_chain: all of x (bf16, 8 rows), the weight ring, the output tile and
+    the barriers (8 bytes each)."""
+    return ROWS * max_k * 2 + stages * BLOCK_F * block_k * 2 + ROWS * BLOCK_F * 2 + 8 * (max_k // block_k + 2 * stages)
+
+
+def stream_chain(x, ws, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: bool = True):
+    """The phases `ws` (each [N_p, K_p]) as one kernel of `ctas` resident CTAs; returns each y_p."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    shapes = tuple(tuple(w.shape) for w in ws)
+    for p, (n, k) in enumerate(shapes):
+        src = x.shape[1] if p == 0 else shapes[p - 1][0]
+        if n % BLOCK_F or k % block_k or k > src:
+            raise ValueError(f"phase {p}: W {n}x{k} needs N a multiple of {BLOCK_F}, K of block_k={block_k}, "
+                             f"and K <= {src} (the previous output's width)")
+    if (need := chain_smem_bytes(max(k for _, k in shapes), block_k, stages)) > SMEM_BYTES:
+        raise ValueError(f"x (K up to {max(k for _, k in shapes)}) and {stages} ring slots need {need} bytes of "
+                         f"shared memory, more than {SMEM_BYTES}: fewer stages or a smaller block_k")
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    max_steps = max(k for _, k in shapes) // block_k
+    scratch = (plgpu.SMEM((max_steps, ROWS, block_k), x.dtype, transforms=tiled),
+               plgpu.SMEM((stages, BLOCK_F, block_k), x.dtype, transforms=tiled),
+               plgpu.SMEM((ROWS, BLOCK_F), x.dtype),
+               plgpu.Barrier(num_barriers=max_steps), plgpu.Barrier(num_barriers=stages),
+               plgpu.Barrier(num_barriers=stages))
+    return plgpu.kernel(
+        functools.partial(_chain_body, shapes=shapes, block_k=block_k, stages=stages, ctas=ctas,
+                          sync=barrier and len(shapes) > 1),
+        out_type=tuple(jax.ShapeDtypeStruct((ROWS, n), x.dtype) for n, _ in shapes),
+        scratch_types=scratch, grid=(ctas,), grid_names=("f",), num_threads=2, thread_name="wg",
+    )(x, *ws)
+
+
+def model_chain_shapes(model: str, layers: int | None = None) -> list[tuple[int, int]]:
+    """The GEMV phases of a batch-1 decode step of a preset (attention, norms, RoPE and the SwiGLU
+    left out): per layer q/k/v, output, gate/up (both halves as one matrix), down; then the head."""
+    from bench_decode import preset
+
+    m = preset(model)
+    d, f, hd = m.hidden_size, m.mlp_dim, m.resolved_head_dim
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * hd
+    layer = [(qkv, d), (d, d), (2 * f, d), (d, f)]
+    return layer * (m.num_layers if layers is None else layers) + [(m.vocab_size, d)]
+
+
+def measure_model_chain(model: str, reps: int, bw: float, ctas: int, block_k: int, stages: int) -> dict:
+    """The model's GEMV chain as one persistent kernel, without the barrier, and one launch per phase."""
+    import numpy as np
+
+    from bench_attention import time_interleaved
+
+    shapes = model_chain_shapes(model)
+    max_k = max(k for _, k in shapes)
+    while stages > 2 and chain_smem_bytes(max_k, block_k, stages) > SMEM_BYTES:
+        stages -= 1  # all of x stays in shared memory: the 1b's down (K = 8192) leaves room for 3 slots
+    keys = jax.random.split(jax.random.key(0), len(shapes) + 1)
+    ws = [(jax.random.normal(key, s, jnp.float32) / s[1] ** 0.5).astype(jnp.bfloat16) for key, s in zip(keys[1:], shapes)]
+    x = jnp.zeros((ROWS, shapes[0][1]), jnp.bfloat16).at[0].set(jax.random.normal(keys[0], (shapes[0][1],), jnp.bfloat16))
+    kw = dict(block_k=block_k, stages=stages)
+    persistent = jax.jit(lambda x, ws: stream_chain(x, ws, ctas=ctas, **kw)[-1])
+    unsynced = jax.jit(lambda x, ws: stream_chain(x, ws, ctas=ctas, barrier=False, **kw)[-1])
+
+    @jax.jit
+    def separate(x, ws):
+        for w in ws:
+            x = stream_chain(x, [w], ctas=w.shape[0] // BLOCK_F, **kw)[0]
+        return x
+
+    out_p, out_s = np.asarray(persistent(x, ws), np.float32), np.asarray(separate(x, ws), np.float32)
+    times = time_interleaved({"persistent": lambda: persistent(x, ws), "separate": lambda: separate(x, ws),
+                              "no_barrier": lambda: unsynced(x, ws)}, warmup=2, reps=reps)
+    nbytes = sum(n * k * 2 for n, k in shapes)
+    row = dict(model=model, phases=len(shapes), ctas=ctas, block_k=block_k, stages=stages, MB=nbytes / 1e6,
+               persistent_equals_separate=bool(np.array_equal(out_p, out_s)))
+    for name, ts in times.items():
+        ms = float(np.median(ts)) * 1e3
+        row[f"ms_{name}"] = ms
+        row[f"pct_bw_{name}"] = 100 * nbytes / (ms * 1e-3) / bw
+    return row
+
+
 def chain_persistent(x, w_stacked, **kw):
     return stream_phases(x, w_stacked, **kw)[-1]
 
@@ -256,6 +438,9 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--single", default="", help="'N,K;...': also time one launch per phase of this kernel, "
                    "the decoder's TMA head kernel and XLA (single_launches)")
+    p.add_argument("--models", default="", help="'1b,llama2_7b': also time each preset's whole batch-1 GEMV "
+                   "chain (model_chain_shapes) as one persistent kernel and as one launch per phase")
+    p.add_argument("--ctas", type=int, default=0, help="persistent CTAs for --models (0: the SM count)")
     p.add_argument("--out", default=None, help="write the rows as JSON and the table as markdown here (a prefix)")
     args = p.parse_args(argv)
 
@@ -275,6 +460,16 @@ def main(argv=None) -> None:
         print("row", json.dumps(row), flush=True)
         rows.append(row)
     md = table(rows)
+    if args.models:
+        md += ("\n\n| model | phases | MB | CTAs | ms per step: one launch per phase | one persistent kernel | "
+               "without the barrier | % of copy BW | outputs equal |\n|---|---|---|---|---|---|---|---|---|\n")
+        for model in args.models.split(","):
+            r = measure_model_chain(model, args.reps, bw, args.ctas or jax.devices()[0].core_count,
+                                    args.block_k, args.stages)
+            print("model", json.dumps(r), flush=True)
+            md += (f"| {model} | {r['phases']} | {r['MB']:.0f} | {r['ctas']} | {r['ms_separate']:.3f} | "
+                   f"{r['ms_persistent']:.3f} | {r['ms_no_barrier']:.3f} | {r['pct_bw_separate']:.0f}% / "
+                   f"{r['pct_bw_persistent']:.0f}% / {r['pct_bw_no_barrier']:.0f}% | {r['persistent_equals_separate']} |\n")
     if args.single:
         md += ("\n\n| N | K | MB | one launch per phase | µs | % of copy BW |\n|---|---|---|---|---|---|\n"
                + "\n".join(line for spec in args.single.split(";")

@@ -41,3 +41,25 @@ def test_refusals():
         ws.stream_phases(jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((1, 256, 512), jnp.bfloat16))
     with pytest.raises(ValueError, match="block_k=256"):
         ws.stream_phases(jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((1, 256, 128), jnp.bfloat16))
+
+
+def test_model_chain_kernel_lowers_for_hopper():
+    """The heterogeneous chain (phases of different N and K, CTAs looping over tiles, phases
+    with fewer tiles than CTAs) lowers as one kernel; one launch per phase as one kernel each."""
+    shapes = [(384, 256), (256, 256), (1024, 256), (256, 512), (640, 256)]
+    ws_ = [sds(s) for s in shapes]
+    text = lower(lambda x, *w: ws.stream_chain(x, w, ctas=4)[-1], sds((8, 256)), *ws_)
+    assert text.count(MOSAIC_CALL) == 1
+    with pytest.raises(ValueError, match="phase 1"):
+        ws.stream_chain(jnp.zeros((8, 256), jnp.bfloat16), [jnp.zeros((64, 256), jnp.bfloat16),
+                                                             jnp.zeros((64, 128), jnp.bfloat16)], ctas=2)
+
+
+def test_model_chain_shapes_follow_the_preset():
+    shapes = ws.model_chain_shapes("1b")
+    from bench_decode import preset
+
+    m = preset("1b")
+    assert len(shapes) == 4 * m.num_layers + 1 and shapes[-1] == (m.vocab_size, m.hidden_size)
+    assert shapes[2] == (2 * m.mlp_dim, m.hidden_size) and shapes[3] == (m.hidden_size, m.mlp_dim)
+    assert shapes[0][0] == (m.num_heads + 2 * m.num_kv_heads) * m.resolved_head_dim
