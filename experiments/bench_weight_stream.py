@@ -24,8 +24,14 @@ first phase is also checked against XLA. Timed interleaved (bench_attention.time
 reported: µs per phase, the weight bytes' share of the copy bandwidth measured in the same
 process, and separate / persistent.
 
-GPU only: the global semaphores have no interpret mode; tests/test_bench_weight_stream.py lowers
-the kernel for sm_90 on the CPU.
+`--models 1b` does the same for a preset's whole batch-1 GEMV chain (q/k/v, output, gate/up and
+down per layer, then the head; attention, norms, RoPE and the SwiGLU left out): `stream_layers`,
+one kernel that loops over the layers (an unrolled kernel of the 1b's 65 phases took 4 min 18 s
+to compile on the GPU machine), against one launch per phase.
+
+The global semaphores have no interpret mode. tests/test_bench_weight_stream.py lowers both
+kernels for sm_90 on the CPU, and runs them in Pallas' GPU interpreter where no barrier is needed:
+one phase, and the layer chain with one CTA (which then computes every tile in order).
 """
 
 from __future__ import annotations
@@ -40,13 +46,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from scaling.kernels.flash_attention_mgpu import interpret_params
+
 ROWS = 8  # activation rows (a TMA box of one 8-row tile)
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (as scaling.kernels.flash_attention_mgpu_bwd)
 BLOCK_F = 64  # output rows per CTA (wgmma M)
 
 
 def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *, phases: int, k: int,
-          block_k: int, stages: int, ctas: int, barrier: bool):
+          block_k: int, stages: int, ctas: int, barrier: bool, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     steps = k // block_k
@@ -69,30 +77,16 @@ def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *
             def _():
                 load_x(x_ref)
 
-            @pl.when(p > 0)
-            def _():  # every CTA's tile of y_(p-1) is written: then x_p = its first K columns
-                if sync:
-                    plgpu.semaphore_wait(done.at[p - 1], ctas, decrement=False, memory_scope="gpu")
-                load_x(y_ref.at[p - 1])
+            if phases > 1:  # (one phase: y may be narrower than x, and is never read)
+                @pl.when(p > 0)
+                def _():  # every CTA's tile of y_(p-1) is written: then x_p = its first K columns
+                    if sync:
+                        plgpu.semaphore_wait(done.at[p - 1], ctas, decrement=False, memory_scope="gpu")
+                    load_x(y_ref.at[p - 1])
 
-            def step(j, acc):
-                slot = lax.rem(p * steps + j, stages)
-                plgpu.barrier_wait(x_full.at[j])
-                plgpu.barrier_wait(w_full.at[slot])
-
-                def issue(acc_ref):
-                    plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[j].T)
-
-                acc = pl.run_state(issue)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(free.at[slot])
-                return acc
-
-            acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_F, ROWS), jnp.float32), plgpu.Layout.WGMMA)
-            acc = lax.fori_loop(0, steps, step, acc0)
-            out_smem.T[...] = acc.astype(out_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, y_ref.at[p, :, pl.ds(f0, BLOCK_F)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, not only read out of shared memory
+            acc = _tile_product(steps, p * steps, stages, w_ring, x_smem, w_full, free, x_full=x_full,
+                                interpret=interpret)
+            _store_tile(acc, out_smem, y_ref.at[p, :, pl.ds(f0, BLOCK_F)])
 
             if sync:
                 @pl.when(p + 1 < phases)
@@ -117,17 +111,18 @@ def _body(x_ref, w_ref, y_ref, x_smem, w_ring, out_smem, x_full, w_full, free, *
             plgpu.barrier_wait(free.at[lax.rem(g, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "stages", "barrier"))
-def stream_phases(x, w, *, block_k: int = 256, stages: int = 4, barrier: bool = True):
+@functools.partial(jax.jit, static_argnames=("block_k", "stages", "barrier", "interpret"))
+def stream_phases(x, w, *, block_k: int = 256, stages: int = 4, barrier: bool = True, interpret: bool = False):
     """y [phases, 8, N]: y_0 = x[:, :K] W_0ᵀ, y_l = y_(l-1)[:, :K] W_lᵀ, for w [phases, N, K] and x [8, >= K].
 
     barrier=False leaves out the wait between phases: the outputs are then wrong (a phase may
-    read its x before it is written), but the time is the kernel's streaming ceiling."""
+    read its x before it is written), but the time is the kernel's streaming ceiling. interpret:
+    Pallas' GPU interpreter (one phase, or barrier=False: it has no global semaphores)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     phases, n, k = w.shape
-    if x.shape[0] != ROWS or x.shape[1] < k or n < k:
-        raise ValueError(f"x must be [{ROWS}, >= K={k}] and N={n} >= K, got x {x.shape}")
+    if x.shape[0] != ROWS or x.shape[1] < k or (phases > 1 and n < k):
+        raise ValueError(f"x must be [{ROWS}, >= K={k}] and, to chain phases, N={n} >= K; got x {x.shape}")
     if n % BLOCK_F or k % block_k or block_k % 64:
         raise ValueError(f"N={n} must be a multiple of {BLOCK_F}, K={k} of block_k={block_k}, block_k of 64")
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -142,93 +137,160 @@ def stream_phases(x, w, *, block_k: int = 256, stages: int = 4, barrier: bool = 
     )
     ctas = n // BLOCK_F
     return plgpu.kernel(
-        functools.partial(_body, phases=phases, k=k, block_k=block_k, stages=stages, ctas=ctas, barrier=barrier),
+        functools.partial(_body, phases=phases, k=k, block_k=block_k, stages=stages, ctas=ctas, barrier=barrier,
+                          interpret=interpret),
         out_type=jax.ShapeDtypeStruct((phases, ROWS, n), x.dtype),
         scratch_types=scratch,
         grid=(ctas,),
         grid_names=("f",),
         num_threads=2,
         thread_name="wg",
+        interpret=interpret_params(interpret),
     )(x, w)
 
 
-def _chain_body(*refs, shapes: tuple[tuple[int, int], ...], block_k: int, stages: int, ctas: int, sync: bool):
-    """A chain of phases of different shapes: phase p is y_p = x_p W_pᵀ, W_p [N_p, K_p], x_0 the
-    input and x_p the first K_p columns of y_(p-1). CTA c takes the 64-row tiles c, c + ctas, ...
-    of each phase (a phase with fewer tiles than CTAs leaves the rest idle: no K splits here)."""
+def _tile_product(steps: int, first_step, stages: int, w_ring, x_smem, w_full, free, x_full=None,
+                  interpret: bool = False):
+    """acc [64, 8] = (the CTA's weight tile) xᵀ over `steps` ring slots from global step
+    `first_step` on: wait for each weight tile (and x chunk, with x_full), one wgmma (a dot of the
+    same operands in interpret mode, which has no wgmma), free the slot."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    phases = len(shapes)
-    x_ref, w_refs, y_refs = refs[0], refs[1:1 + phases], refs[1 + phases:1 + 2 * phases]
-    x_smem, w_ring, out_smem, x_full, w_full, free = refs[1 + 2 * phases:]
+    def step(j, acc):
+        slot = lax.rem(first_step + j, stages)
+        if x_full is not None:
+            plgpu.barrier_wait(x_full.at[j])
+        plgpu.barrier_wait(w_full.at[slot])
+        if interpret:
+            acc = acc + jnp.dot(w_ring.at[slot][...], x_smem.at[j][...].T, preferred_element_type=jnp.float32)
+        else:
+            def issue(acc_ref):
+                plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[j].T)
+
+            acc = pl.run_state(issue)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(free.at[slot])
+        return acc
+
+    acc0 = jnp.zeros((BLOCK_F, ROWS), jnp.float32)
+    if not interpret:
+        acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+    return lax.fori_loop(0, steps, step, acc0)
+
+
+def _store_tile(acc, out_smem, dst):
+    """The [64, 8] accumulator as [8, 64] rows of y, by TMA, waited until written (not only read
+    out of shared memory): another CTA may read it next."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    out_smem.T[...] = acc.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
+# The phases of one layer in the layer-looped chain: (name, which output feeds x).
+LAYER_PHASES = ("qkv", "out", "gate_up", "down")
+
+
+def _layers_body(x_ref, wq, wo, wgu, wd, wh, yq, yo, ygu, yd, yh, x_smem, w_ring, out_smem, x_full, w_full, free, *,
+                 layers: int, block_k: int, stages: int, ctas: int, sync: bool, interpret: bool):
+    """A preset's batch-1 GEMV chain as one kernel, looping over layers (an unrolled 65-phase
+    kernel took 4 min 18 s to compile on the GPU machine). Per layer: q/k/v (x = the previous
+    layer's down output, or the input), output (x = q/k/v's first D columns), gate/up (x = the
+    output projection's), down (x = gate/up's first F columns); then the head. CTA c takes the
+    64-row tiles c, c + ctas, ... of each phase; narrow phases leave CTAs idle (no K splits)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     c = lax.axis_index("f")
     wg = lax.axis_index("wg")
-    done = pl.get_global(plgpu.SemaphoreType.REGULAR((phases - 1,))) if sync else None
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((4 * layers,))) if sync else None
+    weights = dict(qkv=wq, out=wo, gate_up=wgu, down=wd)
+    outputs = dict(qkv=yq, out=yo, gate_up=ygu, down=yd)
 
-    def tile(p, i):
-        """The CTA's i-th tile of phase p, and whether it exists."""
-        t = c + i * ctas
-        return t, t < shapes[p][0] // BLOCK_F
+    def tiles(w):
+        return w.shape[-2] // BLOCK_F
 
-    def max_items(p):
-        return -(-(shapes[p][0] // BLOCK_F) // ctas)
+    def max_items(w):
+        return -(-tiles(w) // ctas)
+
+    def steps_of(w):
+        return w.shape[-1] // block_k
+
+    def phase_consumer(g, n_tiles, steps, wait_for, load_x, dst):
+        """One phase for this CTA: wait for the phase before, load x, its tiles; returns g."""
+        if sync and wait_for is not None:
+            wait_for()
+
+        @pl.when(c < n_tiles)
+        def _():
+            load_x()
+            for j in range(steps):
+                plgpu.barrier_wait(x_full.at[j])
+
+        def item(i, g):
+            t = c + i * ctas
+
+            @pl.when(t < n_tiles)
+            def _():
+                acc = _tile_product(steps, g, stages, w_ring, x_smem, w_full, free, interpret=interpret)
+                _store_tile(acc, out_smem, dst(t))
+
+            return g + jnp.where(t < n_tiles, steps, 0)
+
+        return lax.fori_loop(0, -(-n_tiles // ctas), item, g)
+
+    def x_loader(src, steps):
+        def load():
+            for j in range(steps):
+                plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * block_k, block_k)], x_smem.at[j], x_full.at[j])
+        return load
+
+    def wait(index):
+        return lambda: plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
+
+    def signal(index):
+        if sync:
+            plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
 
     @pl.when(wg == 0)
     def _consumer():
-        g = jnp.int32(0)  # ring steps consumed so far
-        for p, (n, k) in enumerate(shapes):
-            steps = k // block_k
-            if p and sync:  # every CTA has written its tiles of y_(p-1)
-                plgpu.semaphore_wait(done.at[p - 1], ctas, decrement=False, memory_scope="gpu")
-            src = x_ref if p == 0 else y_refs[p - 1]
-            has_work = tile(p, 0)[1]
+        def layer(l, g):
+            for k, name in enumerate(LAYER_PHASES):
+                w, y = weights[name], outputs[name]
+                steps = steps_of(w)
+                if k == 0:  # x: the input, or the previous layer's down output
+                    def load(l=l, steps=steps):
+                        @pl.when(l == 0)
+                        def _():
+                            x_loader(x_ref, steps)()
 
-            @pl.when(has_work)
-            def _load_x():
-                for j in range(steps):
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(j * block_k, block_k)], x_smem.at[j], x_full.at[j])
-                for j in range(steps):
-                    plgpu.barrier_wait(x_full.at[j])
+                        @pl.when(l > 0)
+                        def _():
+                            x_loader(yd.at[jnp.maximum(l - 1, 0)], steps)()
 
-            def item(i, g, p=p, steps=steps):
-                t, exists = tile(p, i)
+                    def wait_prev(l=l):
+                        @pl.when(l > 0)
+                        def _():
+                            wait(4 * l - 1)()
+                else:
+                    load = x_loader(outputs[LAYER_PHASES[k - 1]].at[l], steps)
+                    wait_prev = wait(4 * l + k - 1)
+                g = phase_consumer(g, tiles(w), steps, wait_prev, load,
+                                   lambda t, y=y, l=l: y.at[l, :, pl.ds(t * BLOCK_F, BLOCK_F)])
+                signal(4 * l + k)
+            return g
 
-                @pl.when(exists)
-                def _():
-                    def step(j, acc):
-                        slot = lax.rem(g + j, stages)
-                        plgpu.barrier_wait(w_full.at[slot])
-
-                        def issue(acc_ref):
-                            plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[j].T)
-
-                        acc = pl.run_state(issue)(plgpu.ACC.init(acc))
-                        plgpu.barrier_arrive(free.at[slot])
-                        return acc
-
-                    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_F, ROWS), jnp.float32), plgpu.Layout.WGMMA)
-                    acc = lax.fori_loop(0, steps, step, acc0)
-                    out_smem.T[...] = acc.astype(out_smem.dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem, y_refs[p].at[:, pl.ds(t * BLOCK_F, BLOCK_F)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-
-                return g + jnp.where(exists, steps, 0)
-
-            g = lax.fori_loop(0, max_items(p), item, g)
-            if sync and p + 1 < phases:
-                plgpu.semaphore_signal(done.at[p], 1, memory_scope="gpu")
+        g = lax.fori_loop(0, layers, layer, jnp.int32(0))
+        phase_consumer(g, tiles(wh), steps_of(wh), wait(4 * layers - 1),
+                       x_loader(yd.at[layers - 1], steps_of(wh)), lambda t: yh.at[:, pl.ds(t * BLOCK_F, BLOCK_F)])
 
     @pl.when(wg == 1)
-    def _producer():  # every phase's weight tiles, back to back
-        g = jnp.int32(0)
-        for p, (n, k) in enumerate(shapes):
-            steps = k // block_k
+    def _producer():  # every phase's weight tiles, back to back: they depend on no activation
+        def stream(g, n_tiles, steps, src):
+            def item(i, g):
+                t = c + i * ctas
 
-            def item(i, g, p=p, steps=steps):
-                t, exists = tile(p, i)
-
-                @pl.when(exists)
+                @pl.when(t < n_tiles)
                 def _():
                     @pl.loop(0, steps)
                     def _fetch(j):
@@ -237,12 +299,24 @@ def _chain_body(*refs, shapes: tuple[tuple[int, int], ...], block_k: int, stages
                         @pl.when(g + j >= stages)
                         def _():
                             plgpu.barrier_wait(free.at[slot])
-                        plgpu.copy_gmem_to_smem(w_refs[p].at[pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)],
-                                                w_ring.at[slot], w_full.at[slot])
+                        plgpu.copy_gmem_to_smem(src(t, j), w_ring.at[slot], w_full.at[slot])
 
-                return g + jnp.where(exists, steps, 0)
+                return g + jnp.where(t < n_tiles, steps, 0)
 
-            g = lax.fori_loop(0, max_items(p), item, g)
+            return lax.fori_loop(0, -(-n_tiles // ctas), item, g)
+
+        def tile_src(w, l):
+            return lambda t, j: w.at[l, pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)]
+
+        def layer(l, g):
+            for name in LAYER_PHASES:
+                w = weights[name]
+                g = stream(g, tiles(w), steps_of(w), tile_src(w, l))
+            return g
+
+        g = lax.fori_loop(0, layers, layer, jnp.int32(0))
+        g = stream(g, tiles(wh), steps_of(wh),
+                   lambda t, j: wh.at[pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)])
 
         @pl.loop(0, stages)
         def _drain(i):  # the last `stages` releases (fewer if the CTA streamed fewer tiles)
@@ -252,80 +326,96 @@ def _chain_body(*refs, shapes: tuple[tuple[int, int], ...], block_k: int, stages
 
 
 def chain_smem_bytes(max_k: int, block_k: int, stages: int) -> int:
-    """Shared memory of stream_chain: all of x (bf16, 8 rows), the weight ring, the output tile and
-    the barriers (8 bytes each)."""
+    """Shared memory of stream_layers: all of x (bf16, 8 rows), the weight ring, the output tile
+    and the barriers (8 bytes each)."""
     return ROWS * max_k * 2 + stages * BLOCK_F * block_k * 2 + ROWS * BLOCK_F * 2 + 8 * (max_k // block_k + 2 * stages)
 
 
-def stream_chain(x, ws, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: bool = True):
-    """The phases `ws` (each [N_p, K_p]) as one kernel of `ctas` resident CTAs; returns each y_p."""
+def stream_layers(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 3, barrier: bool = True,
+                  interpret: bool = False):
+    """The GEMV chain of `layers` decoder layers and the head as one kernel of `ctas` resident CTAs
+    (`_layers_body`); w* stacked per layer [L, N, K] (wh [V, D]). Returns (yq, yo, ygu, yd, yh).
+    interpret (Pallas' GPU interpreter, CPU tests) needs barrier=False (it has no global
+    semaphores) and runs the CTAs one after another, so only ctas=1 computes the chain right."""
+    if interpret and barrier:
+        raise ValueError("stream_layers: interpret mode has no global semaphores; pass barrier=False (and ctas=1)")
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    shapes = tuple(tuple(w.shape) for w in ws)
-    for p, (n, k) in enumerate(shapes):
-        src = x.shape[1] if p == 0 else shapes[p - 1][0]
-        if n % BLOCK_F or k % block_k or k > src:
-            raise ValueError(f"phase {p}: W {n}x{k} needs N a multiple of {BLOCK_F}, K of block_k={block_k}, "
-                             f"and K <= {src} (the previous output's width)")
-    if (need := chain_smem_bytes(max(k for _, k in shapes), block_k, stages)) > SMEM_BYTES:
-        raise ValueError(f"x (K up to {max(k for _, k in shapes)}) and {stages} ring slots need {need} bytes of "
-                         f"shared memory, more than {SMEM_BYTES}: fewer stages or a smaller block_k")
+    layers, _, d = wq.shape
+    shapes = dict(qkv=wq.shape[1:], out=wo.shape[1:], gate_up=wgu.shape[1:], down=wd.shape[1:], head=wh.shape)
+    widths = dict(qkv=x.shape[1], out=wq.shape[1], gate_up=wo.shape[1], down=wgu.shape[1], head=wd.shape[1])
+    for name, (n, k) in shapes.items():
+        if n % BLOCK_F or k % block_k or k > widths[name] or (name == "qkv" and k > wd.shape[1]):
+            raise ValueError(f"{name}: W {n}x{k} needs N a multiple of {BLOCK_F}, K of block_k={block_k}, and K "
+                             f"<= the width of the output before it ({widths[name]})")
+    max_k = max(k for _, k in shapes.values())
+    if (need := chain_smem_bytes(max_k, block_k, stages)) > SMEM_BYTES:
+        raise ValueError(f"x (K up to {max_k}) and {stages} ring slots need {need} bytes of shared memory, more "
+                         f"than {SMEM_BYTES}: fewer stages or a smaller block_k")
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    max_steps = max(k for _, k in shapes) // block_k
-    scratch = (plgpu.SMEM((max_steps, ROWS, block_k), x.dtype, transforms=tiled),
+    scratch = (plgpu.SMEM((max_k // block_k, ROWS, block_k), x.dtype, transforms=tiled),
                plgpu.SMEM((stages, BLOCK_F, block_k), x.dtype, transforms=tiled),
                plgpu.SMEM((ROWS, BLOCK_F), x.dtype),
-               plgpu.Barrier(num_barriers=max_steps), plgpu.Barrier(num_barriers=stages),
+               plgpu.Barrier(num_barriers=max_k // block_k), plgpu.Barrier(num_barriers=stages),
                plgpu.Barrier(num_barriers=stages))
+    out = tuple(jax.ShapeDtypeStruct((layers, ROWS, w.shape[1]), x.dtype) for w in (wq, wo, wgu, wd))
     return plgpu.kernel(
-        functools.partial(_chain_body, shapes=shapes, block_k=block_k, stages=stages, ctas=ctas,
-                          sync=barrier and len(shapes) > 1),
-        out_type=tuple(jax.ShapeDtypeStruct((ROWS, n), x.dtype) for n, _ in shapes),
+        functools.partial(_layers_body, layers=layers, block_k=block_k, stages=stages, ctas=ctas, sync=barrier,
+                          interpret=interpret),
+        out_type=(*out, jax.ShapeDtypeStruct((ROWS, wh.shape[0]), x.dtype)),
         scratch_types=scratch, grid=(ctas,), grid_names=("f",), num_threads=2, thread_name="wg",
-    )(x, *ws)
+        interpret=interpret_params(interpret),
+    )(x, wq, wo, wgu, wd, wh)
 
 
-def model_chain_shapes(model: str, layers: int | None = None) -> list[tuple[int, int]]:
-    """The GEMV phases of a batch-1 decode step of a preset (attention, norms, RoPE and the SwiGLU
-    left out): per layer q/k/v, output, gate/up (both halves as one matrix), down; then the head."""
+def model_chain_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """A preset's batch-1 decode GEMVs (attention, norms, RoPE and the SwiGLU left out), stacked
+    per layer: q/k/v, output, gate/up (both halves as one matrix), down; and the head."""
     from bench_decode import preset
 
     m = preset(model)
-    d, f, hd = m.hidden_size, m.mlp_dim, m.resolved_head_dim
-    qkv = (m.num_heads + 2 * m.num_kv_heads) * hd
-    layer = [(qkv, d), (d, d), (2 * f, d), (d, f)]
-    return layer * (m.num_layers if layers is None else layers) + [(m.vocab_size, d)]
+    d, f, hd, n = m.hidden_size, m.mlp_dim, m.resolved_head_dim, m.num_layers
+    return dict(qkv=(n, (m.num_heads + 2 * m.num_kv_heads) * hd, d), out=(n, d, d), gate_up=(n, 2 * f, d),
+                down=(n, d, f), head=(m.vocab_size, d))
 
 
 def measure_model_chain(model: str, reps: int, bw: float, ctas: int, block_k: int, stages: int) -> dict:
-    """The model's GEMV chain as one persistent kernel, without the barrier, and one launch per phase."""
+    """The model's GEMV chain as one persistent kernel, without the barrier, and one launch per
+    phase (stream_phases, per-layer weight copies so no slice runs in between)."""
     import numpy as np
 
     from bench_attention import time_interleaved
 
     shapes = model_chain_shapes(model)
-    max_k = max(k for _, k in shapes)
+    max_k = max(s[-1] for s in shapes.values())
     while stages > 2 and chain_smem_bytes(max_k, block_k, stages) > SMEM_BYTES:
         stages -= 1  # all of x stays in shared memory: the 1b's down (K = 8192) leaves room for 3 slots
-    keys = jax.random.split(jax.random.key(0), len(shapes) + 1)
-    ws = [(jax.random.normal(key, s, jnp.float32) / s[1] ** 0.5).astype(jnp.bfloat16) for key, s in zip(keys[1:], shapes)]
-    x = jnp.zeros((ROWS, shapes[0][1]), jnp.bfloat16).at[0].set(jax.random.normal(keys[0], (shapes[0][1],), jnp.bfloat16))
+    keys = iter(jax.random.split(jax.random.key(0), len(shapes) + 1))
+    ws = {name: (jax.random.normal(next(keys), s, jnp.float32) / s[-1] ** 0.5).astype(jnp.bfloat16)
+          for name, s in shapes.items()}
+    d = shapes["qkv"][-1]
+    x = jnp.zeros((ROWS, d), jnp.bfloat16).at[0].set(jax.random.normal(next(keys), (d,), jnp.bfloat16))
+    per_layer = {name: [w[l][None] for l in range(w.shape[0])] for name, w in ws.items() if name != "head"}
+    args = [ws[n] for n in ("qkv", "out", "gate_up", "down", "head")]
     kw = dict(block_k=block_k, stages=stages)
-    persistent = jax.jit(lambda x, ws: stream_chain(x, ws, ctas=ctas, **kw)[-1])
-    unsynced = jax.jit(lambda x, ws: stream_chain(x, ws, ctas=ctas, barrier=False, **kw)[-1])
+    persistent = jax.jit(lambda x, *w: stream_layers(x, *w, ctas=ctas, **kw)[-1])
+    unsynced = jax.jit(lambda x, *w: stream_layers(x, *w, ctas=ctas, barrier=False, **kw)[-1])
 
     @jax.jit
-    def separate(x, ws):
-        for w in ws:
-            x = stream_chain(x, [w], ctas=w.shape[0] // BLOCK_F, **kw)[0]
-        return x
+    def separate(x, per_layer, head):
+        for l in range(len(per_layer["qkv"])):
+            for name in LAYER_PHASES:
+                x = stream_phases(x, per_layer[name][l], **kw)[0]
+        return stream_phases(x, head[None], **kw)[0]
 
-    out_p, out_s = np.asarray(persistent(x, ws), np.float32), np.asarray(separate(x, ws), np.float32)
-    times = time_interleaved({"persistent": lambda: persistent(x, ws), "separate": lambda: separate(x, ws),
-                              "no_barrier": lambda: unsynced(x, ws)}, warmup=2, reps=reps)
-    nbytes = sum(n * k * 2 for n, k in shapes)
-    row = dict(model=model, phases=len(shapes), ctas=ctas, block_k=block_k, stages=stages, MB=nbytes / 1e6,
-               persistent_equals_separate=bool(np.array_equal(out_p, out_s)))
+    out_p = np.asarray(persistent(x, *args), np.float32)
+    out_s = np.asarray(separate(x, per_layer, ws["head"]), np.float32)
+    times = time_interleaved({"persistent": lambda: persistent(x, *args),
+                              "separate": lambda: separate(x, per_layer, ws["head"]),
+                              "no_barrier": lambda: unsynced(x, *args)}, warmup=2, reps=reps)
+    nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
+    row = dict(model=model, phases=4 * shapes["qkv"][0] + 1, ctas=ctas, block_k=block_k, stages=stages,
+               MB=nbytes / 1e6, persistent_equals_separate=bool(np.array_equal(out_p, out_s)))
     for name, ts in times.items():
         ms = float(np.median(ts)) * 1e3
         row[f"ms_{name}"] = ms
