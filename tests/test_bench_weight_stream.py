@@ -34,6 +34,8 @@ def test_persistent_and_separate_chains_lower_for_hopper():
     text = lower(lambda x, *w: ws.chain_separate(x, w), sds((8, k)), *[sds((1, n, k))] * phases)
     # one launch per phase (the phases after the first share one function: x is [8, N] there)
     assert text.count("call @stream_phases") == phases
+    # one phase may be narrower than its input (the separate launches of a model's down projection)
+    assert lower(lambda x, w: ws.stream_phases(x, w), sds((8, 512)), sds((1, 256, 512))).count(MOSAIC_CALL) == 1
 
 
 def test_refusals():
