@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -408,8 +409,12 @@ def measure_model_chain(model: str, reps: int, bw: float, ctas: int, block_k: in
                 x = stream_phases(x, per_layer[name][l], **kw)[0]
         return stream_phases(x, head[None], **kw)[0]
 
+    t0 = time.perf_counter()
     out_p = np.asarray(persistent(x, *args), np.float32)
+    print(f"{model}: the persistent chain compiled and ran in {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
     out_s = np.asarray(separate(x, per_layer, ws["head"]), np.float32)
+    print(f"{model}: one launch per phase compiled and ran in {time.perf_counter() - t0:.1f} s", flush=True)
     times = time_interleaved({"persistent": lambda: persistent(x, *args),
                               "separate": lambda: separate(x, per_layer, ws["head"]),
                               "no_barrier": lambda: unsynced(x, *args)}, warmup=2, reps=reps)
