@@ -48,9 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from scaling.kernels.flash_attention_mgpu import interpret_params
+from scaling.kernels.flash_attention_mgpu_bwd import SMEM_BYTES  # shared memory per CTA on sm_90
 
 ROWS = 8  # activation rows (a TMA box of one 8-row tile)
-SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (as scaling.kernels.flash_attention_mgpu_bwd)
 BLOCK_F = 64  # output rows per CTA (wgmma M)
 
 
