@@ -717,13 +717,6 @@ def _produce_items(fetcher, num_items, free, stages: int):
         plgpu.barrier_wait(free.at[lax.rem(j, stages)])
 
 
-def _dkv_heads_fastest(cfg: MosaicBwdConfig, group: int) -> bool:
-    """Whether the dK/dV kernel launches a tile's heads side by side (tile axis outermost): the
-    fused dQ (whose same-head CTAs would reduce into the same dQ rows at once) and multi-head
-    calls, unless `dkv_head_major`."""
-    return cfg.fused_dq or (group == 1 and not cfg.dkv_head_major)
-
-
 def _grid(dims: dict[str, int], *, tiles_outermost: bool) -> dict:
     """plgpu.kernel's grid and grid_names from {name: size}, the tile axis first in `dims`.
 
@@ -802,7 +795,7 @@ def _dkv_call(q, k, v, do, lse, delta, geo: _Geometry, interpret: plgpu.Interpre
         **(dict(grid=(geo.dkv_ctas,), grid_names=("c",)) if cfg.persistent else _grid(
             {"s": geo.kv_len // (CONSUMERS * cfg.block_kv_dkv), "h": geo.kv_heads, "b": geo.batch},
             # fused: same-head CTAs side by side would reduce-add into the same dQ rows at once
-            tiles_outermost=_dkv_heads_fastest(cfg, geo.group))),
+            tiles_outermost=cfg.fused_dq or (geo.group == 1 and not cfg.dkv_head_major))),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
