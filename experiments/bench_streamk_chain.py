@@ -1,0 +1,430 @@
+"""A model's batch-1 GEMV chain as one persistent Mosaic GPU kernel with every phase spread evenly
+over all SMs ("stream-K"): how close to the copy bandwidth can a decode step's weight bytes get?
+
+    PYTHONPATH=.:experiments python3 experiments/bench_streamk_chain.py --models 1b --reps 20
+
+Why (docs/decoding.md, "Fifteenth session"): bench_weight_stream.py's layer-looped chain
+(`stream_layers`) gives each CTA whole 64-row tiles. The 1b's narrow phases then leave most SMs
+idle: the output and down projections have 32 row tiles for 132 SMs, q/k/v 48. Its whole chain
+streamed at 55% of the copy bandwidth on an H100 (47% as one launch per phase), below the
+decoder's 72-74%.
+
+Here each phase is a grid of units, one unit = one [64, block_k] weight tile (a row tile t and a
+K step j), numbered g = t * steps + j. CTA c takes the contiguous units [c G / C, (c + 1) G / C)
+of each phase's G units (stream-K: Osama et al., "Stream-K: Work-centric Parallel Decomposition
+for Dense Matrix-Matrix Multiplication on the GPU", PPoPP 2023), so every SM streams the same
+number of weight bytes ±1 tile in every phase. A row tile split between CTAs is summed in global
+memory: each CTA adds its f32 partial by a TMA reduce-add (cp.reduce.async.bulk .add) into the
+phase's output, which the kernel zeroes at its start.
+
+Per CTA, as in bench_weight_stream.py:
+- a producer warpgroup streams every phase's weight tiles through a TMA ring and never waits at
+  a barrier (the weights depend on no activation);
+- a consumer warpgroup, per phase: waits until every CTA has finished the phase before (a global
+  semaphore), loads the K chunks of x its units need (f32, 1 KB each, from the previous phase's
+  output), rounds them to bf16 into the wgmma layout (batch 1: x is column 0 of an [block_k, 8]
+  operand, the other 7 columns zero), multiplies each weight tile (wgmma, N = 8), sums the 8
+  columns of the [64, 8] accumulator (only column 0 is non-zero) and reduce-adds the 64 values.
+
+The chain is bench_weight_stream's: per layer q/k/v, output, gate/up, down (x of each = the first
+K values of the output before it), then the head; attention, norms, RoPE and the SwiGLU are left
+out. It is checked against the same chain in XLA (f32 products of bf16 inputs, bf16 between
+phases). Timed interleaved in one process with `stream_layers` (whole tiles per CTA) and the
+copy bandwidth.
+
+The global semaphores have no interpret mode: tests/test_bench_streamk_chain.py lowers the kernel
+for sm_90 on the CPU and runs it in Pallas' GPU interpreter with one CTA (which then takes every
+unit in order, so no barrier is needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from scaling.kernels.flash_attention_mgpu import interpret_params
+from scaling.kernels.flash_attention_mgpu_bwd import SMEM_BYTES  # shared memory per CTA on sm_90
+
+ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand
+BLOCK_F = 64  # weight rows per unit (wgmma M)
+ZERO = 256  # f32 values per zeroing store (a TMA box dimension is at most 256)
+LAYER_PHASES = ("qkv", "out", "gate_up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One GEMV of the chain: W [n, k] (stacked per layer unless it is the head), its output at
+    `y_off` (+ layer * layer_stride) of the flat f32 output, its x at `x_off` (+ the same)."""
+
+    name: str
+    n: int
+    k: int
+    y_off: int
+    x_off: int  # (q/k/v of layer 0 reads the kernel's input x instead)
+
+    def units(self, block_k: int) -> int:
+        return self.n // BLOCK_F * (self.k // block_k)
+
+
+def plan_phases(shapes: dict[str, tuple[int, ...]]) -> tuple[list[Phase], Phase, int, int]:
+    """The per-layer phases, the head, the layer stride and the flat output's length (padded to
+    ZERO), from model_chain_shapes-style shapes."""
+    off, layer = 0, []
+    for name in LAYER_PHASES:
+        _, n, k = shapes[name]
+        layer.append((name, n, k, off))
+        off += n
+    stride = off
+    phases = []
+    for i, (name, n, k, y_off) in enumerate(layer):
+        # x: the output before (the previous layer's down for q/k/v, at y_off - stride)
+        x_off = layer[i - 1][3] if i else layer[-1][3] - stride
+        phases.append(Phase(name, n, k, y_off, x_off))
+    layers = shapes["qkv"][0]
+    v, d = shapes["head"]
+    head = Phase("head", v, d, layers * stride, (layers - 1) * stride + layer[-1][3])
+    total = -(-(head.y_off + v) // ZERO) * ZERO
+    return phases, head, stride, total
+
+
+def x_slots(phases: list[Phase], ctas: int, block_k: int) -> int:
+    """x chunks a CTA holds at once: the K steps its units of one phase touch, at most."""
+    return max(min(p.k // block_k, -(-p.units(block_k) // ctas) + 1) for p in phases)
+
+
+def smem_bytes(slots: int, block_k: int, stages: int) -> int:
+    return (slots * block_k * (ROWS * 2 + 4) + stages * BLOCK_F * block_k * 2 + (BLOCK_F + ZERO) * 4
+            + 8 * (slots + 2 * stages))
+
+
+def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full, *,
+          phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int, stages: int,
+          ctas: int, sync: bool, interpret: bool):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    c = lax.axis_index("c")
+    wg = lax.axis_index("wg")
+    weights = dict(qkv=wq, out=wo, gate_up=wgu, down=wd, head=wh)
+    # semaphore 0: the output is zeroed; 1 + i: phase i of the chain is done (4 per layer, then the head)
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((2 + 4 * layers,))) if sync else None
+
+    def span(p: Phase):
+        g = p.units(block_k)
+        return c * g // ctas, (c + 1) * g // ctas
+
+    def wait(index):
+        if sync:
+            plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
+
+    def signal(index):
+        if sync:
+            plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
+
+    def load_x(p: Phase, x_base, from_input, a, b):
+        """x's chunks for units [a, b) into slots 0.. (chunk (a + i) mod steps in slot i), as
+        bf16 column 0 of the wgmma operand. from_input: read the kernel's x instead (layer 0)."""
+        steps = p.k // block_k
+        n_x = jnp.minimum(b - a, steps)
+
+        @pl.loop(0, n_x)
+        def _issue(i):
+            j = lax.rem(a + i, steps)
+
+            @pl.when(from_input)
+            def _():
+                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(j * block_k, block_k)], x_stage.at[i], x_full.at[i])
+
+            @pl.when(jnp.logical_not(from_input))
+            def _():
+                plgpu.copy_gmem_to_smem(y_ref.at[pl.ds(x_base + j * block_k, block_k)], x_stage.at[i], x_full.at[i])
+
+        @pl.loop(0, n_x)
+        def _round(i):
+            plgpu.barrier_wait(x_full.at[i])
+            if interpret:
+                v = x_stage.at[i][...]
+                col = lax.broadcasted_iota(jnp.int32, (block_k, ROWS), 1)
+                x_smem.at[i].T[...] = jnp.where(col == 0, v[:, None], 0.0).astype(x_smem.dtype)
+            else:
+                v = plgpu.load(x_stage.at[i], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                col = plgpu.broadcasted_iota(jnp.int32, (block_k, ROWS), 1, layout=plgpu.Layout.WGMMA)
+                xb = jnp.where(col == 0, lax.broadcast_in_dim(v, (block_k, ROWS), [0]), 0.0)
+                x_smem.at[i].T[...] = xb.astype(x_smem.dtype)
+        plgpu.commit_smem()  # the generic-proxy stores, visible to wgmma
+
+    def consume(p: Phase, layer, r, from_input=False):
+        """The CTA's units of phase p (layer `layer`); r: the ring's running count. Returns r."""
+        steps = p.k // block_k
+        a, b = span(p)
+        x_base = p.x_off + (0 if p.name == "head" else layer * stride)
+        load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
+        y_base = p.y_off + (0 if p.name == "head" else layer * stride)
+
+        def segment(carry):
+            g, r = carry
+            t, j0 = g // steps, lax.rem(g, steps)
+            n = jnp.minimum(steps - j0, b - g)
+
+            def step(jj, acc):
+                slot = lax.rem(r + jj, stages)
+                xs = lax.rem(g + jj - a, steps)
+                plgpu.barrier_wait(w_full.at[slot])
+                if interpret:
+                    acc = acc + jnp.dot(w_ring.at[slot][...], x_smem.at[xs][...].T, preferred_element_type=jnp.float32)
+                else:
+                    def issue(acc_ref):
+                        plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[xs].T)
+
+                    acc = pl.run_state(issue)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            acc0 = jnp.zeros((BLOCK_F, ROWS), jnp.float32)
+            if not interpret:
+                acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+            acc = lax.fori_loop(0, n, step, acc0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem's previous reduce has read it
+            out_smem[...] = jnp.sum(acc, axis=1)  # column 0 (the others are 0 x W)
+            plgpu.commit_smem()
+            dst = y_ref.at[pl.ds(y_base + t * BLOCK_F, BLOCK_F)]
+            if interpret:  # the interpreter has no TMA reduction: read, add, write (one CTA: no race)
+                old = zeros.at[pl.ds(0, BLOCK_F)]
+                plgpu.copy_gmem_to_smem(dst, old, y_full)
+                plgpu.barrier_wait(y_full)
+                out_smem[...] = out_smem[...] + old[...]
+                plgpu.copy_smem_to_gmem(out_smem, dst)
+            else:
+                plgpu.copy_smem_to_gmem(out_smem, dst, reduction_op="add")
+            return g + n, r + n
+
+        _, r = lax.while_loop(lambda carry: carry[0] < b, segment, (a, r))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
+        return r
+
+    @pl.when(wg == 0)
+    def _consumer():
+        zeros[...] = jnp.zeros((ZERO,), jnp.float32) if interpret else plgpu.layout_cast(
+            jnp.zeros((ZERO,), jnp.float32), plgpu.Layout.WG_STRIDED((ZERO,), vec_size=2))
+        plgpu.commit_smem()
+
+        @pl.loop(c, total // ZERO, step=ctas)
+        def _zero(i):
+            plgpu.copy_smem_to_gmem(zeros, y_ref.at[pl.ds(i * ZERO, ZERO)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        signal(0)
+        wait(0)
+
+        def layer(l, r):
+            for i, p in enumerate(phases):
+                if i == 0:
+                    @pl.when(l > 0)
+                    def _():
+                        wait(4 * l)
+                else:
+                    wait(1 + 4 * l + i - 1)
+                r = consume(p, l, r, from_input=l == 0 if i == 0 else False)  # layer 0 reads the input
+                signal(1 + 4 * l + i)
+            return r
+
+        r = lax.fori_loop(0, layers, layer, jnp.int32(0))
+        wait(4 * layers)
+        consume(head, 0, r)
+
+    @pl.when(wg == 1)
+    def _producer():  # every phase's weight tiles in the consumer's order: they depend on no activation
+        def stream(p: Phase, layer, r):
+            steps = p.k // block_k
+            a, b = span(p)
+            w = weights[p.name]
+
+            def fetch(g, r):
+                slot = lax.rem(r, stages)
+
+                @pl.when(r >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+                t, j = g // steps, lax.rem(g, steps)
+                rows, cols = pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)
+                src = w.at[rows, cols] if p.name == "head" else w.at[layer, rows, cols]
+                plgpu.copy_gmem_to_smem(src, w_ring.at[slot], w_full.at[slot])
+                return r + 1
+
+            return lax.fori_loop(a, b, fetch, r)
+
+        def layer(l, r):
+            for p in phases:
+                r = stream(p, l, r)
+            return r
+
+        r = lax.fori_loop(0, layers, layer, jnp.int32(0))
+        r = stream(head, 0, r)
+
+        @pl.loop(0, stages)
+        def _drain(i):  # the last `stages` releases
+            @pl.when(r - stages + i >= 0)
+            def _():
+                plgpu.barrier_wait(free.at[lax.rem(r - stages + i, stages)])
+
+
+def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: bool = True,
+                   interpret: bool = False):
+    """The chain of `layers` decoder layers' GEMVs and the head as one kernel of `ctas` resident
+    CTAs, every phase spread evenly over all of them (module docstring). x: f32 [D] (batch 1);
+    w* bf16 stacked per layer [L, N, K], wh [V, D]. Returns the flat f32 output: per layer q/k/v,
+    output, gate/up and down (`plan_phases` gives the offsets), then the head's logits.
+    barrier=False leaves out the waits (wrong outputs; the time is the streaming ceiling).
+    interpret: Pallas' GPU interpreter; needs barrier=False and computes right only with ctas=1."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpret and barrier:
+        raise ValueError("stream_k_chain: interpret mode has no global semaphores; pass barrier=False (and ctas=1)")
+    layers = wq.shape[0]
+    shapes = dict(qkv=wq.shape, out=wo.shape, gate_up=wgu.shape, down=wd.shape, head=wh.shape)
+    phases, head, stride, total = plan_phases(shapes)
+    if x.shape != (wq.shape[2],) or x.dtype != jnp.float32:
+        raise ValueError(f"x must be float32 [{wq.shape[2]}] (batch 1), got {x.dtype} {x.shape}")
+    widths = dict(qkv=wd.shape[1], out=wq.shape[1], gate_up=wo.shape[1], down=wgu.shape[1], head=wd.shape[1])
+    for p in (*phases, head):
+        if p.n % BLOCK_F or p.k % block_k or p.k > widths[p.name]:
+            raise ValueError(f"{p.name}: W {p.n}x{p.k} needs N a multiple of {BLOCK_F}, K of block_k={block_k}, "
+                             f"and K <= the width of the output before it ({widths[p.name]})")
+    slots = x_slots([*phases, head], ctas, block_k)
+    if (need := smem_bytes(slots, block_k, stages)) > SMEM_BYTES:
+        raise ValueError(f"{slots} x chunks and {stages} ring slots need {need} bytes of shared memory, more than "
+                         f"{SMEM_BYTES}: fewer stages, a smaller block_k or more CTAs")
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = (plgpu.SMEM((slots, ROWS, block_k), wq.dtype, transforms=tiled),  # x, bf16 operand
+               plgpu.SMEM((slots, block_k), jnp.float32),  # x as loaded
+               plgpu.SMEM((stages, BLOCK_F, block_k), wq.dtype, transforms=tiled),  # the weight ring
+               plgpu.SMEM((BLOCK_F,), jnp.float32),  # a unit's partial sums, reduce-added by TMA
+               plgpu.SMEM((ZERO,), jnp.float32),
+               plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=stages),
+               plgpu.Barrier(num_barriers=stages),
+               plgpu.Barrier())  # (interpret mode's read-add-write of an output tile)
+    return plgpu.kernel(
+        functools.partial(_body, phases=tuple(phases), head=head, stride=stride, total=total, layers=layers,
+                          block_k=block_k, stages=stages, ctas=ctas, sync=barrier, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
+        scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
+        interpret=interpret_params(interpret),
+    )(x, wq, wo, wgu, wd, wh)
+
+
+def reference_chain(x, wq, wo, wgu, wd, wh):
+    """The same chain in XLA: f32 products of bf16 inputs, x rounded to bf16 before each phase.
+    Returns the flat output in stream_k_chain's layout (without its padding)."""
+    def mm(x, w):
+        return jnp.einsum("k,nk->n", x[: w.shape[1]].astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.float32))
+
+    outs, h = [], x
+    for l in range(wq.shape[0]):
+        for w in (wq, wo, wgu, wd):
+            h = mm(h, w[l])
+            outs.append(h)
+    outs.append(mm(h, wh))
+    return jnp.concatenate(outs)
+
+
+def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tuple[int, int]],
+                  whole_tiles: bool = True) -> list[dict]:
+    """The model's chain by stream_k_chain for each (block_k, stages), with and without the
+    barrier, and (whole_tiles) bench_weight_stream's stream_layers, interleaved in one process."""
+    import numpy as np
+
+    import bench_weight_stream as bws
+    from bench_attention import time_interleaved
+
+    shapes = bws.model_chain_shapes(model)
+    keys = iter(jax.random.split(jax.random.key(0), len(shapes) + 1))
+    ws = {name: (jax.random.normal(next(keys), s, jnp.float32) / s[-1] ** 0.5).astype(jnp.bfloat16)
+          for name, s in shapes.items()}
+    args = [ws[n] for n in ("qkv", "out", "gate_up", "down", "head")]
+    x = jax.random.normal(next(keys), (shapes["qkv"][-1],), jnp.float32)
+    nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
+    want = np.asarray(jax.jit(reference_chain)(x, *args))
+    v = shapes["head"][0]
+    calls, rows = {}, []
+    for block_k, stages in configs:
+        name = f"stream-K bk{block_k} s{stages}"
+        fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages))
+        t0 = time.perf_counter()
+        got = np.asarray(fn(x, *args))[: want.size]
+        compile_s = time.perf_counter() - t0
+        rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # noqa: E731
+        first = shapes["qkv"][1]
+        rows.append(dict(model=model, variant=name, block_k=block_k, stages=stages, ctas=ctas, MB=nbytes / 1e6,
+                         compile_s=compile_s, rel_err_first_phase=rel(got[:first], want[:first]),
+                         rel_err_logits=rel(got[-v:], want[-v:])))
+        print(f"{name}: compiled and ran in {compile_s:.1f} s; rel. error first phase "
+              f"{rows[-1]['rel_err_first_phase']:.1e}, logits {rows[-1]['rel_err_logits']:.1e}", flush=True)
+        calls[name] = lambda fn=fn: fn(x, *args)
+        unsynced = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages, barrier=False))
+        unsynced(x, *args).block_until_ready()
+        calls[f"{name} without the barrier"] = lambda fn=unsynced: fn(x, *args)
+    if whole_tiles:
+        x8 = jnp.zeros((bws.ROWS, x.shape[0]), jnp.bfloat16).at[0].set(x.astype(jnp.bfloat16))
+        old = jax.jit(lambda x, *w: bws.stream_layers(x, *w, ctas=ctas, stages=3)[-1])
+        old(x8, *args).block_until_ready()
+        calls["stream_layers (whole tiles per CTA)"] = lambda: old(x8, *args)
+    times = time_interleaved(calls, warmup=2, reps=reps)
+    out = []
+    for name, ts in times.items():
+        ms = float(np.median(ts)) * 1e3
+        base = next((r for r in rows if r["variant"] == name), {})
+        out.append(dict(base, model=model, variant=name, ms=ms, q1_ms=float(np.quantile(ts, 0.25)) * 1e3,
+                        q3_ms=float(np.quantile(ts, 0.75)) * 1e3, pct_copy_bw=100 * nbytes / (ms * 1e-3) / bw,
+                        MB=nbytes / 1e6))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | kernel | ms per chain (quartiles) | % of copy BW | rel. error vs XLA: first phase / logits |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        err = (f"{r['rel_err_first_phase']:.1e} / {r['rel_err_logits']:.1e}" if "rel_err_logits" in r else "")
+        lines.append(f"| {r['model']} | {r['variant']} | {r['ms']:.3f} ({r['q1_ms']:.3f}-{r['q3_ms']:.3f}) | "
+                     f"{r['pct_copy_bw']:.1f}% | {err} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="1b")
+    p.add_argument("--configs", default="256,4", help="'block_k,stages;...' of the stream-K kernel")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--ctas", type=int, default=0, help="persistent CTAs (0: the SM count)")
+    p.add_argument("--no-whole-tiles", action="store_true", help="leave out bench_weight_stream's stream_layers")
+    p.add_argument("--out", default=None, help="write the rows as JSON and the table as markdown here (a prefix)")
+    args = p.parse_args(argv)
+
+    from bench_attention import header
+    from bench_decode import measure_bandwidth
+
+    bw = max(measure_bandwidth(1 << 30).values())
+    print(header(), f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";")]
+    rows = []
+    for model in args.models.split(","):
+        rows += measure_model(model, args.reps, bw, args.ctas or jax.devices()[0].core_count, configs,
+                              whole_tiles=not args.no_whole_tiles)
+    for r in rows:
+        r["copy_TBps"], r["device"] = bw / 1e12, jax.devices()[0].device_kind
+        print("row", json.dumps(r), flush=True)
+    md = table(rows)
+    print(md)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(rows, indent=1))
+        Path(f"{args.out}.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
