@@ -108,7 +108,7 @@ def smem_bytes(slots: int, block_k: int, stages: int) -> int:
 
 def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full, *,
           phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int, stages: int,
-          ctas: int, sync: bool, interpret: bool):
+          ctas: int, sync: bool, interpret: bool, stream_only: bool, unit_major: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c = lax.axis_index("c")
@@ -165,6 +165,13 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
         """The CTA's units of phase p (layer `layer`); r: the ring's running count. Returns r."""
         steps = p.k // block_k
         a, b = span(p)
+        if stream_only:  # take each tile and free its slot: the producer's streaming ceiling
+            def take(g, r):
+                plgpu.barrier_wait(w_full.at[lax.rem(r, stages)])
+                plgpu.barrier_arrive(free.at[lax.rem(r, stages)])
+                return r + 1
+
+            return lax.fori_loop(a, b, take, r)
         x_base = p.x_off + (0 if p.name == "head" else layer * stride)
         load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
         y_base = p.y_off + (0 if p.name == "head" else layer * stride)
@@ -252,9 +259,12 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
                 @pl.when(r >= stages)
                 def _():
                     plgpu.barrier_wait(free.at[slot])
-                t, j = g // steps, lax.rem(g, steps)
-                rows, cols = pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)
-                src = w.at[rows, cols] if p.name == "head" else w.at[layer, rows, cols]
+                if unit_major:  # unit g is one contiguous [64, block_k] tile
+                    src = w.at[g] if p.name == "head" else w.at[layer, g]
+                else:
+                    t, j = g // steps, lax.rem(g, steps)
+                    rows, cols = pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)
+                    src = w.at[rows, cols] if p.name == "head" else w.at[layer, rows, cols]
                 plgpu.copy_gmem_to_smem(src, w_ring.at[slot], w_full.at[slot])
                 return r + 1
 
@@ -275,24 +285,44 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
                 plgpu.barrier_wait(free.at[lax.rem(r - stages + i, stages)])
 
 
+def unit_major(w, block_k: int):
+    """W [..., N, K] as [..., G, 64, block_k]: unit g = t * (K / block_k) + j (row tile t, K step j)
+    one contiguous tile, so each CTA's units of a phase are one contiguous stretch of memory."""
+    *lead, n, k = w.shape
+    t = w.reshape(*lead, n // BLOCK_F, BLOCK_F, k // block_k, block_k)
+    t = jnp.swapaxes(t, -3, -2)
+    return t.reshape(*lead, n // BLOCK_F * (k // block_k), BLOCK_F, block_k)
+
+
 def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: bool = True,
-                   interpret: bool = False):
+                   stream_only: bool = False, shapes: dict | None = None, interpret: bool = False):
     """The chain of `layers` decoder layers' GEMVs and the head as one kernel of `ctas` resident
     CTAs, every phase spread evenly over all of them (module docstring). x: f32 [D] (batch 1);
     w* bf16 stacked per layer [L, N, K], wh [V, D]. Returns the flat f32 output: per layer q/k/v,
     output, gate/up and down (`plan_phases` gives the offsets), then the head's logits.
-    barrier=False leaves out the waits (wrong outputs; the time is the streaming ceiling).
-    interpret: Pallas' GPU interpreter; needs barrier=False and computes right only with ctas=1."""
+    barrier=False leaves out the waits (wrong outputs; the time is the streaming ceiling);
+    stream_only: the consumer only takes each weight tile (no x, no products, no waits: the
+    producer's ceiling). shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
+    come in `unit_major` form. interpret: Pallas' GPU interpreter; needs barrier=False and
+    computes right only with ctas=1."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if interpret and barrier:
         raise ValueError("stream_k_chain: interpret mode has no global semaphores; pass barrier=False (and ctas=1)")
-    layers = wq.shape[0]
-    shapes = dict(qkv=wq.shape, out=wo.shape, gate_up=wgu.shape, down=wd.shape, head=wh.shape)
+    ws = dict(qkv=wq, out=wo, gate_up=wgu, down=wd, head=wh)
+    units = shapes is not None
+    shapes = shapes or {name: w.shape for name, w in ws.items()}
+    if units:
+        for name, w in ws.items():
+            want = (*shapes[name][:-2], shapes[name][-2] // BLOCK_F * (shapes[name][-1] // block_k), BLOCK_F, block_k)
+            if w.shape != want:
+                raise ValueError(f"{name}: unit-major W must be {want} (unit_major of {shapes[name]}), got {w.shape}")
+    layers, _, d = shapes["qkv"]
     phases, head, stride, total = plan_phases(shapes)
-    if x.shape != (wq.shape[2],) or x.dtype != jnp.float32:
-        raise ValueError(f"x must be float32 [{wq.shape[2]}] (batch 1), got {x.dtype} {x.shape}")
-    widths = dict(qkv=wd.shape[1], out=wq.shape[1], gate_up=wo.shape[1], down=wgu.shape[1], head=wd.shape[1])
+    if x.shape != (d,) or x.dtype != jnp.float32:
+        raise ValueError(f"x must be float32 [{d}] (batch 1), got {x.dtype} {x.shape}")
+    widths = dict(qkv=shapes["down"][1], out=shapes["qkv"][1], gate_up=shapes["out"][1], down=shapes["gate_up"][1],
+                  head=shapes["down"][1])
     for p in (*phases, head):
         if p.n % BLOCK_F or p.k % block_k or p.k > widths[p.name]:
             raise ValueError(f"{p.name}: W {p.n}x{p.k} needs N a multiple of {BLOCK_F}, K of block_k={block_k}, "
@@ -312,18 +342,24 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
                plgpu.Barrier())  # (interpret mode's read-add-write of an output tile)
     return plgpu.kernel(
         functools.partial(_body, phases=tuple(phases), head=head, stride=stride, total=total, layers=layers,
-                          block_k=block_k, stages=stages, ctas=ctas, sync=barrier, interpret=interpret),
+                          block_k=block_k, stages=stages, ctas=ctas, sync=barrier and not stream_only,
+                          interpret=interpret, stream_only=stream_only, unit_major=units),
         out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
         scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
     )(x, wq, wo, wgu, wd, wh)
 
 
-def reference_chain(x, wq, wo, wgu, wd, wh):
+def reference_chain(x, wq, wo, wgu, wd, wh, precision=lax.Precision.HIGHEST):
     """The same chain in XLA: f32 products of bf16 inputs, x rounded to bf16 before each phase.
-    Returns the flat output in stream_k_chain's layout (without its padding)."""
+    Returns the flat output in stream_k_chain's layout (without its padding). precision=None:
+    bf16 GEMVs with f32 results, as a decoder would run them (the timing calibration)."""
     def mm(x, w):
-        return jnp.einsum("k,nk->n", x[: w.shape[1]].astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.float32))
+        xb = x[: w.shape[1]].astype(jnp.bfloat16)
+        if precision is None:
+            return jnp.einsum("k,nk->n", xb, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("k,nk->n", xb.astype(jnp.float32), w.astype(jnp.float32),
+                          precision=precision)  # (GPU f32 dots default to TF32)
 
     outs, h = [], x
     for l in range(wq.shape[0]):
@@ -336,8 +372,9 @@ def reference_chain(x, wq, wo, wgu, wd, wh):
 
 def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tuple[int, int]],
                   whole_tiles: bool = True) -> list[dict]:
-    """The model's chain by stream_k_chain for each (block_k, stages), with and without the
-    barrier, and (whole_tiles) bench_weight_stream's stream_layers, interleaved in one process."""
+    """The model's chain by stream_k_chain for each (block_k, stages): weights row-major and
+    unit-major, each with and without the barrier, unit-major streaming only; and (whole_tiles)
+    bench_weight_stream's stream_layers; interleaved in one process."""
     import numpy as np
 
     import bench_weight_stream as bws
@@ -351,25 +388,44 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
     x = jax.random.normal(next(keys), (shapes["qkv"][-1],), jnp.float32)
     nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
     want = np.asarray(jax.jit(reference_chain)(x, *args))
+    # the first phase in float64 on the host, to tell the kernel's error from the reference's
+    xb = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    want64 = np.asarray(args[0][0].astype(jnp.float32), np.float64) @ xb
     v = shapes["head"][0]
     calls, rows = {}, []
+    rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # noqa: E731
+    first = shapes["qkv"][1]
     for block_k, stages in configs:
-        name = f"stream-K bk{block_k} s{stages}"
-        fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages))
-        t0 = time.perf_counter()
-        got = np.asarray(fn(x, *args))[: want.size]
-        compile_s = time.perf_counter() - t0
-        rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))  # noqa: E731
-        first = shapes["qkv"][1]
-        rows.append(dict(model=model, variant=name, block_k=block_k, stages=stages, ctas=ctas, MB=nbytes / 1e6,
-                         compile_s=compile_s, rel_err_first_phase=rel(got[:first], want[:first]),
-                         rel_err_logits=rel(got[-v:], want[-v:])))
-        print(f"{name}: compiled and ran in {compile_s:.1f} s; rel. error first phase "
-              f"{rows[-1]['rel_err_first_phase']:.1e}, logits {rows[-1]['rel_err_logits']:.1e}", flush=True)
-        calls[name] = lambda fn=fn: fn(x, *args)
-        unsynced = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages, barrier=False))
-        unsynced(x, *args).block_until_ready()
-        calls[f"{name} without the barrier"] = lambda fn=unsynced: fn(x, *args)
+        by_units = [unit_major(w, block_k) for w in args]
+        for layout, wargs, extra in (("rows", args, {}), ("units", by_units, dict(shapes=shapes))):
+            for mode in ("", " without the barrier", " stream only"):
+                if layout == "rows" and mode == " stream only":
+                    continue
+                name = f"stream-K {layout} bk{block_k} s{stages}{mode}"
+                fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages,
+                                               barrier=not mode, stream_only=mode == " stream only", **extra))
+                t0 = time.perf_counter()
+                got = np.asarray(fn(x, *wargs))[: want.size]
+                compile_s = time.perf_counter() - t0
+                if not mode:
+                    rows.append(dict(model=model, variant=name, block_k=block_k, stages=stages, ctas=ctas,
+                                     layout=layout, compile_s=compile_s,
+                                     rel_err_first_phase=rel(got[:first], want[:first]),
+                                     rel_err_first_phase_f64=rel(got[:first], want64),
+                                     xla_first_phase_rel_err_f64=rel(want[:first], want64),
+                                     rel_err_logits=rel(got[-v:], want[-v:])))
+                    print(f"{name}: compiled and ran in {compile_s:.1f} s; rel. error first phase "
+                          f"{rows[-1]['rel_err_first_phase']:.1e} (float64: {rows[-1]['rel_err_first_phase_f64']:.1e}; "
+                          f"XLA's {rows[-1]['xla_first_phase_rel_err_f64']:.1e}), logits {rows[-1]['rel_err_logits']:.1e}", flush=True)
+                calls[name] = lambda fn=fn, wargs=wargs: fn(x, *wargs)
+    # calibration: XLA reading the same bytes, as a sum per matrix (5 reductions) and as the chain
+    # of 65 bf16 GEMVs, one launch each
+    xla_sum = jax.jit(lambda *w: sum(jnp.sum(a, dtype=jnp.float32) for a in w))
+    xla_chain = jax.jit(lambda x, *w: reference_chain(x, *w, precision=None))
+    for name, fn, a in (("XLA: sum of every weight (5 reductions)", xla_sum, args),
+                        ("XLA: the chain, one GEMV launch per phase", xla_chain, (x, *args))):
+        fn(*a).block_until_ready()
+        calls[name] = lambda fn=fn, a=a: fn(*a)
     if whole_tiles:
         x8 = jnp.zeros((bws.ROWS, x.shape[0]), jnp.bfloat16).at[0].set(x.astype(jnp.bfloat16))
         old = jax.jit(lambda x, *w: bws.stream_layers(x, *w, ctas=ctas, stages=3)[-1])
