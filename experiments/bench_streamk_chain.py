@@ -328,6 +328,8 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
             raise ValueError(f"{p.name}: W {p.n}x{p.k} needs N a multiple of {BLOCK_F}, K of block_k={block_k}, "
                              f"and K <= the width of the output before it ({widths[p.name]})")
     slots = x_slots([*phases, head], ctas, block_k)
+    if max(slots, stages) > 32:  # Mosaic GPU: at most 32 barriers per group
+        raise ValueError(f"{slots} x chunks and {stages} ring slots: at most 32 each; a larger block_k or more CTAs")
     if (need := smem_bytes(slots, block_k, stages)) > SMEM_BYTES:
         raise ValueError(f"{slots} x chunks and {stages} ring slots need {need} bytes of shared memory, more than "
                          f"{SMEM_BYTES}: fewer stages, a smaller block_k or more CTAs")
