@@ -372,8 +372,21 @@ def reference_chain(x, wq, wo, wgu, wd, wh, precision=lax.Precision.HIGHEST):
     return jnp.concatenate(outs)
 
 
+def repeated(fn, times: int):
+    """fn(x, *w) `times` times back to back in one jitted call, each run's x depending on the run
+    before (so XLA neither merges nor overlaps them): the per-call dispatch and host sync, ~1-5%
+    of a 1 ms chain, are paid once, as a decode loop pays them (docs/decoding.md, "Fifteenth
+    session")."""
+    @jax.jit
+    def run(x, *w):
+        def body(i, acc):
+            return acc + fn(x + acc * 0, *w)[-1]
+        return lax.fori_loop(0, times, body, jnp.zeros((), x.dtype))
+    return run
+
+
 def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tuple[int, int]],
-                  whole_tiles: bool = True) -> list[dict]:
+                  whole_tiles: bool = True, repeat: int = 10) -> list[dict]:
     """The model's chain by stream_k_chain for each (block_k, stages): weights row-major and
     unit-major, each with and without the barrier, unit-major streaming only; and (whole_tiles)
     bench_weight_stream's stream_layers; interleaved in one process."""
@@ -419,23 +432,27 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
                     print(f"{name}: compiled and ran in {compile_s:.1f} s; rel. error first phase "
                           f"{rows[-1]['rel_err_first_phase']:.1e} (float64: {rows[-1]['rel_err_first_phase_f64']:.1e}; "
                           f"XLA's {rows[-1]['xla_first_phase_rel_err_f64']:.1e}), logits {rows[-1]['rel_err_logits']:.1e}", flush=True)
-                calls[name] = lambda fn=fn, wargs=wargs: fn(x, *wargs)
+                rep = repeated(fn, repeat)
+                rep(x, *wargs).block_until_ready()
+                calls[name] = lambda fn=rep, wargs=wargs: fn(x, *wargs)
     # calibration: XLA reading the same bytes, as a sum per matrix (5 reductions) and as the chain
     # of 65 bf16 GEMVs, one launch each
-    xla_sum = jax.jit(lambda *w: sum(jnp.sum(a, dtype=jnp.float32) for a in w))
-    xla_chain = jax.jit(lambda x, *w: reference_chain(x, *w, precision=None))
-    for name, fn, a in (("XLA: sum of every weight (5 reductions)", xla_sum, args),
-                        ("XLA: the chain, one GEMV launch per phase", xla_chain, (x, *args))):
-        fn(*a).block_until_ready()
-        calls[name] = lambda fn=fn, a=a: fn(*a)
+    xla_sum = repeated(lambda x, *w: x[:1] + sum(jnp.sum(a, dtype=jnp.float32) for a in w), repeat)
+    xla_chain = repeated(lambda x, *w: reference_chain(x, *w, precision=None), repeat)
+    fns = {"XLA: sum of every weight (5 reductions)": xla_sum,
+           "XLA: the chain, one GEMV launch per phase": xla_chain}
     if whole_tiles:
-        x8 = jnp.zeros((bws.ROWS, x.shape[0]), jnp.bfloat16).at[0].set(x.astype(jnp.bfloat16))
-        old = jax.jit(lambda x, *w: bws.stream_layers(x, *w, ctas=ctas, stages=3)[-1])
-        old(x8, *args).block_until_ready()
-        calls["stream_layers (whole tiles per CTA)"] = lambda: old(x8, *args)
+        def old(x, *w):
+            x8 = jnp.zeros((bws.ROWS, x.shape[0]), jnp.bfloat16).at[0].set(x.astype(jnp.bfloat16))
+            return bws.stream_layers(x8, *w, ctas=ctas, stages=3)[-1][0].astype(jnp.float32)
+        fns["stream_layers (whole tiles per CTA)"] = repeated(old, repeat)
+    for name, fn in fns.items():
+        fn(x, *args).block_until_ready()
+        calls[name] = lambda fn=fn: fn(x, *args)
     times = time_interleaved(calls, warmup=2, reps=reps)
     out = []
     for name, ts in times.items():
+        ts = np.asarray(ts) / repeat
         ms = float(np.median(ts)) * 1e3
         base = next((r for r in rows if r["variant"] == name), {})
         out.append(dict(base, model=model, variant=name, ms=ms, q1_ms=float(np.quantile(ts, 0.25)) * 1e3,
@@ -459,6 +476,7 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="1b")
     p.add_argument("--configs", default="256,4", help="'block_k,stages;...' of the stream-K kernel")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=10, help="chains back to back per timed call (`repeated`)")
     p.add_argument("--ctas", type=int, default=0, help="persistent CTAs (0: the SM count)")
     p.add_argument("--no-whole-tiles", action="store_true", help="leave out bench_weight_stream's stream_layers")
     p.add_argument("--out", default=None, help="write the rows as JSON and the table as markdown here (a prefix)")
@@ -473,7 +491,7 @@ def main(argv=None) -> None:
     rows = []
     for model in args.models.split(","):
         rows += measure_model(model, args.reps, bw, args.ctas or jax.devices()[0].core_count, configs,
-                              whole_tiles=not args.no_whole_tiles)
+                              whole_tiles=not args.no_whole_tiles, repeat=args.repeat)
     for r in rows:
         r["copy_TBps"], r["device"] = bw / 1e12, jax.devices()[0].device_kind
         print("row", json.dumps(r), flush=True)
