@@ -108,25 +108,34 @@ def smem_bytes(slots: int, block_k: int, stages: int) -> int:
 
 def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full, *,
           phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int, stages: int,
-          ctas: int, sync: bool, interpret: bool, stream_only: bool, unit_major: bool):
+          ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
     weights = dict(qkv=wq, out=wo, gate_up=wgu, down=wd, head=wh)
-    # semaphore 0: the output is zeroed; 1 + i: phase i of the chain is done (4 per layer, then the head)
-    done = pl.get_global(plgpu.SemaphoreType.REGULAR((2 + 4 * layers,))) if sync else None
+    # sync "grid": semaphore 0: the output is zeroed; 1 + i: phase i of the chain is done (4 per
+    # layer, then the head). sync "chunks": semaphore 0 the same; then one per block_k outputs
+    # (flat offset // block_k + 1) counting the units summed into them
+    n_sem = 2 + 4 * layers if sync == "grid" else 1 + total // block_k
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sem,))) if sync else None
+    chunks = sync == "chunks"
+    producer_steps = {p.name: phases[i - 1].k // block_k for i, p in enumerate(phases)}
+    producer_steps["qkv"] = phases[-1].k // block_k  # q/k/v reads the previous layer's down
+    producer_steps["head"] = phases[-1].k // block_k
+    producer_units = {p.name: phases[i - 1].units(block_k) for i, p in enumerate(phases)}
+    producer_units["qkv"] = producer_units["head"] = phases[-1].units(block_k)
 
     def span(p: Phase):
         g = p.units(block_k)
         return c * g // ctas, (c + 1) * g // ctas
 
-    def wait(index):
-        if sync:
+    def wait(index, zeroed=False):  # zeroed: semaphore 0, which every sync mode uses
+        if sync == "grid" or (sync and zeroed):
             plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
 
-    def signal(index):
-        if sync:
+    def signal(index, zeroed=False):
+        if sync == "grid" or (sync and zeroed):
             plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
 
     def load_x(p: Phase, x_base, from_input, a, b):
@@ -135,9 +144,27 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
         steps = p.k // block_k
         n_x = jnp.minimum(b - a, steps)
 
+        # chunks: each x chunk once every CTA that adds to its block_k outputs has counted itself
+        # in (one count per CTA and row tile; every CTA has a unit in every phase)
+        q_steps = producer_steps[p.name]
+        q_units = producer_units[p.name]
+
+        def first_cta(u):  # the CTA whose units [c G / C, (c + 1) G / C) hold unit u
+            return ((u + 1) * ctas + q_units - 1) // q_units - 1
+
+        def expected(j):
+            t0 = j * (block_k // BLOCK_F)
+            return sum(first_cta((t0 + i + 1) * q_steps - 1) - first_cta((t0 + i) * q_steps) + 1
+                       for i in range(block_k // BLOCK_F))
+
         @pl.loop(0, n_x)
         def _issue(i):
             j = lax.rem(a + i, steps)
+            if chunks:
+                @pl.when(jnp.logical_not(from_input))
+                def _():
+                    plgpu.semaphore_wait(done.at[1 + x_base // block_k + j], expected(j), decrement=False,
+                                         memory_scope="gpu")
 
             @pl.when(from_input)
             def _():
@@ -215,6 +242,10 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
 
         _, r = lax.while_loop(lambda carry: carry[0] < b, segment, (a, r))
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
+        if chunks and p.name != "head":  # count this CTA's units into each row tile's output chunk
+            @pl.loop(a // steps, (b + steps - 1) // steps)
+            def _count(t):  # (the increment must be a constant: one per row tile this CTA added to)
+                plgpu.semaphore_signal(done.at[1 + (y_base + t * BLOCK_F) // block_k], 1, memory_scope="gpu")
         return r
 
     @pl.when(wg == 0)
@@ -227,8 +258,8 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
         def _zero(i):
             plgpu.copy_smem_to_gmem(zeros, y_ref.at[pl.ds(i * ZERO, ZERO)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        signal(0)
-        wait(0)
+        signal(0, zeroed=True)
+        wait(0, zeroed=True)
 
         def layer(l, r):
             for i, p in enumerate(phases):
@@ -294,20 +325,23 @@ def unit_major(w, block_k: int):
     return t.reshape(*lead, n // BLOCK_F * (k // block_k), BLOCK_F, block_k)
 
 
-def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: bool = True,
+def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: str | bool = True,
                    stream_only: bool = False, shapes: dict | None = None, interpret: bool = False):
     """The chain of `layers` decoder layers' GEMVs and the head as one kernel of `ctas` resident
     CTAs, every phase spread evenly over all of them (module docstring). x: f32 [D] (batch 1);
     w* bf16 stacked per layer [L, N, K], wh [V, D]. Returns the flat f32 output: per layer q/k/v,
     output, gate/up and down (`plan_phases` gives the offsets), then the head's logits.
-    barrier=False leaves out the waits (wrong outputs; the time is the streaming ceiling);
+    barrier: True or "grid": every phase waits for all CTAs to finish the one before; "chunks":
+    each x chunk is waited for alone, until every unit summed into its block_k outputs has been
+    counted (a semaphore per chunk); False leaves out the waits (wrong outputs; the time is the
+    streaming ceiling);
     stream_only: the consumer only takes each weight tile (no x, no products, no waits: the
     producer's ceiling). shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
     come in `unit_major` form. interpret: Pallas' GPU interpreter; needs barrier=False and
     computes right only with ctas=1."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if interpret and barrier:
+    if interpret and barrier is not False:
         raise ValueError("stream_k_chain: interpret mode has no global semaphores; pass barrier=False (and ctas=1)")
     ws = dict(qkv=wq, out=wo, gate_up=wgu, down=wd, head=wh)
     units = shapes is not None
@@ -319,6 +353,13 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
                 raise ValueError(f"{name}: unit-major W must be {want} (unit_major of {shapes[name]}), got {w.shape}")
     layers, _, d = shapes["qkv"]
     phases, head, stride, total = plan_phases(shapes)
+    sync = {True: "grid", False: "", "grid": "grid", "chunks": "chunks"}.get(barrier)
+    if sync is None:
+        raise ValueError(f"barrier must be True, False, 'grid' or 'chunks', got {barrier!r}")
+    if sync == "chunks" and any(q.y_off % block_k for q in phases) or stride % block_k:
+        raise ValueError(f"barrier='chunks' needs every output to start at a multiple of block_k={block_k}")
+    if sync == "chunks" and min(q.units(block_k) for q in phases) < ctas:
+        raise ValueError(f"barrier='chunks' needs at least one unit per CTA in every phase (ctas={ctas})")
     if x.shape != (d,) or x.dtype != jnp.float32:
         raise ValueError(f"x must be float32 [{d}] (batch 1), got {x.dtype} {x.shape}")
     widths = dict(qkv=shapes["down"][1], out=shapes["qkv"][1], gate_up=shapes["out"][1], down=shapes["gate_up"][1],
@@ -344,7 +385,7 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
                plgpu.Barrier())  # (interpret mode's read-add-write of an output tile)
     return plgpu.kernel(
         functools.partial(_body, phases=tuple(phases), head=head, stride=stride, total=total, layers=layers,
-                          block_k=block_k, stages=stages, ctas=ctas, sync=barrier and not stream_only,
+                          block_k=block_k, stages=stages, ctas=ctas, sync="" if stream_only else sync,
                           interpret=interpret, stream_only=stream_only, unit_major=units),
         out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
         scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
@@ -413,16 +454,17 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
     for block_k, stages in configs:
         by_units = [unit_major(w, block_k) for w in args]
         for layout, wargs, extra in (("rows", args, {}), ("units", by_units, dict(shapes=shapes))):
-            for mode in ("", " without the barrier", " stream only"):
-                if layout == "rows" and mode == " stream only":
+            for mode in ("", " chunk waits", " without the barrier", " stream only"):
+                if layout == "rows" and mode in (" stream only", " chunk waits"):
                     continue
                 name = f"stream-K {layout} bk{block_k} s{stages}{mode}"
+                barrier = {"": "grid", " chunk waits": "chunks"}.get(mode, False)
                 fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages,
-                                               barrier=not mode, stream_only=mode == " stream only", **extra))
+                                               barrier=barrier, stream_only=mode == " stream only", **extra))
                 t0 = time.perf_counter()
                 got = np.asarray(fn(x, *wargs))[: want.size]
                 compile_s = time.perf_counter() - t0
-                if not mode:
+                if barrier:
                     rows.append(dict(model=model, variant=name, block_k=block_k, stages=stages, ctas=ctas,
                                      layout=layout, compile_s=compile_s,
                                      rel_err_first_phase=rel(got[:first], want[:first]),
