@@ -96,6 +96,19 @@ def plan_phases(shapes: dict[str, tuple[int, ...]]) -> tuple[list[Phase], Phase,
     return phases, head, stride, total
 
 
+def owner(u, units: int, ctas: int):
+    """The CTA whose stream-K share [c G / C, (c + 1) G / C) of G = `units` holds unit u."""
+    return ((u + 1) * ctas + units - 1) // units - 1
+
+
+def chunk_count(j, units: int, steps: int, ctas: int, block_k: int):
+    """How many (CTA, row tile) pairs add to output chunk j (block_k outputs, block_k / 64 row
+    tiles of `steps` units each) of a phase of `units` units: what barrier="chunks" waits for."""
+    t0 = j * (block_k // BLOCK_F)
+    return sum(owner((t0 + i + 1) * steps - 1, units, ctas) - owner((t0 + i) * steps, units, ctas) + 1
+               for i in range(block_k // BLOCK_F))
+
+
 def x_slots(phases: list[Phase], ctas: int, block_k: int) -> int:
     """x chunks a CTA holds at once: the K steps its units of one phase touch, at most."""
     return max(min(p.k // block_k, -(-p.units(block_k) // ctas) + 1) for p in phases)
@@ -149,13 +162,8 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
         q_steps = producer_steps[p.name]
         q_units = producer_units[p.name]
 
-        def first_cta(u):  # the CTA whose units [c G / C, (c + 1) G / C) hold unit u
-            return ((u + 1) * ctas + q_units - 1) // q_units - 1
-
         def expected(j):
-            t0 = j * (block_k // BLOCK_F)
-            return sum(first_cta((t0 + i + 1) * q_steps - 1) - first_cta((t0 + i) * q_steps) + 1
-                       for i in range(block_k // BLOCK_F))
+            return chunk_count(j, q_units, q_steps, ctas, block_k)
 
         @pl.loop(0, n_x)
         def _issue(i):
@@ -182,7 +190,7 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
                 col = lax.broadcasted_iota(jnp.int32, (block_k, ROWS), 1)
                 x_smem.at[i].T[...] = jnp.where(col == 0, v[:, None], 0.0).astype(x_smem.dtype)
             else:
-                v = plgpu.load(x_stage.at[i], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                v = plgpu.load(x_stage.at[i], layout=plgpu.Layout.WGMMA.reduce(1))
                 col = plgpu.broadcasted_iota(jnp.int32, (block_k, ROWS), 1, layout=plgpu.Layout.WGMMA)
                 xb = jnp.where(col == 0, lax.broadcast_in_dim(v, (block_k, ROWS), [0]), 0.0)
                 x_smem.at[i].T[...] = xb.astype(x_smem.dtype)
@@ -356,7 +364,7 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     sync = {True: "grid", False: "", "grid": "grid", "chunks": "chunks"}.get(barrier)
     if sync is None:
         raise ValueError(f"barrier must be True, False, 'grid' or 'chunks', got {barrier!r}")
-    if sync == "chunks" and any(q.y_off % block_k for q in phases) or stride % block_k:
+    if sync == "chunks" and (any(q.y_off % block_k for q in phases) or stride % block_k):
         raise ValueError(f"barrier='chunks' needs every output to start at a multiple of block_k={block_k}")
     if sync == "chunks" and min(q.units(block_k) for q in phases) < ctas:
         raise ValueError(f"barrier='chunks' needs at least one unit per CTA in every phase (ctas={ctas})")

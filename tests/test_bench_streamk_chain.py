@@ -1,0 +1,109 @@
+"""experiments/bench_streamk_chain.py: the stream-K GEMV chain lowers for sm_90 as one Mosaic GPU
+kernel in every sync mode, Pallas' GPU interpreter runs it with one CTA (row-major and
+unit-major weights) against the chain in XLA, and its schedule arithmetic (which CTA owns a
+unit, how many CTAs add to an output chunk) agrees with a brute-force count."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import bench_streamk_chain as sk  # noqa: E402
+
+MOSAIC_CALL = "mosaic_gpu_v2"
+NAMES = ("qkv", "out", "gate_up", "down", "head")
+
+
+def _weights(layers=2, d=128, f=256, nq=192, v=320, seed=2):
+    shapes = [(layers, nq, d), (layers, d, d), (layers, 2 * f, d), (layers, d, f), (v, d)]
+    keys = jax.random.split(jax.random.key(seed), len(shapes) + 1)
+    ws = [(jax.random.normal(k, s) / s[-1] ** 0.5).astype(jnp.bfloat16) for k, s in zip(keys[1:], shapes)]
+    return jax.random.normal(keys[0], (d,)), ws
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_lowers_for_hopper_in_every_sync_mode():
+    layers, d, f, nq, v = 2, 256, 512, 512, 768
+    sds = jax.ShapeDtypeStruct
+    args = [sds((d,), jnp.float32), *(sds(s, jnp.bfloat16) for s in
+                                       [(layers, nq, d), (layers, d, d), (layers, 2 * f, d), (layers, d, f), (v, d)])]
+    for kw in (dict(barrier=True), dict(barrier="chunks"), dict(barrier=False), dict(stream_only=True)):
+        fn = jax.jit(lambda x, *w, kw=kw: sk.stream_k_chain(x, *w, ctas=4, **kw))
+        assert export.export(fn, platforms=["cuda"])(*args).mlir_module().count(MOSAIC_CALL) == 1, kw
+
+
+@pytest.mark.parametrize("layout", ["rows", "units"])
+def test_one_cta_chain_matches_xla_in_interpret_mode(layout):
+    """With one CTA every phase's units run in order (no barrier needed): the flat output (every
+    phase of every layer, then the logits) against the same chain in XLA, f32 throughout."""
+    x, ws = _weights()
+    want = sk.reference_chain(x, *ws)
+    kw = dict(ctas=1, block_k=128, stages=2, barrier=False, interpret=True)
+    if layout == "units":
+        kw["shapes"] = dict(zip(NAMES, (w.shape for w in ws)))
+        ws = [sk.unit_major(w, 128) for w in ws]
+    got = sk.stream_k_chain(x, *ws, **kw)
+    assert got.shape[0] % sk.ZERO == 0 and got.shape[0] >= want.shape[0]
+    assert _rel(got[: want.shape[0]], want) < 1e-5
+    assert not np.any(np.asarray(got[want.shape[0]:]))  # the padding stays zero
+
+
+def test_unit_major_puts_each_unit_in_one_contiguous_tile():
+    w = jnp.arange(2 * 128 * 512, dtype=jnp.float32).reshape(2, 128, 512)
+    u = sk.unit_major(w, 256)
+    assert u.shape == (2, 4, 64, 256)
+    for g in range(4):  # unit g = row tile g // 2, K step g % 2
+        t, j = divmod(g, 2)
+        np.testing.assert_array_equal(u[1, g], w[1, t * 64:(t + 1) * 64, j * 256:(j + 1) * 256])
+
+
+def test_plan_phases_offsets_chain_each_output_into_the_next_input():
+    shapes = dict(qkv=(3, 384, 128), out=(3, 128, 128), gate_up=(3, 512, 128), down=(3, 128, 256), head=(640, 128))
+    phases, head, stride, total = sk.plan_phases(shapes)
+    by = {p.name: p for p in phases}
+    assert stride == 384 + 128 + 512 + 128
+    assert by["out"].x_off == by["qkv"].y_off and by["gate_up"].x_off == by["out"].y_off
+    assert by["down"].x_off == by["gate_up"].y_off
+    assert by["qkv"].x_off == by["down"].y_off - stride  # the previous layer's down
+    assert head.y_off == 3 * stride and head.x_off == 2 * stride + by["down"].y_off
+    assert total % sk.ZERO == 0 and total >= head.y_off + 640
+
+
+@pytest.mark.parametrize("units,steps,ctas", [(384, 8, 132), (1024, 32, 132), (2048, 8, 132), (256, 8, 100),
+                                              (96, 4, 7)])
+def test_owner_and_chunk_count_agree_with_a_brute_force_schedule(units, steps, ctas):
+    block_k = 256
+    owners = np.empty(units, int)
+    pairs: dict[int, set] = {}
+    for c in range(ctas):
+        a, b = c * units // ctas, (c + 1) * units // ctas
+        owners[a:b] = c
+        for u in range(a, b):
+            pairs.setdefault(u // steps * 64 // block_k, set()).add((c, u // steps))
+    assert [sk.owner(u, units, ctas) for u in range(units)] == owners.tolist()
+    for j, got in pairs.items():
+        assert sk.chunk_count(j, units, steps, ctas, block_k) == len(got), j
+
+
+def test_refusals():
+    x, ws = _weights()
+    with pytest.raises(ValueError, match="interpret mode has no global semaphores"):
+        sk.stream_k_chain(x, *ws, ctas=1, block_k=128, interpret=True)
+    with pytest.raises(ValueError, match="barrier must be"):
+        sk.stream_k_chain(x, *ws, ctas=1, block_k=128, barrier="all")
+    with pytest.raises(ValueError, match="float32"):
+        sk.stream_k_chain(x.astype(jnp.bfloat16), *ws, ctas=1, block_k=128)
+    with pytest.raises(ValueError, match="at most 32"):
+        sk.stream_k_chain(x, *ws, ctas=1, block_k=128, stages=33)
+    with pytest.raises(ValueError, match="unit-major W"):  # row-major weights given as unit-major
+        sk.stream_k_chain(x, *ws, ctas=1, block_k=128, shapes=dict(zip(NAMES, (w.shape for w in ws))))
