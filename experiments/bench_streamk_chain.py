@@ -121,7 +121,7 @@ def smem_bytes(slots: int, block_k: int, stages: int) -> int:
 
 def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full, *,
           phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int, stages: int,
-          ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool):
+          ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool, lazy_x: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c = lax.axis_index("c")
@@ -182,19 +182,25 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
             def _():
                 plgpu.copy_gmem_to_smem(y_ref.at[pl.ds(x_base + j * block_k, block_k)], x_stage.at[i], x_full.at[i])
 
-        @pl.loop(0, n_x)
-        def _round(i):
-            plgpu.barrier_wait(x_full.at[i])
-            if interpret:
-                v = x_stage.at[i][...]
-                col = lax.broadcasted_iota(jnp.int32, (block_k, ROWS), 1)
-                x_smem.at[i].T[...] = jnp.where(col == 0, v[:, None], 0.0).astype(x_smem.dtype)
-            else:
-                v = plgpu.load(x_stage.at[i], layout=plgpu.Layout.WGMMA.reduce(1))
-                col = plgpu.broadcasted_iota(jnp.int32, (block_k, ROWS), 1, layout=plgpu.Layout.WGMMA)
-                xb = jnp.where(col == 0, lax.broadcast_in_dim(v, (block_k, ROWS), [0]), 0.0)
-                x_smem.at[i].T[...] = xb.astype(x_smem.dtype)
-        plgpu.commit_smem()  # the generic-proxy stores, visible to wgmma
+        if not lazy_x:
+            @pl.loop(0, n_x)
+            def _round(i):
+                round_x(i)
+            plgpu.commit_smem()  # the generic-proxy stores, visible to wgmma
+        return n_x
+
+    def round_x(i):
+        """Slot i's x chunk, once landed, rounded to bf16 into column 0 of the wgmma operand."""
+        plgpu.barrier_wait(x_full.at[i])
+        if interpret:
+            v = x_stage.at[i][...]
+            col = lax.broadcasted_iota(jnp.int32, (block_k, ROWS), 1)
+            x_smem.at[i].T[...] = jnp.where(col == 0, v[:, None], 0.0).astype(x_smem.dtype)
+        else:
+            v = plgpu.load(x_stage.at[i], layout=plgpu.Layout.WGMMA.reduce(1))
+            col = plgpu.broadcasted_iota(jnp.int32, (block_k, ROWS), 1, layout=plgpu.Layout.WGMMA)
+            xb = jnp.where(col == 0, lax.broadcast_in_dim(v, (block_k, ROWS), [0]), 0.0)
+            x_smem.at[i].T[...] = xb.astype(x_smem.dtype)
 
     def consume(p: Phase, layer, r, from_input=False):
         """The CTA's units of phase p (layer `layer`); r: the ring's running count. Returns r."""
@@ -208,7 +214,7 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
 
             return lax.fori_loop(a, b, take, r)
         x_base = p.x_off + (0 if p.name == "head" else layer * stride)
-        load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
+        n_x = load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
         y_base = p.y_off + (0 if p.name == "head" else layer * stride)
 
         def segment(carry):
@@ -219,6 +225,11 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
             def step(jj, acc):
                 slot = lax.rem(r + jj, stages)
                 xs = lax.rem(g + jj - a, steps)
+                if lazy_x:  # the chunk's first use: round it now, so the first product need not wait for all
+                    @pl.when(g + jj - a < n_x)
+                    def _():
+                        round_x(xs)
+                        plgpu.commit_smem()
                 plgpu.barrier_wait(w_full.at[slot])
                 if interpret:
                     acc = acc + jnp.dot(w_ring.at[slot][...], x_smem.at[xs][...].T, preferred_element_type=jnp.float32)
@@ -334,7 +345,8 @@ def unit_major(w, block_k: int):
 
 
 def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: str | bool = True,
-                   stream_only: bool = False, shapes: dict | None = None, interpret: bool = False):
+                   stream_only: bool = False, shapes: dict | None = None, lazy_x: bool = False,
+                   interpret: bool = False):
     """The chain of `layers` decoder layers' GEMVs and the head as one kernel of `ctas` resident
     CTAs, every phase spread evenly over all of them (module docstring). x: f32 [D] (batch 1);
     w* bf16 stacked per layer [L, N, K], wh [V, D]. Returns the flat f32 output: per layer q/k/v,
@@ -344,7 +356,8 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     counted (a semaphore per chunk); False leaves out the waits (wrong outputs; the time is the
     streaming ceiling);
     stream_only: the consumer only takes each weight tile (no x, no products, no waits: the
-    producer's ceiling). shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
+    producer's ceiling). lazy_x: round each x chunk into the operand just before its first product
+    rather than all of them before the first. shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
     come in `unit_major` form. interpret: Pallas' GPU interpreter; needs barrier=False and
     computes right only with ctas=1."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -394,7 +407,7 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     return plgpu.kernel(
         functools.partial(_body, phases=tuple(phases), head=head, stride=stride, total=total, layers=layers,
                           block_k=block_k, stages=stages, ctas=ctas, sync="" if stream_only else sync,
-                          interpret=interpret, stream_only=stream_only, unit_major=units),
+                          interpret=interpret, stream_only=stream_only, unit_major=units, lazy_x=lazy_x),
         out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
         scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
@@ -462,13 +475,14 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
     for block_k, stages in configs:
         by_units = [unit_major(w, block_k) for w in args]
         for layout, wargs, extra in (("rows", args, {}), ("units", by_units, dict(shapes=shapes))):
-            for mode in ("", " chunk waits", " without the barrier", " stream only"):
-                if layout == "rows" and mode in (" stream only", " chunk waits"):
+            for mode in ("", " lazy x", " chunk waits", " without the barrier", " stream only"):
+                if layout == "rows" and mode in (" stream only", " chunk waits", " lazy x"):
                     continue
                 name = f"stream-K {layout} bk{block_k} s{stages}{mode}"
-                barrier = {"": "grid", " chunk waits": "chunks"}.get(mode, False)
+                barrier = {"": "grid", " lazy x": "grid", " chunk waits": "chunks"}.get(mode, False)
                 fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages,
-                                               barrier=barrier, stream_only=mode == " stream only", **extra))
+                                               barrier=barrier, stream_only=mode == " stream only",
+                                               lazy_x=mode == " lazy x", **extra))
                 t0 = time.perf_counter()
                 got = np.asarray(fn(x, *wargs))[: want.size]
                 compile_s = time.perf_counter() - t0
