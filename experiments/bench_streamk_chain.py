@@ -58,6 +58,7 @@ ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand
 BLOCK_F = 64  # weight rows per unit (wgmma M)
 ZERO = 256  # f32 values per zeroing store (a TMA box dimension is at most 256)
 LAYER_PHASES = ("qkv", "out", "gate_up", "down")
+PROFILE_EVENTS = 512  # profiled regions per warpgroup (the 1b's chain records ~330 per consumer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +144,16 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
         g = p.units(block_k)
         return c * g // ctas, (c + 1) * g // ctas
 
+    # (named scopes: regions of the on-device profile, `profile_dir`; no code without it)
     def wait(index, zeroed=False):  # zeroed: semaphore 0, which every sync mode uses
         if sync == "grid" or (sync and zeroed):
-            plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
+            with jax.named_scope("zero_wait" if zeroed else "wait"):
+                plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
 
     def signal(index, zeroed=False):
         if sync == "grid" or (sync and zeroed):
-            plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
+            with jax.named_scope("signal"):
+                plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
 
     def load_x(p: Phase, x_base, from_input, a, b):
         """x's chunks for units [a, b) into slots 0.. (chunk (a + i) mod steps in slot i), as
@@ -214,7 +218,8 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
 
             return lax.fori_loop(a, b, take, r)
         x_base = p.x_off + (0 if p.name == "head" else layer * stride)
-        n_x = load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
+        with jax.named_scope("x"):
+            n_x = load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
         y_base = p.y_off + (0 if p.name == "head" else layer * stride)
 
         def segment(carry):
@@ -259,8 +264,10 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
                 plgpu.copy_smem_to_gmem(out_smem, dst, reduction_op="add")
             return g + n, r + n
 
-        _, r = lax.while_loop(lambda carry: carry[0] < b, segment, (a, r))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
+        with jax.named_scope("units"):
+            _, r = lax.while_loop(lambda carry: carry[0] < b, segment, (a, r))
+        with jax.named_scope("drain"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
         if chunks and p.name != "head":  # count this CTA's units into each row tile's output chunk
             @pl.loop(a // steps, (b + steps - 1) // steps)
             def _count(t):  # (the increment must be a constant: one per row tile this CTA added to)
@@ -346,7 +353,7 @@ def unit_major(w, block_k: int):
 
 def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: str | bool = True,
                    stream_only: bool = False, shapes: dict | None = None, lazy_x: bool = False,
-                   interpret: bool = False):
+                   profile_dir: str = "", interpret: bool = False):
     """The chain of `layers` decoder layers' GEMVs and the head as one kernel of `ctas` resident
     CTAs, every phase spread evenly over all of them (module docstring). x: f32 [D] (batch 1);
     w* bf16 stacked per layer [L, N, K], wh [V, D]. Returns the flat f32 output: per layer q/k/v,
@@ -357,7 +364,9 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     streaming ceiling);
     stream_only: the consumer only takes each weight tile (no x, no products, no waits: the
     producer's ceiling). lazy_x: round each x chunk into the operand just before its first product
-    rather than all of them before the first. shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
+    rather than all of them before the first. profile_dir: record the consumer's regions (zero,
+    wait, x, units, drain, signal) with Mosaic GPU's on-device profiler and write them there as
+    a Perfetto trace (`barrier_breakdown` reads it). shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
     come in `unit_major` form. interpret: Pallas' GPU interpreter; needs barrier=False and
     computes right only with ctas=1."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -392,7 +401,8 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     slots = x_slots([*phases, head], ctas, block_k)
     if max(slots, stages) > 32:  # Mosaic GPU: at most 32 barriers per group
         raise ValueError(f"{slots} x chunks and {stages} ring slots: at most 32 each; a larger block_k or more CTAs")
-    if (need := smem_bytes(slots, block_k, stages)) > SMEM_BYTES:
+    # the profiler keeps 4 i32 per region per warpgroup in shared memory
+    if (need := smem_bytes(slots, block_k, stages) + (2 * 16 * PROFILE_EVENTS if profile_dir else 0)) > SMEM_BYTES:
         raise ValueError(f"{slots} x chunks and {stages} ring slots need {need} bytes of shared memory, more than "
                          f"{SMEM_BYTES}: fewer stages, a smaller block_k or more CTAs")
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -411,6 +421,8 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
         out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
         scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
+        compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
+        if profile_dir else None,
     )(x, wq, wo, wgu, wd, wh)
 
 
@@ -525,6 +537,79 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
     return out
 
 
+def regions(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
+    """Per profiled warpgroup (the trace's tid): its regions in order, (name, start µs, end µs)."""
+    out: dict[int, list] = {}
+    open_: dict[int, list] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "B":
+            open_.setdefault(e["tid"], []).append((e["name"], e["ts"]))
+        else:
+            name, start = open_[e["tid"]].pop()
+            out.setdefault(e["tid"], []).append((name, start, e["ts"]))
+    for seq in out.values():
+        seq.sort(key=lambda r: r[1])
+    return out
+
+
+def barrier_breakdown(trace: dict) -> dict[str, float]:
+    """Where a grid barrier's time goes, medians over the phases (µs), from a profiled chain:
+    - drain: a CTA's wait for its last reduce-adds to be written (median CTA);
+    - skew: from the median CTA's signal to the last CTA's;
+    - release: from the last signal to the median CTA leaving its wait;
+    - x: the median CTA's x loads (and, without lazy_x, their rounding);
+    - gap: from the last CTA's signal to the median CTA's first product (release + x + the rest).
+    Every CTA's consumer has the same sequence of regions: one `wait` before every phase but the
+    first, and `units`, `drain` and `signal` in every phase."""
+    import numpy as np
+
+    seqs = regions(trace)
+
+    def table(name):  # [CTA, occurrence] -> (start, end)
+        rows = [[(a, b) for n, a, b in seq if n == name] for seq in seqs.values()]
+        k = min(map(len, rows))
+        return np.asarray([r[:k] for r in rows])  # [C, k, 2]
+
+    drain, signal, wait, x, units = (table(n) for n in ("drain", "signal", "wait", "x", "units"))
+    k = min(wait.shape[1], signal.shape[1] - 1, x.shape[1] - 1, units.shape[1] - 1)
+    # phase p + 1 waits for the signals of phase p; the first `signal` is the zeroing's
+    sig = signal[:, 1:k + 1, 1]  # end of each phase's signal, [C, k]
+    last = sig.max(axis=0)
+    med = lambda a: float(np.median(a))  # noqa: E731
+    return dict(
+        phases=k,
+        drain_us=med(np.median(drain[:, :k, 1] - drain[:, :k, 0], axis=0)),
+        skew_us=med(last - np.median(sig, axis=0)),
+        release_us=med(np.median(wait[:, :k, 1], axis=0) - last),
+        x_us=med(np.median(x[:, 1:k + 1, 1] - x[:, 1:k + 1, 0], axis=0)),
+        gap_us=med(np.median(units[:, 1:k + 1, 0], axis=0) - last),
+        units_us=med(np.median(units[:, :k, 1] - units[:, :k, 0], axis=0)),
+    )
+
+
+def profile_chain(model: str, ctas: int, block_k: int, stages: int, out_dir: str) -> list[dict]:
+    """One profiled run of the grid-barrier chain, with and without lazy_x: barrier_breakdown."""
+    import bench_weight_stream as bws
+
+    shapes = bws.model_chain_shapes(model)
+    keys = iter(jax.random.split(jax.random.key(0), len(shapes) + 1))
+    ws = [unit_major((jax.random.normal(next(keys), s, jnp.float32) / s[-1] ** 0.5).astype(jnp.bfloat16), block_k)
+          for s in shapes.values()]
+    x = jax.random.normal(next(keys), (shapes["qkv"][-1],), jnp.float32)
+    rows = []
+    for lazy in (False, True):
+        d = Path(out_dir) / f"{model}_bk{block_k}_s{stages}{'_lazy_x' if lazy else ''}"
+        d.mkdir(parents=True, exist_ok=True)
+        fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages, lazy_x=lazy,
+                                       shapes=shapes, profile_dir=str(d)))
+        fn(x, *ws).block_until_ready()
+        jax.effects_barrier()
+        trace = json.loads(sorted(d.glob("*-trace.json"))[-1].read_text())
+        rows.append(dict(model=model, lazy_x=lazy, block_k=block_k, stages=stages, **barrier_breakdown(trace)))
+        print("profile", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | kernel | ms per chain (quartiles) | % of copy BW | rel. error vs XLA: first phase / logits |",
              "|---|---|---|---|---|"]
@@ -544,7 +629,15 @@ def main(argv=None) -> None:
     p.add_argument("--ctas", type=int, default=0, help="persistent CTAs (0: the SM count)")
     p.add_argument("--no-whole-tiles", action="store_true", help="leave out bench_weight_stream's stream_layers")
     p.add_argument("--out", default=None, help="write the rows as JSON and the table as markdown here (a prefix)")
+    p.add_argument("--profile", default="", help="a directory: instead of timing, profile one chain of the first "
+                   "config with Mosaic GPU's on-device profiler, with and without lazy_x (barrier_breakdown)")
     args = p.parse_args(argv)
+
+    if args.profile:
+        block_k, stages = map(int, args.configs.split(";")[0].split(","))
+        for model in args.models.split(","):
+            profile_chain(model, args.ctas or jax.devices()[0].core_count, block_k, stages, args.profile)
+        return
 
     from bench_attention import header
     from bench_decode import measure_bandwidth

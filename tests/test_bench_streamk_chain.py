@@ -108,3 +108,33 @@ def test_refusals():
         sk.stream_k_chain(x, *ws, ctas=1, block_k=128, stages=33)
     with pytest.raises(ValueError, match="unit-major W"):  # row-major weights given as unit-major
         sk.stream_k_chain(x, *ws, ctas=1, block_k=128, shapes=dict(zip(NAMES, (w.shape for w in ws))))
+
+
+def test_barrier_breakdown_reads_a_profile():
+    """A made-up two-CTA, three-phase trace in the profiler's format: each phase starts at b, CTA
+    1 signals 1 µs after CTA 0, both leave their wait for the next phase at b + 12."""
+    events = []
+
+    def region(tid, name, a, b):
+        events.extend([dict(name=name, ph="B", ts=a, tid=tid), dict(name=name, ph="E", ts=b, tid=tid)])
+
+    for c in range(2):
+        region(c, "zero", 0, 1)
+        region(c, "zero_wait", 1, 2)
+        region(c, "signal", 2, 2.1)
+        for ph in range(3):
+            b = 2.1 + 12 * ph
+            region(c, "x", b, b + 0.5)
+            region(c, "units", b + 0.5, b + 8)
+            region(c, "drain", b + 8, b + 8.5 + c)
+            region(c, "signal", b + 8.5 + c, b + 8.6 + c)
+            if ph < 2:
+                region(c, "wait", b + 8.6 + c, b + 12)
+    got = sk.barrier_breakdown({"traceEvents": events})
+    assert got["phases"] == 2
+    assert got["drain_us"] == pytest.approx(1.0)  # median of 0.5 and 1.5
+    assert got["skew_us"] == pytest.approx(0.5)  # the last signal 1 µs after the first, the median halfway
+    assert got["release_us"] == pytest.approx(12 - 9.6)  # wait end - the last signal's end
+    assert got["x_us"] == pytest.approx(0.5)
+    assert got["gap_us"] == pytest.approx(12.5 - 9.6)  # first product - the last signal's end
+    assert got["units_us"] == pytest.approx(7.5)
