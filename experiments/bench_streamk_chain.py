@@ -122,7 +122,8 @@ def smem_bytes(slots: int, block_k: int, stages: int) -> int:
 
 def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full, *,
           phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int, stages: int,
-          ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool, lazy_x: bool):
+          ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool, lazy_x: bool,
+          x_loads: str):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c = lax.axis_index("c")
@@ -182,29 +183,49 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
             def _():
                 plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(j * block_k, block_k)], x_stage.at[i], x_full.at[i])
 
-            @pl.when(jnp.logical_not(from_input))
-            def _():
-                plgpu.copy_gmem_to_smem(y_ref.at[pl.ds(x_base + j * block_k, block_k)], x_stage.at[i], x_full.at[i])
+            if x_loads == "tma":  # (x_loads "ld": round_x reads the chunk itself)
+                @pl.when(jnp.logical_not(from_input))
+                def _():
+                    plgpu.copy_gmem_to_smem(y_ref.at[pl.ds(x_base + j * block_k, block_k)], x_stage.at[i],
+                                            x_full.at[i])
 
+        round_x = functools.partial(round_chunk, from_input=from_input, x_base=x_base, a=a, steps=steps)
         if not lazy_x:
             @pl.loop(0, n_x)
             def _round(i):
                 round_x(i)
             plgpu.commit_smem()  # the generic-proxy stores, visible to wgmma
-        return n_x
+        return n_x, round_x
 
-    def round_x(i):
-        """Slot i's x chunk, once landed, rounded to bf16 into column 0 of the wgmma operand."""
-        plgpu.barrier_wait(x_full.at[i])
+    def to_operand(i, v):
+        """x chunk v [block_k] f32 -> bf16 column 0 of slot i's wgmma operand (the rest zero)."""
         if interpret:
-            v = x_stage.at[i][...]
             col = lax.broadcasted_iota(jnp.int32, (block_k, ROWS), 1)
             x_smem.at[i].T[...] = jnp.where(col == 0, v[:, None], 0.0).astype(x_smem.dtype)
         else:
-            v = plgpu.load(x_stage.at[i], layout=plgpu.Layout.WGMMA.reduce(1))
             col = plgpu.broadcasted_iota(jnp.int32, (block_k, ROWS), 1, layout=plgpu.Layout.WGMMA)
             xb = jnp.where(col == 0, lax.broadcast_in_dim(v, (block_k, ROWS), [0]), 0.0)
             x_smem.at[i].T[...] = xb.astype(x_smem.dtype)
+
+    def load_vector(ref, gmem=False):  # (Mosaic vectorises loads from shared memory only)
+        return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=not gmem)
+
+    def round_chunk(i, *, from_input, x_base, a, steps):
+        """Slot i's x chunk rounded into the operand: from its TMA copy once landed, or (x_loads
+        "ld", not from the input) loaded from global memory by the warpgroup's own loads."""
+        def from_stage():
+            plgpu.barrier_wait(x_full.at[i])
+            to_operand(i, load_vector(x_stage.at[i]))
+
+        if x_loads == "tma":
+            from_stage()
+            return
+        pl.when(from_input)(from_stage)
+
+        @pl.when(jnp.logical_not(from_input))
+        def _():
+            j = lax.rem(a + i, steps)
+            to_operand(i, load_vector(y_ref.at[pl.ds(x_base + j * block_k, block_k)], gmem=True))
 
     def consume(p: Phase, layer, r, from_input=False):
         """The CTA's units of phase p (layer `layer`); r: the ring's running count. Returns r."""
@@ -219,7 +240,7 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
             return lax.fori_loop(a, b, take, r)
         x_base = p.x_off + (0 if p.name == "head" else layer * stride)
         with jax.named_scope("x"):
-            n_x = load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
+            n_x, round_x = load_x(p, jnp.maximum(x_base, 0), jnp.asarray(from_input), a, b)
         y_base = p.y_off + (0 if p.name == "head" else layer * stride)
 
         def segment(carry):
@@ -353,7 +374,7 @@ def unit_major(w, block_k: int):
 
 def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: str | bool = True,
                    stream_only: bool = False, shapes: dict | None = None, lazy_x: bool = False,
-                   profile_dir: str = "", interpret: bool = False):
+                   x_loads: str = "tma", profile_dir: str = "", interpret: bool = False):
     """The chain of `layers` decoder layers' GEMVs and the head as one kernel of `ctas` resident
     CTAs, every phase spread evenly over all of them (module docstring). x: f32 [D] (batch 1);
     w* bf16 stacked per layer [L, N, K], wh [V, D]. Returns the flat f32 output: per layer q/k/v,
@@ -364,13 +385,17 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     streaming ceiling);
     stream_only: the consumer only takes each weight tile (no x, no products, no waits: the
     producer's ceiling). lazy_x: round each x chunk into the operand just before its first product
-    rather than all of them before the first. profile_dir: record the consumer's regions (zero,
+    rather than all of them before the first. x_loads: "tma" (each x chunk copied into shared
+    memory by TMA, then rounded) or "ld" (read by the consumer warpgroup's own loads straight into
+    registers, so it does not queue behind the weight tiles in the SM's TMA unit). profile_dir: record the consumer's regions (zero,
     wait, x, units, drain, signal) with Mosaic GPU's on-device profiler and write them there as
     a Perfetto trace (`barrier_breakdown` reads it). shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
     come in `unit_major` form. interpret: Pallas' GPU interpreter; needs barrier=False and
     computes right only with ctas=1."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    if x_loads not in ("tma", "ld"):
+        raise ValueError(f"x_loads must be 'tma' or 'ld', got {x_loads!r}")
     if interpret and barrier is not False:
         raise ValueError("stream_k_chain: interpret mode has no global semaphores; pass barrier=False (and ctas=1)")
     ws = dict(qkv=wq, out=wo, gate_up=wgu, down=wd, head=wh)
@@ -417,7 +442,8 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     return plgpu.kernel(
         functools.partial(_body, phases=tuple(phases), head=head, stride=stride, total=total, layers=layers,
                           block_k=block_k, stages=stages, ctas=ctas, sync="" if stream_only else sync,
-                          interpret=interpret, stream_only=stream_only, unit_major=units, lazy_x=lazy_x),
+                          interpret=interpret, stream_only=stream_only, unit_major=units, lazy_x=lazy_x,
+                          x_loads=x_loads),
         out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
         scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
@@ -487,14 +513,15 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
     for block_k, stages in configs:
         by_units = [unit_major(w, block_k) for w in args]
         for layout, wargs, extra in (("rows", args, {}), ("units", by_units, dict(shapes=shapes))):
-            for mode in ("", " lazy x", " chunk waits", " without the barrier", " stream only"):
-                if layout == "rows" and mode in (" stream only", " chunk waits", " lazy x"):
+            for mode in ("", " lazy x", " lazy x, ld", " chunk waits", " without the barrier", " stream only"):
+                if layout == "rows" and mode != "" and mode != " without the barrier":
                     continue
                 name = f"stream-K {layout} bk{block_k} s{stages}{mode}"
-                barrier = {"": "grid", " lazy x": "grid", " chunk waits": "chunks"}.get(mode, False)
+                barrier = {"": "grid", " lazy x": "grid", " lazy x, ld": "grid", " chunk waits": "chunks"}.get(mode, False)
                 fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages,
                                                barrier=barrier, stream_only=mode == " stream only",
-                                               lazy_x=mode == " lazy x", **extra))
+                                               lazy_x="lazy x" in mode, x_loads="ld" if "ld" in mode else "tma",
+                                               **extra))
                 t0 = time.perf_counter()
                 got = np.asarray(fn(x, *wargs))[: want.size]
                 compile_s = time.perf_counter() - t0
@@ -563,7 +590,7 @@ def barrier_breakdown(trace: dict) -> dict[str, float]:
     first, and `units`, `drain` and `signal` in every phase."""
     import numpy as np
 
-    seqs = regions(trace)
+    seqs = {tid: seq for tid, seq in regions(trace).items() if any(n == "units" for n, _, _ in seq)}  # consumers
 
     def table(name):  # [CTA, occurrence] -> (start, end)
         rows = [[(a, b) for n, a, b in seq if n == name] for seq in seqs.values()]
@@ -588,7 +615,8 @@ def barrier_breakdown(trace: dict) -> dict[str, float]:
 
 
 def profile_chain(model: str, ctas: int, block_k: int, stages: int, out_dir: str) -> list[dict]:
-    """One profiled run of the grid-barrier chain, with and without lazy_x: barrier_breakdown."""
+    """One profiled run of the grid-barrier chain each way (lazy_x off and on; x by TMA or by
+    loads): barrier_breakdown."""
     import bench_weight_stream as bws
 
     shapes = bws.model_chain_shapes(model)
@@ -597,15 +625,16 @@ def profile_chain(model: str, ctas: int, block_k: int, stages: int, out_dir: str
           for s in shapes.values()]
     x = jax.random.normal(next(keys), (shapes["qkv"][-1],), jnp.float32)
     rows = []
-    for lazy in (False, True):
-        d = Path(out_dir) / f"{model}_bk{block_k}_s{stages}{'_lazy_x' if lazy else ''}"
+    for lazy, loads in ((False, "tma"), (True, "tma"), (True, "ld")):
+        d = Path(out_dir) / f"{model}_bk{block_k}_s{stages}{'_lazy_x' if lazy else ''}_{loads}"
         d.mkdir(parents=True, exist_ok=True)
         fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages, lazy_x=lazy,
-                                       shapes=shapes, profile_dir=str(d)))
+                                       x_loads=loads, shapes=shapes, profile_dir=str(d)))
         fn(x, *ws).block_until_ready()
         jax.effects_barrier()
         trace = json.loads(sorted(d.glob("*-trace.json"))[-1].read_text())
-        rows.append(dict(model=model, lazy_x=lazy, block_k=block_k, stages=stages, **barrier_breakdown(trace)))
+        rows.append(dict(model=model, lazy_x=lazy, x_loads=loads, block_k=block_k, stages=stages,
+                         **barrier_breakdown(trace)))
         print("profile", json.dumps(rows[-1]), flush=True)
     return rows
 

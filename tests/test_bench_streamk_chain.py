@@ -37,19 +37,20 @@ def test_lowers_for_hopper_in_every_sync_mode():
     sds = jax.ShapeDtypeStruct
     args = [sds((d,), jnp.float32), *(sds(s, jnp.bfloat16) for s in
                                        [(layers, nq, d), (layers, d, d), (layers, 2 * f, d), (layers, d, f), (v, d)])]
-    for kw in (dict(barrier=True), dict(barrier=True, lazy_x=True), dict(barrier="chunks"), dict(barrier=False),
-               dict(stream_only=True)):
+    for kw in (dict(barrier=True), dict(barrier=True, lazy_x=True), dict(barrier=True, lazy_x=True, x_loads="ld"),
+               dict(barrier="chunks"), dict(barrier=False), dict(stream_only=True)):
         fn = jax.jit(lambda x, *w, kw=kw: sk.stream_k_chain(x, *w, ctas=4, **kw))
         assert export.export(fn, platforms=["cuda"])(*args).mlir_module().count(MOSAIC_CALL) == 1, kw
 
 
-@pytest.mark.parametrize("layout,lazy_x", [("rows", False), ("units", False), ("rows", True)])
-def test_one_cta_chain_matches_xla_in_interpret_mode(layout, lazy_x):
+@pytest.mark.parametrize("layout,lazy_x,x_loads", [("rows", False, "tma"), ("units", False, "tma"),
+                                                   ("rows", True, "tma"), ("units", True, "ld")])
+def test_one_cta_chain_matches_xla_in_interpret_mode(layout, lazy_x, x_loads):
     """With one CTA every phase's units run in order (no barrier needed): the flat output (every
     phase of every layer, then the logits) against the same chain in XLA, f32 throughout."""
     x, ws = _weights()
     want = sk.reference_chain(x, *ws)
-    kw = dict(ctas=1, block_k=128, stages=2, barrier=False, lazy_x=lazy_x, interpret=True)
+    kw = dict(ctas=1, block_k=128, stages=2, barrier=False, lazy_x=lazy_x, x_loads=x_loads, interpret=True)
     if layout == "units":
         kw["shapes"] = dict(zip(NAMES, (w.shape for w in ws)))
         ws = [sk.unit_major(w, 128) for w in ws]
@@ -100,6 +101,8 @@ def test_refusals():
     x, ws = _weights()
     with pytest.raises(ValueError, match="interpret mode has no global semaphores"):
         sk.stream_k_chain(x, *ws, ctas=1, block_k=128, interpret=True)
+    with pytest.raises(ValueError, match="x_loads must be"):
+        sk.stream_k_chain(x, *ws, ctas=1, block_k=128, x_loads="dma")
     with pytest.raises(ValueError, match="barrier must be"):
         sk.stream_k_chain(x, *ws, ctas=1, block_k=128, barrier="all")
     with pytest.raises(ValueError, match="float32"):
