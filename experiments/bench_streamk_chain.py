@@ -582,7 +582,8 @@ def regions(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
 def barrier_breakdown(trace: dict) -> dict[str, float]:
     """Where a grid barrier's time goes, medians over the phases (µs), from a profiled chain:
     - drain: a CTA's wait for its last reduce-adds to be written (median CTA);
-    - skew: from the median CTA's signal to the last CTA's;
+    - skew: from the median CTA's signal to the last CTA's (a signal's time: its start, when the
+      CTA's writes are done; the atomic may land before the signalling thread sees it return);
     - release: from the last signal to the median CTA leaving its wait;
     - x: the median CTA's x loads (and, without lazy_x, their rounding);
     - gap: from the last CTA's signal to the median CTA's first product (release + x + the rest).
@@ -600,7 +601,7 @@ def barrier_breakdown(trace: dict) -> dict[str, float]:
     drain, signal, wait, x, units = (table(n) for n in ("drain", "signal", "wait", "x", "units"))
     k = min(wait.shape[1], signal.shape[1] - 1, x.shape[1] - 1, units.shape[1] - 1)
     # phase p + 1 waits for the signals of phase p; the first `signal` is the zeroing's
-    sig = signal[:, 1:k + 1, 1]  # end of each phase's signal, [C, k]
+    sig = signal[:, 1:k + 1, 0]  # each phase's signal, [C, k]
     last = sig.max(axis=0)
     med = lambda a: float(np.median(a))  # noqa: E731
     return dict(

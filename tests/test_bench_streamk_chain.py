@@ -137,7 +137,7 @@ def test_barrier_breakdown_reads_a_profile():
     assert got["phases"] == 2
     assert got["drain_us"] == pytest.approx(1.0)  # median of 0.5 and 1.5
     assert got["skew_us"] == pytest.approx(0.5)  # the last signal 1 µs after the first, the median halfway
-    assert got["release_us"] == pytest.approx(12 - 9.6)  # wait end - the last signal's end
+    assert got["release_us"] == pytest.approx(12 - 9.5)  # wait end - the last signal's start
     assert got["x_us"] == pytest.approx(0.5)
-    assert got["gap_us"] == pytest.approx(12.5 - 9.6)  # first product - the last signal's end
+    assert got["gap_us"] == pytest.approx(12.5 - 9.5)  # first product - the last signal's start
     assert got["units_us"] == pytest.approx(7.5)
