@@ -123,7 +123,7 @@ def smem_bytes(slots: int, block_k: int, stages: int) -> int:
 def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full, *,
           phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int, stages: int,
           ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool, lazy_x: bool,
-          x_loads: str):
+          x_loads: str, prefetch: int):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c = lax.axis_index("c")
@@ -326,31 +326,55 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
 
     @pl.when(wg == 1)
     def _producer():  # every phase's weight tiles in the consumer's order: they depend on no activation
-        def stream(p: Phase, layer, r):
-            steps = p.k // block_k
-            a, b = span(p)
+        def src_of(p: Phase, layer, g):
             w = weights[p.name]
+            if unit_major:  # unit g is one contiguous [64, block_k] tile
+                return w.at[g] if p.name == "head" else w.at[layer, g]
+            steps = p.k // block_k
+            t, j = g // steps, lax.rem(g, steps)
+            rows, cols = pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)
+            return w.at[rows, cols] if p.name == "head" else w.at[layer, rows, cols]
+
+        def prefetch_unit(g, p: Phase, layer, nexts):
+            """Unit g + `prefetch` into L2: of this phase, or past its end, of the next one
+            (nexts: [(condition, phase, layer)], the first that holds)."""
+            a, b = span(p)
+            ahead = g + prefetch
+
+            @pl.when(ahead < b)
+            def _():
+                plgpu.async_prefetch(src_of(p, layer, ahead))
+
+            for cond, q, q_layer in nexts:
+                qa, qb = span(q)
+
+                @pl.when(jnp.logical_and(ahead >= b, jnp.logical_and(cond, qa + ahead - b < qb)))
+                def _():
+                    plgpu.async_prefetch(src_of(q, q_layer, qa + ahead - b))
+
+        def stream(p: Phase, layer, r, nexts=()):
+            a, b = span(p)
 
             def fetch(g, r):
                 slot = lax.rem(r, stages)
+                if prefetch and not interpret:  # (the interpreter has no L2)
+                    prefetch_unit(g, p, layer, nexts)
 
                 @pl.when(r >= stages)
                 def _():
                     plgpu.barrier_wait(free.at[slot])
-                if unit_major:  # unit g is one contiguous [64, block_k] tile
-                    src = w.at[g] if p.name == "head" else w.at[layer, g]
-                else:
-                    t, j = g // steps, lax.rem(g, steps)
-                    rows, cols = pl.ds(t * BLOCK_F, BLOCK_F), pl.ds(j * block_k, block_k)
-                    src = w.at[rows, cols] if p.name == "head" else w.at[layer, rows, cols]
-                plgpu.copy_gmem_to_smem(src, w_ring.at[slot], w_full.at[slot])
+                plgpu.copy_gmem_to_smem(src_of(p, layer, g), w_ring.at[slot], w_full.at[slot])
                 return r + 1
 
             return lax.fori_loop(a, b, fetch, r)
 
         def layer(l, r):
-            for p in phases:
-                r = stream(p, l, r)
+            for i, p in enumerate(phases):
+                if i + 1 < len(phases):
+                    nexts = [(jnp.bool_(True), phases[i + 1], l)]
+                else:  # down: the next layer's q/k/v, or the head after the last layer
+                    nexts = [(l + 1 < layers, phases[0], l + 1), (l + 1 == layers, head, 0)]
+                r = stream(p, l, r, nexts)
             return r
 
         r = lax.fori_loop(0, layers, layer, jnp.int32(0))
@@ -374,7 +398,7 @@ def unit_major(w, block_k: int):
 
 def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, stages: int = 4, barrier: str | bool = True,
                    stream_only: bool = False, shapes: dict | None = None, lazy_x: bool = False,
-                   x_loads: str = "tma", profile_dir: str = "", interpret: bool = False):
+                   x_loads: str = "tma", prefetch: int = 0, profile_dir: str = "", interpret: bool = False):
     """The chain of `layers` decoder layers' GEMVs and the head as one kernel of `ctas` resident
     CTAs, every phase spread evenly over all of them (module docstring). x: f32 [D] (batch 1);
     w* bf16 stacked per layer [L, N, K], wh [V, D]. Returns the flat f32 output: per layer q/k/v,
@@ -387,7 +411,9 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     producer's ceiling). lazy_x: round each x chunk into the operand just before its first product
     rather than all of them before the first. x_loads: "tma" (each x chunk copied into shared
     memory by TMA, then rounded) or "ld" (read by the consumer warpgroup's own loads straight into
-    registers, so it does not queue behind the weight tiles in the SM's TMA unit). profile_dir: record the consumer's regions (zero,
+    registers, so it does not queue behind the weight tiles in the SM's TMA unit). prefetch: the
+    producer also prefetches the weight tile this many units ahead into L2 (cp.async.bulk.prefetch),
+    across phase ends, so HBM keeps streaming while a full ring waits at a barrier. profile_dir: record the consumer's regions (zero,
     wait, x, units, drain, signal) with Mosaic GPU's on-device profiler and write them there as
     a Perfetto trace (`barrier_breakdown` reads it). shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
     come in `unit_major` form. interpret: Pallas' GPU interpreter; needs barrier=False and
@@ -443,7 +469,7 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
         functools.partial(_body, phases=tuple(phases), head=head, stride=stride, total=total, layers=layers,
                           block_k=block_k, stages=stages, ctas=ctas, sync="" if stream_only else sync,
                           interpret=interpret, stream_only=stream_only, unit_major=units, lazy_x=lazy_x,
-                          x_loads=x_loads),
+                          x_loads=x_loads, prefetch=prefetch),
         out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
         scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
@@ -470,6 +496,14 @@ def reference_chain(x, wq, wo, wgu, wd, wh, precision=lax.Precision.HIGHEST):
             outs.append(h)
     outs.append(mm(h, wh))
     return jnp.concatenate(outs)
+
+
+# the variants measure_model times: name suffix -> stream_k_chain keywords
+MODES = {"": {}, " lazy x": dict(lazy_x=True), " lazy x, ld": dict(lazy_x=True, x_loads="ld"),
+         " lazy x, prefetch 4": dict(lazy_x=True, prefetch=4), " lazy x, prefetch 8": dict(lazy_x=True, prefetch=8),
+         " chunk waits": dict(barrier="chunks"), " without the barrier": dict(barrier=False),
+         " stream only": dict(stream_only=True)}
+ROW_MODES = ("", " without the barrier")  # with row-major weights
 
 
 def repeated(fn, times: int):
@@ -513,14 +547,12 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
     for block_k, stages in configs:
         by_units = [unit_major(w, block_k) for w in args]
         for layout, wargs, extra in (("rows", args, {}), ("units", by_units, dict(shapes=shapes))):
-            for mode in ("", " lazy x", " lazy x, ld", " chunk waits", " without the barrier", " stream only"):
-                if layout == "rows" and mode != "" and mode != " without the barrier":
+            for mode, kw in MODES.items():
+                if layout == "rows" and mode not in ROW_MODES:
                     continue
                 name = f"stream-K {layout} bk{block_k} s{stages}{mode}"
-                barrier = {"": "grid", " lazy x": "grid", " lazy x, ld": "grid", " chunk waits": "chunks"}.get(mode, False)
-                fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages,
-                                               barrier=barrier, stream_only=mode == " stream only",
-                                               lazy_x="lazy x" in mode, x_loads="ld" if "ld" in mode else "tma",
+                barrier = kw.get("barrier", True) and not kw.get("stream_only")
+                fn = jax.jit(functools.partial(stream_k_chain, ctas=ctas, block_k=block_k, stages=stages, **kw,
                                                **extra))
                 t0 = time.perf_counter()
                 got = np.asarray(fn(x, *wargs))[: want.size]

@@ -37,10 +37,17 @@ def test_lowers_for_hopper_in_every_sync_mode():
     sds = jax.ShapeDtypeStruct
     args = [sds((d,), jnp.float32), *(sds(s, jnp.bfloat16) for s in
                                        [(layers, nq, d), (layers, d, d), (layers, 2 * f, d), (layers, d, f), (v, d)])]
+    units = dict(zip(NAMES, (a.shape for a in args[1:])))
+    unit_args = [args[0], *(sds(sk.unit_major(jnp.zeros(a.shape, jnp.bfloat16), 256).shape, jnp.bfloat16)
+                            for a in args[1:])]
     for kw in (dict(barrier=True), dict(barrier=True, lazy_x=True), dict(barrier=True, lazy_x=True, x_loads="ld"),
+               dict(barrier=True, lazy_x=True, prefetch=4), dict(barrier=True, shapes="units", prefetch=9),
                dict(barrier="chunks"), dict(barrier=False), dict(stream_only=True)):
+        a = args
+        if kw.get("shapes") == "units":  # unit-major weights, prefetching across phase ends
+            kw, a = dict(kw, shapes=units), unit_args
         fn = jax.jit(lambda x, *w, kw=kw: sk.stream_k_chain(x, *w, ctas=4, **kw))
-        assert export.export(fn, platforms=["cuda"])(*args).mlir_module().count(MOSAIC_CALL) == 1, kw
+        assert export.export(fn, platforms=["cuda"])(*a).mlir_module().count(MOSAIC_CALL) == 1, kw
 
 
 @pytest.mark.parametrize("layout,lazy_x,x_loads", [("rows", False, "tma"), ("units", False, "tma"),
