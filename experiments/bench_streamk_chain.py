@@ -54,6 +54,8 @@ from jax.experimental import pallas as pl
 from scaling.kernels.flash_attention_mgpu import interpret_params
 from scaling.kernels.flash_attention_mgpu_bwd import SMEM_BYTES  # shared memory per CTA on sm_90
 
+from bench_weight_stream import tile_product, zero_acc  # (experiments/ is on the path)
+
 ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand
 BLOCK_F = 64  # weight rows per unit (wgmma M)
 ZERO = 256  # f32 values per zeroing store (a TMA box dimension is at most 256)
@@ -257,20 +259,11 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
                         round_x(xs)
                         plgpu.commit_smem()
                 plgpu.barrier_wait(w_full.at[slot])
-                if interpret:
-                    acc = acc + jnp.dot(w_ring.at[slot][...], x_smem.at[xs][...].T, preferred_element_type=jnp.float32)
-                else:
-                    def issue(acc_ref):
-                        plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[xs].T)
-
-                    acc = pl.run_state(issue)(plgpu.ACC.init(acc))
+                acc = tile_product(acc, w_ring.at[slot], x_smem.at[xs], interpret)
                 plgpu.barrier_arrive(free.at[slot])
                 return acc
 
-            acc0 = jnp.zeros((BLOCK_F, ROWS), jnp.float32)
-            if not interpret:
-                acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-            acc = lax.fori_loop(0, n, step, acc0)
+            acc = lax.fori_loop(0, n, step, zero_acc(interpret))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem's previous reduce has read it
             out_smem[...] = jnp.sum(acc, axis=1)  # column 0 (the others are 0 x W)
             plgpu.commit_smem()

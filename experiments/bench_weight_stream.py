@@ -162,20 +162,33 @@ def _tile_product(steps: int, first_step, stages: int, w_ring, x_smem, w_full, f
         if x_full is not None:
             plgpu.barrier_wait(x_full.at[j])
         plgpu.barrier_wait(w_full.at[slot])
-        if interpret:
-            acc = acc + jnp.dot(w_ring.at[slot][...], x_smem.at[j][...].T, preferred_element_type=jnp.float32)
-        else:
-            def issue(acc_ref):
-                plgpu.wgmma(acc_ref, w_ring.at[slot], x_smem.at[j].T)
-
-            acc = pl.run_state(issue)(plgpu.ACC.init(acc))
+        acc = tile_product(acc, w_ring.at[slot], x_smem.at[j], interpret)
         plgpu.barrier_arrive(free.at[slot])
         return acc
 
+    return lax.fori_loop(0, steps, step, zero_acc(interpret))
+
+
+def zero_acc(interpret: bool):
+    """A zero [64, 8] f32 accumulator, in the wgmma layout on the GPU."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     acc0 = jnp.zeros((BLOCK_F, ROWS), jnp.float32)
-    if not interpret:
-        acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-    return lax.fori_loop(0, steps, step, acc0)
+    return acc0 if interpret else plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+
+
+def tile_product(acc, w_tile, x_tile, interpret: bool):
+    """acc + w_tile x_tileᵀ for a [64, block_k] weight tile and an [8, block_k] x tile in shared
+    memory: one wgmma (a dot of the same operands in interpret mode, which has no wgmma)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpret:
+        return acc + jnp.dot(w_tile[...], x_tile[...].T, preferred_element_type=jnp.float32)
+
+    def issue(acc_ref):
+        plgpu.wgmma(acc_ref, w_tile, x_tile.T)
+
+    return pl.run_state(issue)(plgpu.ACC.init(acc))
 
 
 def _store_tile(acc, out_smem, dst):
