@@ -413,6 +413,8 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     computes right only with ctas=1."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 (units ahead), got {prefetch}")
     if x_loads not in ("tma", "ld"):
         raise ValueError(f"x_loads must be 'tma' or 'ld', got {x_loads!r}")
     if interpret and barrier is not False:

@@ -108,6 +108,8 @@ def test_refusals():
     x, ws = _weights()
     with pytest.raises(ValueError, match="interpret mode has no global semaphores"):
         sk.stream_k_chain(x, *ws, ctas=1, block_k=128, interpret=True)
+    with pytest.raises(ValueError, match="prefetch must be"):
+        sk.stream_k_chain(x, *ws, ctas=1, block_k=128, prefetch=-1)
     with pytest.raises(ValueError, match="x_loads must be"):
         sk.stream_k_chain(x, *ws, ctas=1, block_k=128, x_loads="dma")
     with pytest.raises(ValueError, match="barrier must be"):
