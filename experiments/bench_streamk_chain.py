@@ -122,26 +122,31 @@ def smem_bytes(slots: int, block_k: int, stages: int) -> int:
             + 8 * (slots + 2 * stages))
 
 
-def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full, *,
-          phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int, stages: int,
-          ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool, lazy_x: bool,
+def _body(x_ref, *refs, phases: tuple[Phase, ...], head: Phase, stride: int, total: int, layers: int, block_k: int,
+          stages: int, ctas: int, sync: str, interpret: bool, stream_only: bool, unit_major: bool, lazy_x: bool,
           x_loads: str, prefetch: int):
+    """The kernel: the weights (q/k/v, output, gate/up, down, head; or, with no layer phases, the
+    one phase's W as the `head`, reading the kernel's x), the flat output, the scratch."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    names = (*LAYER_PHASES, "head") if phases else ("head",)
+    weights = dict(zip(names, refs))
+    (y_ref, x_smem, x_stage, w_ring, out_smem, zeros, x_full, w_full, free, y_full) = refs[len(names):]
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
-    weights = dict(qkv=wq, out=wo, gate_up=wgu, down=wd, head=wh)
     # sync "grid": semaphore 0: the output is zeroed; 1 + i: phase i of the chain is done (4 per
     # layer, then the head). sync "chunks": semaphore 0 the same; then one per block_k outputs
     # (flat offset // block_k + 1) counting the units summed into them
     n_sem = 2 + 4 * layers if sync == "grid" else 1 + total // block_k
     done = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sem,))) if sync else None
     chunks = sync == "chunks"
-    producer_steps = {p.name: phases[i - 1].k // block_k for i, p in enumerate(phases)}
-    producer_steps["qkv"] = phases[-1].k // block_k  # q/k/v reads the previous layer's down
-    producer_steps["head"] = phases[-1].k // block_k
-    producer_units = {p.name: phases[i - 1].units(block_k) for i, p in enumerate(phases)}
-    producer_units["qkv"] = producer_units["head"] = phases[-1].units(block_k)
+    producer_steps, producer_units = {}, {}  # of the phase whose output each phase reads (chunks)
+    if phases:
+        producer_steps = {p.name: phases[i - 1].k // block_k for i, p in enumerate(phases)}
+        producer_steps["qkv"] = phases[-1].k // block_k  # q/k/v reads the previous layer's down
+        producer_steps["head"] = phases[-1].k // block_k
+        producer_units = {p.name: phases[i - 1].units(block_k) for i, p in enumerate(phases)}
+        producer_units["qkv"] = producer_units["head"] = phases[-1].units(block_k)
 
     def span(p: Phase):
         g = p.units(block_k)
@@ -166,8 +171,8 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
 
         # chunks: each x chunk once every CTA that adds to its block_k outputs has counted itself
         # in (one count per CTA and row tile; every CTA has a unit in every phase)
-        q_steps = producer_steps[p.name]
-        q_units = producer_units[p.name]
+        q_steps = producer_steps.get(p.name, 0)
+        q_units = producer_units.get(p.name, 1)
 
         def expected(j):
             return chunk_count(j, q_units, q_steps, ctas, block_k)
@@ -313,9 +318,10 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
                 signal(1 + 4 * l + i)
             return r
 
-        r = lax.fori_loop(0, layers, layer, jnp.int32(0))
-        wait(4 * layers)
-        consume(head, 0, r)
+        r = lax.fori_loop(0, layers, layer, jnp.int32(0)) if layers else jnp.int32(0)
+        if layers:
+            wait(4 * layers)
+        consume(head, 0, r, from_input=not phases)
 
     @pl.when(wg == 1)
     def _producer():  # every phase's weight tiles in the consumer's order: they depend on no activation
@@ -370,7 +376,7 @@ def _body(x_ref, wq, wo, wgu, wd, wh, y_ref, x_smem, x_stage, w_ring, out_smem, 
                 r = stream(p, l, r, nexts)
             return r
 
-        r = lax.fori_loop(0, layers, layer, jnp.int32(0))
+        r = lax.fori_loop(0, layers, layer, jnp.int32(0)) if layers else jnp.int32(0)
         r = stream(head, 0, r)
 
         @pl.loop(0, stages)
@@ -411,8 +417,6 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     a Perfetto trace (`barrier_breakdown` reads it). shapes: the logical {qkv: [L, N, K], ..., head: [V, D]} when the weights
     come in `unit_major` form. interpret: Pallas' GPU interpreter; needs barrier=False and
     computes right only with ctas=1."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 (units ahead), got {prefetch}")
     if x_loads not in ("tma", "ld"):
@@ -444,6 +448,15 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
         if p.n % BLOCK_F or p.k % block_k or p.k > widths[p.name]:
             raise ValueError(f"{p.name}: W {p.n}x{p.k} needs N a multiple of {BLOCK_F}, K of block_k={block_k}, "
                              f"and K <= the width of the output before it ({widths[p.name]})")
+    return _launch(x, (wq, wo, wgu, wd, wh), phases, head, stride, total, layers, ctas=ctas, block_k=block_k,
+                   stages=stages, sync="" if stream_only else sync, interpret=interpret, stream_only=stream_only,
+                   unit_major=units, lazy_x=lazy_x, x_loads=x_loads, prefetch=prefetch, profile_dir=profile_dir)
+
+
+def _launch(x, weights, phases, head, stride, total, layers, *, ctas, block_k, stages, profile_dir, **flags):
+    """Shared-memory checks, scratch and the kernel call of stream_k_chain and stream_k_phase."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     slots = x_slots([*phases, head], ctas, block_k)
     if max(slots, stages) > 32:  # Mosaic GPU: at most 32 barriers per group
         raise ValueError(f"{slots} x chunks and {stages} ring slots: at most 32 each; a larger block_k or more CTAs")
@@ -451,10 +464,11 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
     if (need := smem_bytes(slots, block_k, stages) + (2 * 16 * PROFILE_EVENTS if profile_dir else 0)) > SMEM_BYTES:
         raise ValueError(f"{slots} x chunks and {stages} ring slots need {need} bytes of shared memory, more than "
                          f"{SMEM_BYTES}: fewer stages, a smaller block_k or more CTAs")
+    dtype = weights[0].dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    scratch = (plgpu.SMEM((slots, ROWS, block_k), wq.dtype, transforms=tiled),  # x, bf16 operand
+    scratch = (plgpu.SMEM((slots, ROWS, block_k), dtype, transforms=tiled),  # x, bf16 operand
                plgpu.SMEM((slots, block_k), jnp.float32),  # x as loaded
-               plgpu.SMEM((stages, BLOCK_F, block_k), wq.dtype, transforms=tiled),  # the weight ring
+               plgpu.SMEM((stages, BLOCK_F, block_k), dtype, transforms=tiled),  # the weight ring
                plgpu.SMEM((BLOCK_F,), jnp.float32),  # a unit's partial sums, reduce-added by TMA
                plgpu.SMEM((ZERO,), jnp.float32),
                plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=stages),
@@ -462,15 +476,48 @@ def stream_k_chain(x, wq, wo, wgu, wd, wh, *, ctas: int, block_k: int = 256, sta
                plgpu.Barrier())  # (interpret mode's read-add-write of an output tile)
     return plgpu.kernel(
         functools.partial(_body, phases=tuple(phases), head=head, stride=stride, total=total, layers=layers,
-                          block_k=block_k, stages=stages, ctas=ctas, sync="" if stream_only else sync,
-                          interpret=interpret, stream_only=stream_only, unit_major=units, lazy_x=lazy_x,
-                          x_loads=x_loads, prefetch=prefetch),
+                          block_k=block_k, stages=stages, ctas=ctas, **flags),
         out_type=jax.ShapeDtypeStruct((total,), jnp.float32),
         scratch_types=scratch, grid=(ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
-        interpret=interpret_params(interpret),
+        interpret=interpret_params(flags["interpret"]),
         compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
         if profile_dir else None,
-    )(x, wq, wo, wgu, wd, wh)
+    )(x, *weights)
+
+
+def stream_k_phase(x, w, *, ctas: int, block_k: int = 256, stages: int = 4, n: int | None = None,
+                   lazy_x: bool = False, x_loads: str = "tma", interpret: bool = False):
+    """One GEMV y = x[:K] Wᵀ as its own kernel, spread over `ctas` CTAs like one phase of
+    stream_k_chain (what a decoder of one stream-K launch per projection would run). x: f32
+    [>= K]; w bf16 [N, K], or unit-major [G, 64, block_k] with n=N given. Returns f32 [>= N]: y,
+    then zeros up to a multiple of 256 (no slice, so the next launch reads it as it is)."""
+    if w.ndim == 3:
+        if n is None or n % BLOCK_F or w.shape[1:] != (BLOCK_F, block_k) or w.shape[0] % (n // BLOCK_F):
+            raise ValueError(f"a unit-major w {w.shape} needs n (N) and block_k={block_k} that match it")
+        k = w.shape[0] // (n // BLOCK_F) * block_k
+    else:
+        n, k = w.shape
+    if x.ndim != 1 or x.shape[0] < k or x.dtype != jnp.float32:
+        raise ValueError(f"x must be float32 [>= K={k}], got {x.dtype} {x.shape}")
+    if n % BLOCK_F or k % block_k:
+        raise ValueError(f"W {n}x{k} needs N a multiple of {BLOCK_F} and K of block_k={block_k}")
+    phase = Phase("head", n, k, 0, 0)
+    total = -(-n // ZERO) * ZERO
+    y = _launch(x, (w,), (), phase, 0, total, 0, ctas=ctas, block_k=block_k, stages=stages, profile_dir="",
+                sync="" if interpret else "grid", interpret=interpret, stream_only=False, unit_major=w.ndim == 3,
+                lazy_x=lazy_x, x_loads=x_loads, prefetch=0)
+    return y
+
+
+def chain_by_phase(x, *flat, shapes: dict, **kw):
+    """The chain as one stream_k_phase launch per phase: flat = every layer's unit-major q/k/v,
+    output, gate/up and down in order, then the head's; shapes as model_chain_shapes. Returns the
+    logits (padded, stream_k_phase)."""
+    *layer_ws, head_w = flat
+    h = x
+    for i, w in enumerate(layer_ws):
+        h = stream_k_phase(h, w, n=shapes[LAYER_PHASES[i % 4]][1], **kw)
+    return stream_k_phase(h, head_w, n=shapes["head"][0], **kw)
 
 
 def reference_chain(x, wq, wo, wgu, wd, wh, precision=lax.Precision.HIGHEST):
@@ -503,9 +550,9 @@ ROW_MODES = ("", " without the barrier")  # with row-major weights
 
 def repeated(fn, times: int):
     """fn(x, *w) `times` times back to back in one jitted call, each run's x depending on the run
-    before (so XLA neither merges nor overlaps them): the per-call dispatch and host sync, ~1-5%
-    of a 1 ms chain, are paid once, as a decode loop pays them (docs/decoding.md, "Fifteenth
-    session")."""
+    before (so XLA neither merges nor overlaps them): the cost of a call outside its kernels
+    (0.2-0.3 ms on a ~1 ms chain, docs/decoding.md, "Fifteenth session") is paid once, as a
+    decode loop pays it."""
     @jax.jit
     def run(x, *w):
         def body(i, acc):
@@ -565,6 +612,23 @@ def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tup
                 rep = repeated(fn, repeat)
                 rep(x, *wargs).block_until_ready()
                 calls[name] = lambda fn=rep, wargs=wargs: fn(x, *wargs)
+    # the same units as separate kernels: one stream-K launch per phase (inside XLA's command
+    # buffer), unit-major per-layer weights prepared outside the timing
+    block_k, stages = configs[0]
+    per_layer = [unit_major(w[l], block_k) for l in range(shapes["qkv"][0])
+                 for w in args[:4]]
+    head_units = unit_major(args[4], block_k)
+    by_phase = functools.partial(chain_by_phase, shapes=shapes, ctas=ctas, block_k=block_k, stages=stages,
+                                 lazy_x=True)
+    sep = jax.jit(by_phase)
+    got = np.asarray(sep(x, *per_layer, head_units))
+    name = f"stream-K units bk{block_k} s{stages} lazy x, one launch per phase"
+    rows.append(dict(model=model, variant=name, block_k=block_k, stages=stages, ctas=ctas, layout="units",
+                     rel_err_first_phase=float("nan"), rel_err_logits=rel(got[:v], want[-v:])))
+    print(f"{name}: rel. error of the logits {rows[-1]['rel_err_logits']:.1e}", flush=True)
+    rep = repeated(by_phase, repeat)
+    rep(x, *per_layer, head_units).block_until_ready()
+    calls[name] = lambda: rep(x, *per_layer, head_units)
     # calibration: XLA reading the same bytes, as a sum per matrix (5 reductions) and as the chain
     # of 65 bf16 GEMVs, one launch each
     xla_sum = repeated(lambda x, *w: x[:1] + sum(jnp.sum(a, dtype=jnp.float32) for a in w), repeat)

@@ -48,6 +48,8 @@ def test_lowers_for_hopper_in_every_sync_mode():
             kw, a = dict(kw, shapes=units), unit_args
         fn = jax.jit(lambda x, *w, kw=kw: sk.stream_k_chain(x, *w, ctas=4, **kw))
         assert export.export(fn, platforms=["cuda"])(*a).mlir_module().count(MOSAIC_CALL) == 1, kw
+    fn = jax.jit(lambda x, w: sk.stream_k_phase(x, w, ctas=4, lazy_x=True))  # one phase, its own kernel
+    assert export.export(fn, platforms=["cuda"])(args[0], sds((d, d), jnp.bfloat16)).mlir_module().count(MOSAIC_CALL) == 1
 
 
 @pytest.mark.parametrize("layout,lazy_x,x_loads", [("rows", False, "tma"), ("units", False, "tma"),
@@ -65,6 +67,22 @@ def test_one_cta_chain_matches_xla_in_interpret_mode(layout, lazy_x, x_loads):
     assert got.shape[0] % sk.ZERO == 0 and got.shape[0] >= want.shape[0]
     assert _rel(got[: want.shape[0]], want) < 1e-5
     assert not np.any(np.asarray(got[want.shape[0]:]))  # the padding stays zero
+
+
+def test_one_launch_per_phase_matches_xla_in_interpret_mode():
+    """stream_k_phase (one phase per kernel), chained over the layers by chain_by_phase, against
+    the chain in XLA: the logits, and one phase alone from row-major weights."""
+    x, ws = _weights()
+    shapes = dict(zip(NAMES, (w.shape for w in ws)))
+    flat = [sk.unit_major(w[l], 128) for l in range(ws[0].shape[0]) for w in ws[:4]] + [sk.unit_major(ws[4], 128)]
+    got = sk.chain_by_phase(x, *flat, shapes=shapes, ctas=1, block_k=128, stages=2, interpret=True)
+    v = ws[4].shape[0]
+    assert got.shape[0] % 256 == 0
+    assert _rel(got[:v], sk.reference_chain(x, *ws)[-v:]) < 1e-5
+    one = sk.stream_k_phase(x, ws[0][0], ctas=1, block_k=128, stages=2, interpret=True)
+    assert _rel(one[: ws[0].shape[1]], sk.reference_chain(x, *ws)[: ws[0].shape[1]]) < 1e-5
+    with pytest.raises(ValueError, match="needs n"):
+        sk.stream_k_phase(x, flat[0], ctas=1, block_k=128)
 
 
 def test_unit_major_puts_each_unit_in_one_contiguous_tile():
