@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from scaling.kernels.flash_attention_mgpu import interpret_params
 from scaling.kernels.flash_attention_mgpu_bwd import SMEM_BYTES  # shared memory per CTA on sm_90
 
-from bench_weight_stream import tile_product, zero_acc  # (experiments/ is on the path)
+from bench_weight_stream import repeated, tile_product, zero_acc  # (experiments/ is on the path)
 
 ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand
 BLOCK_F = 64  # weight rows per unit (wgmma M)
@@ -546,19 +546,6 @@ MODES = {"": {}, " lazy x": dict(lazy_x=True), " lazy x, ld": dict(lazy_x=True, 
          " chunk waits": dict(barrier="chunks"), " without the barrier": dict(barrier=False),
          " stream only": dict(stream_only=True)}
 ROW_MODES = ("", " without the barrier")  # with row-major weights
-
-
-def repeated(fn, times: int):
-    """fn(x, *w) `times` times back to back in one jitted call, each run's x depending on the run
-    before (so XLA neither merges nor overlaps them): the cost of a call outside its kernels
-    (0.2-0.3 ms on a ~1 ms chain, docs/decoding.md, "Fifteenth session") is paid once, as a
-    decode loop pays it."""
-    @jax.jit
-    def run(x, *w):
-        def body(i, acc):
-            return acc + fn(x + acc * 0, *w)[-1]
-        return lax.fori_loop(0, times, body, jnp.zeros((), x.dtype))
-    return run
 
 
 def measure_model(model: str, reps: int, bw: float, ctas: int, configs: list[tuple[int, int]],

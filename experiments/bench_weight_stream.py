@@ -393,7 +393,8 @@ def model_chain_shapes(model: str) -> dict[str, tuple[int, ...]]:
                 down=(n, d, f), head=(m.vocab_size, d))
 
 
-def measure_model_chain(model: str, reps: int, bw: float, ctas: int, block_k: int, stages: int) -> dict:
+def measure_model_chain(model: str, reps: int, bw: float, ctas: int, block_k: int, stages: int,
+                        repeat: int = 10) -> dict:
     """The model's GEMV chain as one persistent kernel, without the barrier, and one launch per
     phase (stream_phases, per-layer weight copies so no slice runs in between)."""
     import numpy as np
@@ -428,9 +429,12 @@ def measure_model_chain(model: str, reps: int, bw: float, ctas: int, block_k: in
     t0 = time.perf_counter()
     out_s = np.asarray(separate(x, per_layer, ws["head"]), np.float32)
     print(f"{model}: one launch per phase compiled and ran in {time.perf_counter() - t0:.1f} s", flush=True)
-    times = time_interleaved({"persistent": lambda: persistent(x, *args),
-                              "separate": lambda: separate(x, per_layer, ws["head"]),
-                              "no_barrier": lambda: unsynced(x, *args)}, warmup=2, reps=reps)
+    rp, ru, rs = repeated(persistent, repeat), repeated(unsynced, repeat), repeated(separate, repeat)
+    for f, a in ((rp, args), (ru, args), (rs, (per_layer, ws["head"]))):
+        f(x, *a).block_until_ready()
+    times = time_interleaved({"persistent": lambda: rp(x, *args), "separate": lambda: rs(x, per_layer, ws["head"]),
+                              "no_barrier": lambda: ru(x, *args)}, warmup=2, reps=reps)
+    times = {name: [t / repeat for t in ts] for name, ts in times.items()}
     nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
     row = dict(model=model, phases=4 * shapes["qkv"][0] + 1, ctas=ctas, block_k=block_k, stages=stages,
                MB=nbytes / 1e6, persistent_equals_separate=bool(np.array_equal(out_p, out_s)))
@@ -457,14 +461,19 @@ def reference_first_phase(x, w0):
     return jnp.einsum("bk,nk->bn", x[:, :k].astype(jnp.float32), w0.astype(jnp.float32)).astype(x.dtype)
 
 
-def repeated_chain(f, times: int):
-    """f(x, w) -> y [8, N], `times` times back to back in one jitted call, each run's x depending
-    on the run before (a zero-weighted add of one of y's values)."""
+def repeated(fn, times: int):
+    """fn(x, *w) `times` times back to back in one jitted call, each run's x depending on the run
+    before (a zero-weighted add of one of its output values), so XLA neither merges nor overlaps
+    them. Returns the last x. The cost of a call outside its kernels (0.2-0.3 ms on a ~1 ms chain,
+    docs/decoding.md, "Fifteenth session") is then paid once per `times` runs, as a decode loop
+    pays it."""
+    if times < 1:
+        raise ValueError(f"repeat must be >= 1, got {times}")
+
     @jax.jit
-    def run(x, w):
+    def run(x, *w):
         def body(i, x):
-            y = f(x, w)
-            return x + y[0, 0] * 0
+            return x + (jnp.ravel(fn(x, *w))[0] * 0).astype(x.dtype)
         return lax.fori_loop(0, times, body, x)
     return run
 
@@ -493,7 +502,7 @@ def measure(n: int, k: int, phases: int, reps: int, block_k: int, stages: int, b
                nonzero_output=bool(np.abs(out_p[0]).max() > 0))
     # each timed call runs the chain `repeat` times (the per-call cost outside the kernel, 0.2-0.3
     # ms measured in the fifteenth session, is then paid once per `repeat` chains)
-    rp, rs, ru = (repeated_chain(f, repeat) for f in (persistent, separate, unsynced))
+    rp, rs, ru = (repeated(f, repeat) for f in (persistent, separate, unsynced))
     for f, a in ((rp, stacked), (rs, ws), (ru, stacked)):
         f(x, a).block_until_ready()
     times = time_interleaved({"persistent": lambda: rp(x, stacked), "separate": lambda: rs(x, ws),
@@ -563,7 +572,7 @@ def main(argv=None) -> None:
     p.add_argument("--block-k", type=int, default=256)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--repeat", type=int, default=10, help="chains back to back per timed call (--shapes rows)")
+    p.add_argument("--repeat", type=int, default=10, help="chains back to back per timed call (`repeated`)")
     p.add_argument("--single", default="", help="'N,K;...': also time one launch per phase of this kernel, "
                    "the decoder's TMA head kernel and XLA (single_launches)")
     p.add_argument("--models", default="", help="'1b,llama2_7b': also time each preset's whole batch-1 GEMV "
@@ -593,7 +602,7 @@ def main(argv=None) -> None:
                "without the barrier | % of copy BW | outputs equal |\n|---|---|---|---|---|---|---|---|---|\n")
         for model in args.models.split(","):
             r = measure_model_chain(model, args.reps, bw, args.ctas or jax.devices()[0].core_count,
-                                    args.block_k, args.stages)
+                                    args.block_k, args.stages, args.repeat)
             print("model", json.dumps(r), flush=True)
             md += (f"| {model} | {r['phases']} | {r['MB']:.0f} | {r['ctas']} | {r['ms_separate']:.3f} | "
                    f"{r['ms_persistent']:.3f} | {r['ms_no_barrier']:.3f} | {r['pct_bw_separate']:.0f}% / "

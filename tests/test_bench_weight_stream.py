@@ -118,3 +118,13 @@ def test_layer_chain_with_one_cta_matches_xla_in_interpret_mode():
     assert _rel(got[4], mm(h, wh)) < 2e-2
     with pytest.raises(ValueError, match="interpret mode has no global semaphores"):
         ws.stream_layers(x, wq, wo, wgu, wd, wh, ctas=1, interpret=True)
+
+
+def test_repeated_chains_runs_and_refuses_zero():
+    """`repeated` leaves x unchanged in value (its dependency is zero-weighted) but does run fn: a
+    NaN output reaches x, which a skipped or merged call would not do."""
+    x = jnp.arange(8, dtype=jnp.float32)
+    assert jnp.array_equal(ws.repeated(lambda x, w: x * w, 3)(x, jnp.float32(2)), x)
+    assert jnp.isnan(ws.repeated(lambda x, w: x * w, 2)(x, jnp.float32(jnp.nan))).all()
+    with pytest.raises(ValueError, match="repeat must be >= 1"):
+        ws.repeated(lambda x: x, 0)
