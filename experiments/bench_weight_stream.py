@@ -463,8 +463,9 @@ def reference_first_phase(x, w0):
 
 def repeated(fn, times: int):
     """fn(x, *w) `times` times back to back in one jitted call, each run's x depending on the run
-    before (a zero-weighted add of one of its output values), so XLA neither merges nor overlaps
-    them. Returns the last x. The cost of a call outside its kernels (0.2-0.3 ms on a ~1 ms chain,
+    before (a zero-weighted add of the sum of its whole output: one element would let XLA slice
+    an XLA-only fn down to the part that element needs), so XLA neither merges, overlaps nor
+    trims them. Returns the last x. The cost of a call outside its kernels (0.2-0.3 ms on a ~1 ms chain,
     docs/decoding.md, "Fifteenth session") is then paid once per `times` runs, as a decode loop
     pays it."""
     if times < 1:
@@ -473,7 +474,7 @@ def repeated(fn, times: int):
     @jax.jit
     def run(x, *w):
         def body(i, x):
-            return x + (jnp.ravel(fn(x, *w))[0] * 0).astype(x.dtype)
+            return x + (jnp.sum(fn(x, *w), dtype=jnp.float32) * 0).astype(x.dtype)
         return lax.fori_loop(0, times, body, x)
     return run
 

@@ -128,3 +128,11 @@ def test_repeated_chains_runs_and_refuses_zero():
     assert jnp.isnan(ws.repeated(lambda x, w: x * w, 2)(x, jnp.float32(jnp.nan))).all()
     with pytest.raises(ValueError, match="repeat must be >= 1"):
         ws.repeated(lambda x: x, 0)
+
+
+def test_repeated_keeps_all_of_an_xla_output():
+    """The dependency covers the whole output: a NaN in its last element still reaches x (one
+    element would let XLA compute only that part of an XLA-only chain)."""
+    x = jnp.zeros(4, jnp.float32)
+    f = ws.repeated(lambda x, w: jnp.concatenate([x, w]), 2)
+    assert jnp.isnan(f(x, jnp.array([0.0, jnp.nan]))).all()
