@@ -1,0 +1,709 @@
+"""A whole batch-1 decode step of a Llama model as one persistent Mosaic GPU kernel (Hopper).
+
+Why (docs/decoding.md, "Fifteenth session" and "Sixteenth session"): at batch 1 a step's time
+should be its bytes (weights + KV cache) over the memory bandwidth. The decoder's layers are
+separate kernels, each paying a start and a tail, and the narrow projections leave SMs idle. The
+fifteenth session streamed a model's whole GEMV chain at 94-97% of the copy bandwidth (7b) as one
+kernel whose phases are spread evenly over all SMs and meet at a global-semaphore grid barrier.
+This kernel is that chain with the rest of the step added, so a step is one launch.
+
+The step, per layer, as five phases (each waits until every CTA has finished the one before):
+  qkv      y = W_qkv x, x = the layer's input h (RMSNorm's scale folded into W_qkv's columns,
+           decode_gemv.fold_norm; its statistic r = rsqrt(mean(h²) + eps) is applied later: W (r h)
+           = r (W h), so no CTA waits for it before its products)
+  attn     one unit per KV head: q, k, v of the head scaled by r, RoPE on q and k, the new k/v row
+           written into the cache, then softmax(q Kᵀ / √H) V over positions 0..pos, 64 positions
+           (one [64, 2H] cache tile holding K and V) per step, online softmax, on the tensor cores
+  out      h1 = h + W_o attn
+  gate_up  y = W_gu h1 (the MLP norm's scale folded, its statistic applied by the next phase)
+  down     h2 = h1 + W_down (silu(r g) * (r u))
+then the head: logits = W_head h2, unscaled (the final norm's statistic is written beside them;
+the caller multiplies, which leaves argmax unchanged anyway).
+
+The GEMV phases are bench_streamk_chain.py's: one unit = one [64, block_k] weight tile (row tile
+t, K step j, numbered g = t * steps + j, weights stored unit-major so a unit is contiguous); CTA c
+takes units [c G / C, (c + 1) G / C) of the phase's G ("stream-K", Osama et al., PPoPP 2023) and
+adds its f32 partial of each row tile into the phase's output by a TMA reduce-add; the CTA whose
+share holds a tile's first K step also adds the residual. A producer warpgroup streams every
+weight tile (and, in the attention phase, every cache tile) of the CTA's whole step through a
+TMA ring and never waits at a grid barrier, only for ring slots and, before a head's cache
+tiles, for the consumer's write of the new row. x chunks (f32, from the flat activation buffer)
+arrive by TMA into a small ring of stages and are rounded to bf16 into column 0 of the wgmma
+operand just before their first product (`lazy_x`).
+
+Activations live in one flat f32 buffer the kernel returns (`MegaPlan` gives the offsets):
+the final norm's statistic, the step's input h, then per layer q/k/v, the attention output, h1,
+gate/up and h2, then the logits. Every region except the input is zeroed by the kernel at its
+start; each is written in one phase and only read after, so the statistics' reads can run while
+a CTA waits at a barrier.
+
+Interpret mode (CPU tests): Pallas' GPU interpreter with one CTA (which then runs every unit in
+order; the global semaphores have no interpret mode and are left out), the wgmma replaced by a dot
+of the same operands and the TMA reduce-add by a read, add and write. The reference is
+`megakernel_reference` (pure jnp, same rounding points); tests/test_decode_megakernel.py also
+checks it against the decoder's XLA step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from scaling.kernels.flash_attention_mgpu import interpret_params
+
+ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand (or heads 0..G-1 in attention)
+BLOCK_F = 64  # weight rows per unit (wgmma's M); also cache positions per attention tile
+PAD = 256  # regions of the flat buffer start at multiples of this many f32 (a TMA box's longest side)
+SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
+NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
+
+
+def _pad(n: int) -> int:
+    return -(-n // PAD) * PAD
+
+
+@dataclasses.dataclass(frozen=True)
+class MegaPlan:
+    """The static shape of one step: the model's sizes, the tiling and the flat buffer's layout."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab_rows: int  # the head's rows (the vocabulary, padded to a multiple of 64)
+    max_len: int
+    eps: float
+    block_k: int = 256
+    stages: int = 3
+    x_stages: int = 8
+    ctas: int = 132
+
+    @property
+    def groups(self) -> int:  # q heads per KV head
+        return self.heads // self.kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    # flat buffer: [r_final, then zeros | h_in | layer 0 | layer 1 | ... | logits]; per layer
+    # [qkv | attn | h1 | gate_up | h2], so layer l's input is the region just before its block
+    r_off = 0
+    zero_off = 64  # 64 zeros (the residual of a partial that is not a tile's first K step)
+
+    @property
+    def x_off(self) -> int:
+        return PAD
+
+    def _layer_regions(self) -> dict[str, int]:
+        off, regions = 0, {}
+        for name, n in (("qkv", self.qkv_rows), ("attn", self.heads * self.head_dim), ("h1", self.hidden),
+                        ("gate_up", 2 * self.mlp), ("h2", self.hidden)):
+            regions[name] = off
+            off += _pad(n)
+        regions["stride"] = off
+        return regions
+
+    @property
+    def layer0(self) -> int:
+        return self.x_off + _pad(self.hidden)
+
+    @property
+    def stride(self) -> int:
+        return self._layer_regions()["stride"]
+
+    def region(self, name: str, layer) -> int:
+        """Offset of a layer's region ("in": its input h, the previous layer's h2 or the step's x)."""
+        if name == "in":
+            return self.layer0 + layer * self.stride - _pad(self.hidden)
+        return self.layer0 + layer * self.stride + self._layer_regions()[name]
+
+    @property
+    def logits_off(self) -> int:
+        return self.layer0 + self.layers * self.stride
+
+    @property
+    def total(self) -> int:
+        return self.logits_off + _pad(self.vocab_rows)
+
+    def gemvs(self) -> dict[str, tuple[int, int]]:
+        """(rows, K) of each projection."""
+        d, f = self.hidden, self.mlp
+        return dict(qkv=(self.qkv_rows, d), out=(d, self.heads * self.head_dim), gate_up=(2 * f, d), down=(d, f),
+                    head=(self.vocab_rows, d))
+
+    def units(self, name: str) -> int:
+        n, k = self.gemvs()[name]
+        return n // BLOCK_F * (k // self.block_k)
+
+    def x_slots(self) -> int:
+        """Operand slots a CTA holds at once: the K chunks its units of one phase touch, at most."""
+        return max(min(k // self.block_k, -(-self.units(name) // self.ctas) + 1)
+                   for name, (_, k) in self.gemvs().items())
+
+    def smem_bytes(self) -> int:
+        bk, hd = self.block_k, self.head_dim
+        return (self.x_slots() * ROWS * bk * 2  # operands (bf16)
+                + 2 * self.x_stages * bk * 4  # x (and the SwiGLU's up) stages, f32
+                + self.stages * BLOCK_F * bk * 2  # the weight / cache ring
+                + (BLOCK_F * 2 + bk) * 4  # a partial, its residual, an attention output
+                + (self.groups + 2) * hd * 4 + 2 * hd * 4 + 2 * hd * 4 + 2 * hd * 2  # q/k/v, rotation, rope, row
+                + ROWS * BLOCK_F * 2 + PAD * 4 + 64  # p, zeros, pos
+                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8))
+
+    def check(self) -> None:
+        """Raise ValueError naming what this kernel cannot run."""
+        bk, hd = self.block_k, self.head_dim
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.groups > min(ROWS, self.x_stages):
+            raise ValueError(f"at most {min(ROWS, self.x_stages)} q heads per KV head (wgmma's N, x_stages), "
+                             f"got {self.groups}")
+        if 2 * hd != bk:
+            raise ValueError(f"a cache tile [64, 2 * head_dim] is one ring slot: block_k must be 2 * head_dim = "
+                             f"{2 * hd}, got {bk}")
+        for name, (n, k) in self.gemvs().items():
+            if n % BLOCK_F or k % bk:
+                raise ValueError(f"{name}: W {n}x{k} needs rows a multiple of {BLOCK_F} and K of block_k={bk}")
+        if self.max_len % BLOCK_F:
+            raise ValueError(f"max_len={self.max_len} must be a multiple of {BLOCK_F}")
+        if self.x_slots() > 32 or max(self.stages, self.x_stages) > 32:
+            raise ValueError("at most 32 barriers per group: more CTAs, or fewer stages")
+        if (need := self.smem_bytes()) > SMEM_BYTES:
+            raise ValueError(f"needs {need} bytes of shared memory, more than {SMEM_BYTES}: fewer stages "
+                             f"(stages={self.stages}, x_stages={self.x_stages}) or more CTAs")
+
+
+def plan_for(cfg, max_len: int, *, vocab_rows: int | None = None, **kw) -> MegaPlan:
+    """The plan of a ModelConfig's step with a cache of max_len positions."""
+    hd = cfg.resolved_head_dim
+    kw.setdefault("block_k", 2 * hd)
+    return MegaPlan(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                    head_dim=hd, mlp=cfg.mlp_dim, vocab_rows=vocab_rows or -(-cfg.vocab_size // BLOCK_F) * BLOCK_F,
+                    max_len=max_len, eps=cfg.norm_eps, **kw)
+
+
+def unit_major(w, block_k: int):
+    """W [..., N, K] as [..., G, 64, block_k]: unit g = t * (K / block_k) + j one contiguous tile."""
+    *lead, n, k = w.shape
+    t = w.reshape(*lead, n // BLOCK_F, BLOCK_F, k // block_k, block_k)
+    return jnp.swapaxes(t, -3, -2).reshape(*lead, n // BLOCK_F * (k // block_k), BLOCK_F, block_k)
+
+
+def rope_table(pos, inv_freq):
+    """[2, H] f32: [cos, cos] and [-sin, sin] at pos: RoPE (half-split pairs) of v is
+    v * t[0] + swap_halves(v) * t[1]."""
+    ang = pos.astype(jnp.float32) * inv_freq
+    c, s = jnp.cos(ang), jnp.sin(ang)
+    return jnp.stack([jnp.concatenate([c, c]), jnp.concatenate([-s, s])])
+
+
+# ------------------------------------------------------------------------------------ the kernel
+
+
+def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
+          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, *,
+          plan: MegaPlan, interpret: bool):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    L = plgpu.Layout
+    c = lax.axis_index("c")
+    wg = lax.axis_index("wg")
+    bk, hd, g_heads, ctas = plan.block_k, plan.head_dim, plan.groups, plan.ctas
+    P = plan.x_stages
+    weights = dict(qkv=wqkv, out=wo, gate_up=wgu, down=wd, head=wh)
+    # misc barriers: 0 pos (consumer), 1 pos (producer), 2 rope, 3 residual tile, 4 the new cache
+    # row is written (consumer -> producer), 5 interpret's read-add-write
+    sync = not interpret
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((1 + 5 * plan.layers,))) if sync else None
+
+    def wait(index):
+        if sync:
+            plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
+
+    def signal(index):
+        if sync:
+            plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
+
+    # register layouts (interpret mode has none)
+    def vec(ref):
+        return ref[...] if interpret else plgpu.load(ref, layout=L.WGMMA.reduce(1))
+
+    def cast(x, layout):
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    def iota(shape, dim):
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=L.WGMMA)
+
+    def zero_acc(rows):
+        return cast(jnp.zeros((rows, ROWS), jnp.float32), L.WGMMA)
+
+    def product(acc, a_ref, b_ref, a_t=False):
+        """acc + A Bᵀ (A [M, K] or, a_t, Aᵀ of a [K, M] tile; B [8, K]) on the tensor cores."""
+        if interpret:
+            a = a_ref[...].T if a_t else a_ref[...]
+            return acc + jnp.dot(a, b_ref[...].T, preferred_element_type=jnp.float32)
+
+        def issue(acc_ref):
+            plgpu.wgmma(acc_ref, a_ref.T if a_t else a_ref, b_ref.T)
+
+        return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+    def to_operand(slot, columns):
+        """[(column, f32 [bk] vector)] -> bf16 columns of x_smem[slot] (the others zero)."""
+        col = iota((bk, ROWS), 1)
+        xb = jnp.zeros((bk, ROWS), jnp.float32)
+        xb = cast(xb, L.WGMMA)
+        for j, v in columns:
+            xb = jnp.where(col == j, lax.broadcast_in_dim(v, (bk, ROWS), [0]), xb)
+        x_smem.at[slot].T[...] = xb.astype(x_smem.dtype)
+
+    def reduce_add(src, dst):
+        if interpret:  # no TMA reduction in the interpreter: read, add, write (one CTA: no race)
+            old = zeros.at[pl.ds(0, src.shape[0])]
+            plgpu.copy_gmem_to_smem(dst, old, misc.at[5])
+            plgpu.barrier_wait(misc.at[5])
+            src[...] = src[...] + old[...]
+            plgpu.copy_smem_to_gmem(src, dst)
+        else:
+            plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
+
+    def span(name):
+        g = plan.units(name)
+        return c * g // ctas, (c + 1) * g // ctas
+
+    # ---------------------------------------------------------------- the consumer's phases
+
+    def norm_rsqrt(base):
+        """rsqrt(mean(h²) + eps) of the hidden-wide region at base, through the x stages."""
+        n = plan.hidden // bk
+
+        def issue(i):
+            plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + i * bk, bk)], stage.at[lax.rem(i, P)],
+                                    x_full.at[lax.rem(i, P)])
+
+        @pl.loop(0, min(P, n))
+        def _(i):
+            issue(i)
+
+        def body(i, ss):
+            plgpu.barrier_wait(x_full.at[lax.rem(i, P)])
+            v = vec(stage.at[lax.rem(i, P)])
+            ss = ss + v * v
+            plgpu.commit_smem()  # every thread has read the stage before it is refilled
+
+            @pl.when(i + P < n)
+            def _():
+                issue(i + P)
+
+            return ss
+
+        ss = lax.fori_loop(0, n, body, cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1)))
+        return lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
+
+    def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None):
+        """This CTA's units of one projection; r: the ring's running count (returned advanced).
+        x chunk j from buf[x_base + j bk] (with up_base: silu(s g) * (s u), g from x_base, u
+        from up_base, s = scale); partials reduce-added at buf[y_base + row]; res_base: plus the
+        residual buf[res_base + row], added by the CTA holding the tile's first K step."""
+        _, k = plan.gemvs()[name]
+        steps = k // bk
+        a, b = span(name)
+        n_x = jnp.minimum(b - a, steps)
+
+        def issue(i):  # x chunk i (= K step (a + i) mod steps) into stage i mod P
+            j = lax.rem(a + i, steps)
+            plgpu.copy_gmem_to_smem(buf.at[pl.ds(x_base + j * bk, bk)], stage.at[lax.rem(i, P)],
+                                    x_full.at[lax.rem(i, P)])
+            if up_base is not None:
+                plgpu.copy_gmem_to_smem(buf.at[pl.ds(up_base + j * bk, bk)], ustage.at[lax.rem(i, P)],
+                                        u_full.at[lax.rem(i, P)])
+
+        @pl.loop(0, jnp.minimum(n_x, P))
+        def _(i):
+            issue(i)
+
+        def round_x(i):  # chunk i, at its first use, into operand slot i
+            s = lax.rem(i, P)
+            plgpu.barrier_wait(x_full.at[s])
+            v = vec(stage.at[s])
+            if up_base is not None:
+                plgpu.barrier_wait(u_full.at[s])
+                gate, up = v * scale, vec(ustage.at[s]) * scale
+                v = gate / (1.0 + jnp.exp(-gate)) * up
+            to_operand(i, [(0, v)])
+            plgpu.commit_smem()  # visible to wgmma; the stage is read before it is refilled
+
+            @pl.when(i + P < n_x)
+            def _():
+                issue(i + P)
+
+        def segment(carry):
+            g, r = carry
+            t, j0 = g // steps, lax.rem(g, steps)
+            n = jnp.minimum(steps - j0, b - g)
+            if res_base is not None:  # the residual tile, or (not the tile's first K step) zeros
+                src = jnp.where(j0 == 0, res_base + t * BLOCK_F, plan.zero_off)
+                plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)], res, misc.at[3])
+
+            def step(jj, acc):
+                slot = lax.rem(r + jj, plan.stages)
+                i = g + jj - a
+
+                @pl.when(i < n_x)
+                def _():
+                    round_x(i)
+
+                plgpu.barrier_wait(w_full.at[slot])
+                acc = product(acc, ring.at[slot], x_smem.at[lax.rem(i, steps)])
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, n, step, zero_acc(BLOCK_F))
+            y = jnp.sum(acc, axis=1)  # column 0 (the others are 0 x W)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read `part`
+            if res_base is not None:
+                plgpu.barrier_wait(misc.at[3])
+                y = y + vec(res)
+            part[...] = y
+            plgpu.commit_smem()
+            reduce_add(part, buf.at[pl.ds(y_base + t * BLOCK_F, BLOCK_F)])
+            return g + n, r + n
+
+        _, r = lax.while_loop(lambda carry: carry[0] < b, segment, (a, r))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
+        return r
+
+    def attention(layer, r, scale, pos):
+        """The KV heads c, c + C, ...: see the module docstring. Returns the ring count."""
+        base = plan.region("qkv", layer)
+        n_q, n_kv = plan.heads, plan.kv_heads
+        cs, sn = vec(rope_s.at[0]), vec(rope_s.at[1])
+
+        def rope(v):  # v * [cos, cos] + [x2, x1] * [-sin, sin]
+            plgpu.commit_smem()  # (the previous rotation's loads are done)
+            rot.at[pl.ds(0, hd)][...] = v
+            rot.at[pl.ds(hd, hd)][...] = v
+            plgpu.commit_smem()
+            return v * cs + vec(rot.at[pl.ds(hd // 2, hd)]) * sn
+
+        def head(kvh, r):
+            srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
+            srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
+            for i, src in enumerate(srcs):
+                plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
+            for i in range(len(srcs)):
+                plgpu.barrier_wait(a_full.at[i])
+            k_new = rope(vec(qkv_a.at[g_heads]) * scale)
+            v_new = vec(qkv_a.at[g_heads + 1]) * scale
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
+            kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
+            kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh])
+            # q heads as columns 0..G-1 of the operand over [K | V]'s 2H columns: rows H.. zero
+            qs = [rope(vec(qkv_a.at[i]) * (scale / math.sqrt(hd))) for i in range(g_heads)]
+            for i, q in enumerate(qs):
+                stage.at[i, pl.ds(0, hd)][...] = q
+                stage.at[i, pl.ds(hd, hd)][...] = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
+            plgpu.commit_smem()
+            to_operand(0, [(i, vec(stage.at[i])) for i in range(g_heads)])
+            plgpu.commit_smem()
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the row is in the cache ...
+            plgpu.barrier_arrive(misc.at[4])  # ... before the producer loads the tile holding it
+
+            def block(blk, carry):
+                m, l, o, r = carry
+                slot = lax.rem(r, plan.stages)
+                plgpu.barrier_wait(w_full.at[slot])
+                # (a computed index: a constant one reaches run_state's discharge as a bare literal)
+                s = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(blk, 1)])  # [64 positions, heads]
+                s = jnp.where(iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F > pos, NEG, s)
+                m_new = jnp.maximum(m, jnp.max(s, axis=0))
+                alpha = jnp.exp(m - m_new)
+                p = jnp.exp(s - lax.broadcast_in_dim(m_new, (BLOCK_F, ROWS), [1]))
+                l = l * alpha + jnp.sum(p, axis=0)
+                p_smem.T[...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()
+                o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
+                o = product(o, ring.at[slot], p_smem, a_t=True)  # [K | V]ᵀ p: rows H.. are V ᵀ p
+                plgpu.barrier_arrive(free.at[slot])
+                return m_new, l, o, r + 1
+
+            row0 = cast(jnp.full((ROWS,), NEG, jnp.float32), L.WGMMA.reduce(0))
+            l0 = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
+            _, l, o, r = lax.fori_loop(0, pos // BLOCK_F + 1, block, (row0, l0, zero_acc(bk), r))
+            o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
+            col = iota((bk, ROWS), 1)
+            for i in range(g_heads):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                obuf.at[pl.ds(0, bk)][...] = jnp.sum(jnp.where(col == i, o, 0.0), axis=1)
+                plgpu.commit_smem()
+                dst = plan.region("attn", layer) + (kvh * g_heads + i) * hd
+                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(hd, hd)], buf.at[pl.ds(dst, hd)])
+            return r
+
+        r = lax.fori_loop(0, pl.cdiv(n_kv - c, ctas), lambda i, r: head(c + i * ctas, r), r)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        return r
+
+    @pl.when(wg == 0)
+    def _consumer():
+        plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[0], misc.at[0])
+        plgpu.copy_gmem_to_smem(rope_ref, rope_s, misc.at[2])
+        zeros[...] = cast(jnp.zeros((PAD,), jnp.float32), L.WG_STRIDED((PAD,), vec_size=2))
+        plgpu.commit_smem()
+        x_chunks = plan.hidden // PAD
+
+        @pl.loop(c, plan.total // PAD, step=ctas)
+        def _init(i):  # the step's input into its region, every other region zeroed
+            inside = (i >= plan.x_off // PAD) & (i < plan.x_off // PAD + x_chunks)
+
+            @pl.when(inside)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds((i - plan.x_off // PAD) * PAD, PAD)],
+                                        obuf.at[pl.ds(0, PAD)], misc.at[5])
+                plgpu.barrier_wait(misc.at[5])
+                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, PAD)], buf.at[pl.ds(i * PAD, PAD)])
+
+            @pl.when(jnp.logical_not(inside))
+            def _():
+                plgpu.copy_smem_to_gmem(zeros, buf.at[pl.ds(i * PAD, PAD)])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        signal(0)
+        plgpu.barrier_wait(misc.at[0])
+        plgpu.barrier_wait(misc.at[2])
+        pos = pos_s[0, 0]
+        wait(0)
+
+        def layer(l, r):
+            sem = 1 + 5 * l
+
+            @pl.when(l > 0)
+            def _():
+                wait(sem - 1)
+
+            h_in = plan.region("in", l)
+            r = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l))
+            signal(sem)
+            r_attn = norm_rsqrt(h_in)  # (while others finish q/k/v; h_in is final)
+            wait(sem)
+            r = attention(l, r, r_attn, pos)
+            signal(sem + 1)
+            wait(sem + 1)
+            h1 = plan.region("h1", l)
+            r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
+            signal(sem + 2)
+            wait(sem + 2)
+            gu = plan.region("gate_up", l)
+            r = gemv("gate_up", l, r, x_base=h1, y_base=gu)
+            signal(sem + 3)
+            r_mlp = norm_rsqrt(h1)
+            wait(sem + 3)
+            r = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
+                     res_base=h1)
+            signal(sem + 4)
+            return r
+
+        r = lax.fori_loop(0, plan.layers, layer, jnp.int32(0))
+        wait(5 * plan.layers)
+        h_last = plan.region("in", plan.layers)
+        gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)
+
+        @pl.when(c == 0)
+        def _():  # the final norm's statistic, for the caller to scale the logits by
+            r_final = norm_rsqrt(h_last)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            obuf.at[pl.ds(0, bk)][...] = cast(jnp.ones((bk,), jnp.float32), L.WGMMA.reduce(1)) * r_final
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, 16)], buf.at[pl.ds(plan.r_off, 16)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+    @pl.when(wg == 1)
+    def _producer():  # the CTA's weight and cache tiles in the consumer's order
+        plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[1], misc.at[1])
+        plgpu.barrier_wait(misc.at[1])
+        pos = pos_s[1, 0]
+
+        def fetch(src, r):
+            slot = lax.rem(r, plan.stages)
+
+            @pl.when(r >= plan.stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            plgpu.copy_gmem_to_smem(src, ring.at[slot], w_full.at[slot])
+            return r + 1
+
+        def stream(name, layer, r):
+            w = weights[name]
+            a, b = span(name)
+            return lax.fori_loop(a, b, lambda g, r: fetch(w.at[g] if name == "head" else w.at[layer, g], r), r)
+
+        def heads(layer, r):
+            def head(kvh, r):
+                plgpu.barrier_wait(misc.at[4])  # the consumer has written this step's row
+                return lax.fori_loop(0, pos // BLOCK_F + 1,
+                                     lambda blk, r: fetch(cache.at[layer, pl.ds(blk * BLOCK_F, BLOCK_F), kvh], r), r)
+
+            return lax.fori_loop(0, pl.cdiv(plan.kv_heads - c, ctas), lambda i, r: head(c + i * ctas, r), r)
+
+        def layer(l, r):
+            r = stream("qkv", l, r)
+            r = heads(l, r)
+            for name in ("out", "gate_up", "down"):
+                r = stream(name, l, r)
+            return r
+
+        r = lax.fori_loop(0, plan.layers, layer, jnp.int32(0))
+        r = stream("head", 0, r)
+
+        @pl.loop(0, plan.stages)
+        def _drain(i):  # the last releases
+            @pl.when(r - plan.stages + i >= 0)
+            def _():
+                plgpu.barrier_wait(free.at[lax.rem(r - plan.stages + i, plan.stages)])
+
+
+def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, interpret: bool = False):
+    """One batch-1 decode step. x: f32 [D] (the token's embedding row); rope: rope_table(pos);
+    pos: int32 scalar (the new token's position; positions 0..pos-1 are in the cache);
+    weights: unit-major bf16 {qkv, out, gate_up, down: [L, G, 64, block_k], head: [G, 64,
+    block_k]} (`prepare`), norm scales folded; cache: bf16 [L, S, KV heads, 2H] (K then V per
+    row), written in place when the caller donates it. Returns (logits f32 [vocab_rows], the flat
+    buffer, the cache)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plan.check()
+    if interpret and plan.ctas != 1:
+        raise ValueError("interpret mode has no global semaphores: it runs with ctas=1")
+    l_, s_, kvh, row = cache.shape
+    if (l_, kvh, row) != (plan.layers, plan.kv_heads, 2 * plan.head_dim) or s_ != plan.max_len:
+        raise ValueError(f"cache must be [{plan.layers}, {plan.max_len}, {plan.kv_heads}, {2 * plan.head_dim}], "
+                         f"got {cache.shape}")
+    if x.shape != (plan.hidden,) or x.dtype != jnp.float32:
+        raise ValueError(f"x must be float32 [{plan.hidden}] (batch 1), got {x.dtype} {x.shape}")
+    bk = plan.block_k
+    for name, (n, k) in plan.gemvs().items():
+        lead = () if name == "head" else (plan.layers,)
+        want = (*lead, n // BLOCK_F * (k // bk), BLOCK_F, bk)
+        if weights[name].shape != want:
+            raise ValueError(f"weights[{name!r}] must be unit-major {want}, got {weights[name].shape}")
+    ref = jax.new_ref(cache)
+    dtype = weights["qkv"].dtype
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    hd, P = plan.head_dim, plan.x_stages
+    scratch = (
+        plgpu.SMEM((plan.x_slots(), ROWS, bk), dtype, transforms=tiled),  # x operands
+        plgpu.SMEM((P, bk), jnp.float32), plgpu.SMEM((P, bk), jnp.float32),  # x stages, up stages
+        plgpu.SMEM((plan.stages, BLOCK_F, bk), dtype, transforms=tiled),  # the weight / cache ring
+        plgpu.SMEM((BLOCK_F,), jnp.float32), plgpu.SMEM((BLOCK_F,), jnp.float32),  # a partial, its residual
+        plgpu.SMEM((max(bk, PAD),), jnp.float32),  # an attention output, the input's copy, r_final
+        plgpu.SMEM((plan.groups + 2, hd), jnp.float32),  # q heads, k, v of a KV head
+        plgpu.SMEM((2 * hd,), jnp.float32),  # the rotation's doubled vector
+        plgpu.SMEM((2, hd), jnp.float32),  # rope table
+        plgpu.SMEM((2 * hd,), dtype),  # the new cache row
+        plgpu.SMEM((ROWS, BLOCK_F), dtype, transforms=tiled),  # softmax p (operand)
+        plgpu.SMEM((PAD,), jnp.float32),  # zeros
+        plgpu.SMEM((2, 4), jnp.int32),  # pos, one copy per warpgroup
+        plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_barriers=P),
+        plgpu.Barrier(num_barriers=plan.stages), plgpu.Barrier(num_barriers=plan.stages),
+        plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
+    )
+    pos4 = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (4,))
+    buf = plgpu.kernel(
+        functools.partial(_body, plan=plan, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((plan.total,), jnp.float32),
+        scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
+        interpret=interpret_params(interpret),
+    )(x, rope.astype(jnp.float32), pos4, weights["qkv"], weights["out"], weights["gate_up"], weights["down"],
+      weights["head"], ref)
+    logits = buf[plan.logits_off: plan.logits_off + plan.vocab_rows] * buf[plan.r_off]
+    return logits, buf, ref[...]
+
+
+# ----------------------------------------------------------------------------------- reference
+
+
+def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
+    """megakernel_step in pure jnp with the kernel's rounding points: x of every projection
+    rounded to bf16, f32 products and sums, q (scaled) and p rounded to bf16 for the tensor cores.
+    rows: the row-major weights {qkv, out, gate_up, down: [L, N, K], head: [V, D]}. Returns
+    (logits, the cache with the new rows)."""
+    bf = jnp.bfloat16
+    f32 = jnp.float32
+    hd, g, nq, nkv = plan.head_dim, plan.groups, plan.heads, plan.kv_heads
+
+    def mm(w, v):
+        return jnp.dot(w.astype(f32), v.astype(bf).astype(f32), precision=lax.Precision.HIGHEST)
+
+    def rms(v):
+        return lax.rsqrt(jnp.mean(v * v) + plan.eps)
+
+    def rope_(v):
+        return v * rope[0] + jnp.concatenate([v[hd // 2:], v[: hd // 2]]) * rope[1]
+
+    h = x
+    valid = jnp.arange(plan.max_len) <= pos
+    for l in range(plan.layers):
+        r = rms(h)
+        y = mm(rows["qkv"][l], h) * r
+        q = y[: nq * hd].reshape(nq, hd)
+        k = y[nq * hd: (nq + nkv) * hd].reshape(nkv, hd)
+        v = y[(nq + nkv) * hd:].reshape(nkv, hd)
+        k_new = jax.vmap(rope_)(k).astype(bf)
+        q = jax.vmap(rope_)(q / math.sqrt(hd)).astype(bf).astype(f32)
+        row = jnp.concatenate([k_new, v.astype(bf)], axis=-1)
+        cache = cache.at[l, pos].set(row)
+        kc, vc = cache[l, :, :, :hd].astype(f32), cache[l, :, :, hd:].astype(f32)  # [S, KV, H]
+        s = jnp.einsum("kgh,skh->kgs", q.reshape(nkv, g, hd), kc, precision=lax.Precision.HIGHEST)
+        s = jnp.where(valid, s, NEG)
+        # online softmax over 64-position blocks, as the kernel (p is rounded to bf16 relative to
+        # the running max, so the blocks matter at bf16's precision)
+        m = jnp.full((nkv, g, 1), NEG)
+        lsum = jnp.zeros((nkv, g, 1))
+        o = jnp.zeros((nkv, g, hd))
+        for blk in range(plan.max_len // BLOCK_F):
+            sb = s[..., blk * BLOCK_F: (blk + 1) * BLOCK_F]
+            m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(sb - m_new)
+            pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), vc[blk * BLOCK_F: (blk + 1) * BLOCK_F],
+                            precision=lax.Precision.HIGHEST)
+            take = blk * BLOCK_F <= pos  # the kernel stops after the block holding pos
+            m, lsum, o = (jnp.where(take, m_new, m), jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
+                          jnp.where(take, o * alpha + pv, o))
+        o = o / lsum
+        h1 = h + mm(rows["out"][l], o.reshape(-1))
+        gu = mm(rows["gate_up"][l], h1) * rms(h1)
+        gate, up = gu[: plan.mlp], gu[plan.mlp:]
+        h = h1 + mm(rows["down"][l], gate / (1 + jnp.exp(-gate)) * up)
+    return mm(rows["head"], h) * rms(h), cache
+
+
+def prepare(rows: dict, block_k: int) -> dict:
+    """decode.prepare_weights(model, dtype, rows=True)'s output-major weights (norm scales folded)
+    as megakernel_step's unit-major stacks."""
+    stack = lambda key: jnp.stack([layer[key] for layer in rows["layers"]])  # noqa: E731
+    w = dict(qkv=stack("wqkv_xd"), out=stack("wo_dx"), gate_up=stack("wgu_xd"), down=stack("wdown_df"),
+             head=rows["head_xd"])
+    return {name: unit_major(v, block_k) for name, v in w.items()}
+
+
+def row_weights(rows: dict) -> dict:
+    """The same stacks row-major (megakernel_reference's form)."""
+    stack = lambda key: jnp.stack([layer[key] for layer in rows["layers"]])  # noqa: E731
+    return dict(qkv=stack("wqkv_xd"), out=stack("wo_dx"), gate_up=stack("wgu_xd"), down=stack("wdown_df"),
+                head=rows["head_xd"])
