@@ -156,7 +156,7 @@ class MegaPlan:
                 + self.stages * BLOCK_F * bk * 2  # the weight / cache ring
                 + (BLOCK_F * 2 + bk) * 4  # a partial, its residual, an attention output
                 + (self.groups + 2) * hd * 4 + 2 * hd * 4 + 2 * hd * 4 + 2 * hd * 2  # q/k/v, rotation, rope, row
-                + ROWS * BLOCK_F * 2 + PAD * 4 + 64  # p, zeros, pos
+                + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8))
 
     def check(self) -> None:
@@ -459,7 +459,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
     @pl.when(wg == 0)
     def _consumer():
-        plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[0], misc.at[0])
+        plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[0, pl.ds(0, 4)], misc.at[0])
         plgpu.copy_gmem_to_smem(rope_ref, rope_s, misc.at[2])
         zeros[...] = cast(jnp.zeros((PAD,), jnp.float32), L.WG_STRIDED((PAD,), vec_size=2))
         plgpu.commit_smem()
@@ -533,7 +533,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
     @pl.when(wg == 1)
     def _producer():  # the CTA's weight and cache tiles in the consumer's order
-        plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[1], misc.at[1])
+        plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[1, pl.ds(0, 4)], misc.at[1])
         plgpu.barrier_wait(misc.at[1])
         pos = pos_s[1, 0]
 
@@ -617,7 +617,7 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         plgpu.SMEM((2 * hd,), dtype),  # the new cache row
         plgpu.SMEM((ROWS, BLOCK_F), dtype, transforms=tiled),  # softmax p (operand)
         plgpu.SMEM((PAD,), jnp.float32),  # zeros
-        plgpu.SMEM((2, 4), jnp.int32),  # pos, one copy per warpgroup
+        plgpu.SMEM((2, 32), jnp.int32),  # pos, one copy per warpgroup (rows 128-byte aligned for TMA)
         plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_barriers=P),
         plgpu.Barrier(num_barriers=plan.stages), plgpu.Barrier(num_barriers=plan.stages),
         plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),

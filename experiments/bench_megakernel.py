@@ -1,0 +1,165 @@
+"""The whole batch-1 decode step as one kernel (scaling/kernels/decode_megakernel.py) on the GPU:
+checked against its pure-jnp reference, then timed as a greedy decode loop against the copy
+bandwidth measured in the same run.
+
+    PYTHONPATH=.:experiments python3 experiments/bench_megakernel.py --models llama2_7b,1b --check
+
+Per model (random bf16 weights of the preset's shape, a random cache): the kernel's logits and
+its new cache rows against `megakernel_reference` (f32 on the GPU) at a few positions, first on a
+2-layer model of the preset's width, then on the whole model; then `--steps` greedy steps per
+call (a lax.fori_loop: embedding row, RoPE table, the kernel, argmax; the cache donated), the
+median of `--reps` calls. Bytes per step = every weight but the embedding table + the K/V
+cache positions read (the mean over the timed steps). Writes $OUT/bench_megakernel.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scaling.kernels import decode_megakernel as mk
+
+from bench_decode import measure_bandwidth, preset  # (experiments/ is on the path)
+
+
+def random_weights(plan: mk.MegaPlan, seed: int = 0) -> dict:
+    """Row-major bf16 weights of the plan's shapes, N(0, 1/K)."""
+    shapes = {name: ((plan.layers,) if name != "head" else ()) + nk for name, nk in plan.gemvs().items()}
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return {name: (jax.random.normal(k, s, jnp.float32) * s[-1] ** -0.5).astype(jnp.bfloat16)
+            for k, (name, s) in zip(keys, shapes.items())}
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: bool = True) -> list[dict]:
+    rows = random_weights(plan, seed)
+    units = {k: mk.unit_major(v, plan.block_k) for k, v in rows.items()}
+    k1, k2 = jax.random.split(jax.random.key(seed + 1))
+    cache = (jax.random.normal(k1, (plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)) * 0.5
+             ).astype(jnp.bfloat16)
+    x = jax.random.normal(k2, (plan.hidden,))
+    step = jax.jit(lambda x, rope, pos, w, c: mk.megakernel_step(x, rope, pos, w, c, plan=plan))
+    ref = jax.jit(lambda x, rope, pos, w, c: mk.megakernel_reference(x, rope, pos, w, c, plan=plan))
+    out = []
+    for pos in positions:
+        pos = jnp.int32(pos)
+        rope = mk.rope_table(pos, inv_freq)
+        logits, _, c2 = step(x, rope, pos, units, cache)
+        if cpu_reference:  # (XLA's f32 GEMVs on the GPU are off by ~1e-3 even at HIGHEST)
+            cpu = jax.devices("cpu")[0]
+            lr, cr = ref(*jax.device_put((x, rope, pos, rows, cache), cpu))
+        else:
+            lr, cr = ref(x, rope, pos, rows, cache)
+        rows_new = c2[:, int(pos)].astype(jnp.float32)
+        row = {"layers": plan.layers, "pos": int(pos), "logits_rel": _rel(logits, lr),
+               "cache_row_rel": _rel(rows_new, cr[:, int(pos)].astype(jnp.float32)),
+               "cache_rest_equal": bool(jnp.array_equal(jnp.delete(c2, int(pos), axis=1),
+                                                        jnp.delete(cache, int(pos), axis=1))),
+               "argmax_equal": int(jnp.argmax(logits)) == int(jnp.argmax(lr))}
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
+def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, seed: int = 0) -> dict:
+    units = {k: mk.unit_major(v, plan.block_k) for k, v in random_weights(plan, seed).items()}
+    embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
+    cache = (jax.random.normal(jax.random.key(seed + 3),
+                               (plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)) * 0.5).astype(jnp.bfloat16)
+
+    def run(cache, token, units, embed):  # (weights as arguments: closed over, they become constants)
+        def body(i, carry):
+            cache, token = carry
+            pos = jnp.int32(start) + i
+            x = embed[token].astype(jnp.float32)
+            logits, _, cache = mk.megakernel_step(x, mk.rope_table(pos, inv_freq), pos, units, cache, plan=plan)
+            return cache, jnp.argmax(logits).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, token))
+
+    run = jax.jit(run, donate_argnums=0)
+    t = time.perf_counter()
+    cache, tok = run(cache, jnp.int32(1), units, embed)
+    jax.block_until_ready(tok)
+    compile_s = time.perf_counter() - t
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        cache, tok = run(cache, tok, units, embed)
+        jax.block_until_ready(tok)
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times) / steps
+    wbytes = sum(int(v.nbytes) for v in units.values())
+    mean_len = start + (steps + 1) / 2
+    kvbytes = int(mean_len * plan.layers * plan.kv_heads * 2 * plan.head_dim * 2)
+    return {"step_ms": step_s * 1e3, "tok_s": 1 / step_s, "weight_bytes": wbytes, "kv_bytes": kvbytes,
+            "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama2_7b,1b")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--start", type=int, default=128, help="position of the first timed step (the prompt length)")
+    ap.add_argument("--max-len", type=int, default=384)
+    ap.add_argument("--stages", type=int, default=3, help="weight ring stages")
+    ap.add_argument("--x-stages", type=int, default=8)
+    ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
+    ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
+    ap.add_argument("--bw-gib", type=float, default=4.0)
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    versions = {"jax": jax.__version__, "device": dev.device_kind, "sms": getattr(dev, "core_count", None)}
+    print(versions, flush=True)
+    bw = measure_bandwidth(int(args.bw_gib * (1 << 30)))
+    copy = max(bw.values())
+    print({k: f"{v / 1e12:.3f} TB/s" for k, v in bw.items()}, flush=True)
+    result = {"versions": versions, "bandwidth": bw, "args": vars(args), "models": {}}
+    for name in args.models.split(","):
+        cfg = preset(name)
+        from scaling import layers
+
+        inv_freq = layers.rope_frequencies(cfg)
+        plan = mk.plan_for(cfg, args.max_len, ctas=versions["sms"] or 132,
+                           stages=args.stages, x_stages=args.x_stages)
+        res: dict = {"plan": dataclasses.asdict(plan)}
+        if args.check:
+            try:
+                res["check_2_layers"] = check(dataclasses.replace(plan, layers=2), [0, 63, 64, 200], inv_freq)
+                if args.check_full:
+                    res["check"] = check(plan, [args.start], inv_freq, cpu_reference=False)
+            except Exception as e:  # noqa: BLE001
+                res["check_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                print(res["check_error"], flush=True)
+        try:
+            t = time_decode(plan, inv_freq, args.start, args.steps, args.reps)
+            t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy
+            res["decode"] = t
+            print(f"{name}: {t['step_ms']:.3f} ms/step, {t['tok_s']:.0f} tokens/s, "
+                  f"{t['achieved_Bps'] / 1e12:.3f} TB/s = {t['pct_of_copy']:.1f}% of copy "
+                  f"(compile {t['compile_s']:.0f}s)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            res["decode_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+            print(res["decode_error"], flush=True)
+        result["models"][name] = res
+    out = Path(os.environ.get("OUT", "."))
+    (out / "bench_megakernel.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
