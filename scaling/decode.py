@@ -47,7 +47,7 @@ from flax import nnx
 from scaling import layers
 from scaling.attention import attention_core, resolve_impl
 from scaling.config import AttentionImpl, ModelConfig
-from scaling.kernels import decode_gemv, decode_tma
+from scaling.kernels import decode_gemv, decode_megakernel, decode_tma
 from scaling.kernels.flash_attention import is_hopper
 from scaling.kernels.decode_attention import (
     combine_in_kernel_reason,
@@ -117,6 +117,10 @@ class DecodeLayerImpl(str, enum.Enum):
     # on the GPU pallas for small batches (AUTO_PALLAS_MAX_BATCH), pallas_tma there instead on a
     # Hopper GPU for 16-bit models from AUTO_TMA_MIN_HIDDEN wide; else xla
     auto = "auto"
+    # batch-1 steps as one persistent kernel for the whole step (scaling.kernels.decode_megakernel;
+    # Mosaic GPU, Hopper; Pallas' interpreter on the CPU), other batches as `auto`. Keeps a second,
+    # unit-major copy of the weights. docs/decoding.md, "Sixteenth session"
+    megakernel = "megakernel"
 
 
 def layer_blocks(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> decode_gemv.LayerBlocks:
@@ -156,7 +160,41 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
             if reason:
                 raise ValueError(f"layers='pallas_tma' cannot run this model: {reason}; use layers='pallas'")
         return impl
+    if impl == DecodeLayerImpl.megakernel:
+        if jax.default_backend() == "gpu" and not is_hopper():
+            raise ValueError("layers='megakernel' needs a Hopper GPU (sm_90); use layers='auto'")
+        try:
+            megakernel_plan(cfg, KV_BLOCK).check()
+        except ValueError as e:
+            raise ValueError(f"layers='megakernel' cannot run this model: {e}; use layers='auto'") from None
     return impl
+
+
+def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan:
+    """The megakernel's plan for a step over a cache of max_len positions: one CTA per SM on the
+    GPU, one CTA in the CPU's interpreter."""
+    gpu = jax.default_backend() == "gpu"
+    ctas = (getattr(jax.devices()[0], "core_count", None) or 132) if gpu else 1
+    return decode_megakernel.plan_for(cfg, max_len, vocab_rows=_round_up(cfg.vocab_size, HEAD_ROWS), ctas=ctas,
+                                      x_stages=8 if gpu else 4)
+
+
+def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig):
+    """A batch-1 step by decode_megakernel: cache {"kv": [L, S, K, 2H]} (megakernel_cache)."""
+    kv = cache["kv"]
+    plan = megakernel_plan(cfg, kv.shape[1])
+    x = jnp.take(weights["embed_vd"], tokens_b[0], axis=0).astype(jnp.float32)
+    pos = write_b[0]
+    rope = decode_megakernel.rope_table(pos, layers.rope_frequencies(cfg))
+    logits, _, kv = decode_megakernel.megakernel_step(x, rope, pos, weights["units"], kv, plan=plan,
+                                                      interpret=jax.default_backend() != "gpu")
+    return logits[None, : cfg.vocab_size], {"kv": kv}
+
+
+@jax.jit
+def megakernel_cache(cache):
+    """A batch-1 cache {"k", "v": per layer [1, S, K, H]} as the megakernel's {"kv": [L, S, K, 2H]}."""
+    return {"kv": jnp.stack([jnp.concatenate([k[0], v[0]], axis=-1) for k, v in zip(cache["k"], cache["v"])])}
 
 
 def _xla_decode(q_bnh, k_bskh, v_bskh, lengths_b):
@@ -344,12 +382,14 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     """One token per row at position pos[b] -> logits [B, V]; its K/V written in place. tma: the
     TMA kernels' settings (layers="pallas_tma")."""
     b = tokens_b.shape[0]
-    s = cache["k"][0].shape[1]
+    s = cache["kv"].shape[1] if "kv" in cache else cache["k"][0].shape[1]
     inv_freq = layers.rope_frequencies(cfg)
     rows = jnp.arange(b)
     # Finished rows may sit at the end; never write past it. (Their outputs are discarded.)
     write_b = jnp.minimum(pos_b, s - 1)
     lengths_b = write_b + 1
+    if layer_impl == DecodeLayerImpl.megakernel:
+        return _megakernel_step(weights, cache, tokens_b, write_b, cfg=cfg)
     if layer_impl in (DecodeLayerImpl.pallas, DecodeLayerImpl.pallas_tma):
         return _pallas_step(weights, cache, tokens_b, write_b, cfg=cfg, attn_impl=attn_impl, inv_freq=inv_freq,
                             blocks=layer_blocks(cfg, b, blocks),
@@ -623,6 +663,13 @@ class Decoder:
         self.tma = tma or decode_tma.settings(self.cfg, vocab_rows)
         self.layer_impl = resolve_layer_impl(layers, self.cfg, self.attn_impl, gemv_blocks, self.pallas_min_batch,
                                              self.tma)
+        # megakernel: batch-1 steps by decode_megakernel, the others as auto
+        self.megakernel = self.layer_impl == DecodeLayerImpl.megakernel
+        if self.megakernel and jnp.dtype(self.dtype).itemsize != 2:
+            raise ValueError(f"layers='megakernel' runs 16-bit models (its tensor-core tiles), got {jnp.dtype(self.dtype)}; "
+                             "use layers='auto'")
+        if self.megakernel:
+            self.layer_impl = DecodeLayerImpl.auto
         if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):
             self.layer_impl = DecodeLayerImpl.xla
         # auto's small-batch steps on the TMA kernels (AUTO_TMA_MIN_HIDDEN)
@@ -635,10 +682,17 @@ class Decoder:
         self.gemv_blocks = gemv_blocks
         if max_len is not None and max_len < 1:
             raise ValueError(f"{max_len=} must be >= 1")
-        self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0)
+        self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
+        if self.megakernel:
+            block_k = megakernel_plan(self.cfg, KV_BLOCK).block_k
+            rows = prepare_weights(model, self.dtype, rows=True) if self.pallas_max_batch == 0 else self.weights
+            self.megakernel_weights = {"units": decode_megakernel.prepare(rows, block_k), "embed_vd": rows["embed_vd"]}
+            del rows
 
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
+        if self.megakernel and batch == 1:
+            return DecodeLayerImpl.megakernel
         if batch <= self.pallas_max_batch and pallas_layers_reason(self.cfg, batch, self.gemv_blocks) is None:
             tma = self.layer_impl == DecodeLayerImpl.pallas_tma or self.auto_tma
             return DecodeLayerImpl.pallas_tma if tma else DecodeLayerImpl.pallas
@@ -739,6 +793,8 @@ class Decoder:
         t0 = time.perf_counter()
         state, tok, lp = _prefill(self.weights, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(done),
                                   params, cfg=cfg, core_impl=self.core_impl, sampling=sampling)
+        if self._step_layers(b) == DecodeLayerImpl.megakernel:
+            state = dict(state, cache=megakernel_cache(state["cache"]))
         tok, lp, all_done = jax.device_get((tok, lp, jnp.all(state["done"])))
         t1 = time.perf_counter()
         if timing is not None:
@@ -754,7 +810,8 @@ class Decoder:
             launched = None
             if not finished and steps_left > 0:
                 step_layers = self._step_layers(b)
-                state, toks, lps = _decode_chunk(self.weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
+                weights = self.megakernel_weights if step_layers == DecodeLayerImpl.megakernel else self.weights
+                state, toks, lps = _decode_chunk(weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
                                                  layer_impl=step_layers, blocks=self.gemv_blocks,
                                                  sampling=sampling, n_steps=self.chunk,
                                                  tma=self.tma if step_layers == DecodeLayerImpl.pallas_tma else None)

@@ -167,6 +167,8 @@ class MegaPlan:
         if self.groups > min(ROWS, self.x_stages):
             raise ValueError(f"at most {min(ROWS, self.x_stages)} q heads per KV head (wgmma's N, x_stages), "
                              f"got {self.groups}")
+        if hd % 64:  # (its vectors: whole 64-row tiles of the wgmma register layout)
+            raise ValueError(f"head_dim must be a multiple of 64, got {hd}")
         if 2 * hd != bk:
             raise ValueError(f"a cache tile [64, 2 * head_dim] is one ring slot: block_k must be 2 * head_dim = "
                              f"{2 * hd}, got {bk}")

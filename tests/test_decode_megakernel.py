@@ -1,0 +1,122 @@
+"""scaling/kernels/decode_megakernel.py: the whole batch-1 decode step as one Mosaic GPU kernel.
+
+- It lowers for sm_90 on the CPU as one kernel, with several CTAs (the grid barrier's global
+  semaphores only exist there).
+- Pallas' GPU interpreter runs it with one CTA against `megakernel_reference` (pure jnp, the
+  kernel's rounding points), at positions that start, fill and cross 64-position cache tiles.
+- The reference itself against the decoder's XLA step (an independent implementation: the model's
+  own layers, RoPE and attention) on the same weights.
+- The decoder with layers="megakernel" generates the same greedy tokens as with layers="xla".
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from scaling import decode, layers
+from scaling.config import DType, ModelConfig
+from scaling.kernels import decode_megakernel as mk
+from scaling.model import build_model
+
+# the smallest shape the kernel takes: head_dim 128 (a [64, 2H] cache tile is one [64, 256] ring
+# slot), hidden and mlp multiples of 256; 2 q heads per KV head
+CFG = ModelConfig(vocab_size=200, hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1, mlp_dim=512,
+                  init_std=0.05, compute_dtype=DType.float32)
+MAX_LEN = 128
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = build_model(dataclasses.replace(CFG, param_dtype=DType.bfloat16), seed=3)
+    rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
+    plan = mk.plan_for(CFG, MAX_LEN, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=4)
+    key = jax.random.key(4)
+    cache = (jax.random.normal(key, (CFG.num_layers, MAX_LEN, CFG.num_kv_heads, 2 * plan.head_dim)) * 0.5
+             ).astype(jnp.bfloat16)
+    x = rows["embed_vd"][7].astype(jnp.float32)
+    return model, rows, plan, cache, x
+
+
+def test_plan_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="block_k must be 2 \\* head_dim"):
+        mk.plan_for(CFG, MAX_LEN, block_k=128).check()
+    with pytest.raises(ValueError, match="max_len=100"):
+        mk.plan_for(CFG, 100).check()
+    with pytest.raises(ValueError, match="shared memory"):
+        mk.plan_for(dataclasses.replace(CFG, hidden_size=4096, mlp_dim=11008, num_heads=32, num_kv_heads=32),
+                    MAX_LEN, stages=4).check()
+    with pytest.raises(ValueError, match="q heads per KV head"):
+        mk.plan_for(dataclasses.replace(CFG, num_heads=16, num_kv_heads=1, hidden_size=2048), MAX_LEN).check()
+
+
+def test_lowers_for_hopper_with_several_ctas(setup):
+    _, rows, plan, cache, x = setup
+    plan = dataclasses.replace(plan, ctas=4)
+    units = mk.prepare(rows, plan.block_k)
+    fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan))
+    module = export.export(fn, platforms=["cuda"])(x, jnp.zeros((2, plan.head_dim)), jnp.int32(5), units,
+                                                    cache).mlir_module()
+    assert module.count("mosaic_gpu_v2") == 1
+
+
+@pytest.mark.parametrize("pos", [0, 64, 100])
+def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos):
+    """Logits and the whole cache (the new row at pos, the rest untouched) against the reference."""
+    _, rows, plan, cache, x = setup
+    units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
+    rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG))
+    logits, buf, new_cache = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
+        x, rope, jnp.int32(pos), units, cache)
+    want, want_cache = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache, plan=plan)
+    # f32 sums in another order can round an activation to the neighbouring bf16 value: one such
+    # flip moves the logits by ~4e-3 / sqrt(D) (~2e-4 here); a wrong tile or chunk moves them by O(1)
+    assert _rel(logits, want) < 2e-3
+    assert _rel(new_cache.astype(jnp.float32), want_cache.astype(jnp.float32)) < 2e-3
+    assert not np.array_equal(np.asarray(new_cache[:, pos]), np.asarray(cache[:, pos]))  # the row was written
+    # the step's input is where MegaPlan says
+    np.testing.assert_array_equal(np.asarray(buf[plan.x_off: plan.x_off + plan.hidden]), np.asarray(x))
+
+
+def test_reference_matches_the_decoders_xla_step(setup):
+    """megakernel_reference (norms folded, deferred statistics, online softmax over 64-position
+    blocks, bf16 at the kernel's points) against the decoder's XLA layers on the same weights."""
+    model, rows, plan, cache, x = setup
+    pos = 70
+    xla_w = decode.prepare_weights(model, jnp.float32)
+    k = tuple(cache[l, None, :, :, : plan.head_dim].astype(jnp.float32) for l in range(CFG.num_layers))
+    v = tuple(cache[l, None, :, :, plan.head_dim:].astype(jnp.float32) for l in range(CFG.num_layers))
+    logits, _ = decode._step_forward(xla_w, {"k": k, "v": v}, jnp.array([7]), jnp.array([pos]), cfg=CFG,
+                                     attn_impl=decode.DecodeAttentionImpl.xla)
+    rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG))
+    want, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), mk.row_weights(rows), cache, plan=plan)
+    # bf16 weights (folded norm scales) and bf16 activations at every projection vs f32 throughout
+    assert _rel(want[: CFG.vocab_size], logits[0]) < 3e-2
+
+
+def test_decoder_megakernel_generates_as_xla():
+    model = build_model(dataclasses.replace(CFG, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)
+    dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2)
+    assert dec._step_layers(1) == decode.DecodeLayerImpl.megakernel
+    got = dec.generate(prompts, 5)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprobs[0], want.logprobs[0], atol=3e-2)  # (bf16 steps, rounded apart)
+
+
+def test_decoder_megakernel_refuses_a_model_it_cannot_run():
+    bf16 = dict(param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16)
+    model = build_model(dataclasses.replace(CFG, mlp_dim=320, **bf16), seed=0)
+    with pytest.raises(ValueError, match="layers='megakernel' cannot run this model: down: W 256x320"):
+        decode.Decoder(model, layers="megakernel")
+    with pytest.raises(ValueError, match="16-bit models"):
+        decode.Decoder(build_model(CFG, seed=0), layers="megakernel")
