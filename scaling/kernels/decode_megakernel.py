@@ -12,8 +12,10 @@ The step, per layer, as five phases (each waits until every CTA has finished the
            decode_gemv.fold_norm; its statistic r = rsqrt(mean(h²) + eps) is applied later: W (r h)
            = r (W h), so no CTA waits for it before its products)
   attn     one unit per KV head: q, k, v of the head scaled by r, RoPE on q and k, the new k/v row
-           written into the cache, then softmax(q Kᵀ / √H) V over positions 0..pos, 64 positions
-           (one [64, 2H] cache tile holding K and V) per step, online softmax, on the tensor cores
+           written into the cache (for the next steps), then softmax(q Kᵀ / √H) V: the positions
+           before pos from the cache, 64 per step (one [64, 2H] tile holding K and V, streamed by
+           the producer before the phase starts: they do not depend on this step), on the tensor
+           cores with an online softmax; then the new position from registers
   out      h1 = h + W_o attn
   gate_up  y = W_gu h1 (the MLP norm's scale folded, its statistic applied by the next phase)
   down     h2 = h1 + W_down (silu(r g) * (r u))
@@ -26,8 +28,7 @@ takes units [c G / C, (c + 1) G / C) of the phase's G ("stream-K", Osama et al.,
 adds its f32 partial of each row tile into the phase's output by a TMA reduce-add; the CTA whose
 share holds a tile's first K step also adds the residual. A producer warpgroup streams every
 weight tile (and, in the attention phase, every cache tile) of the CTA's whole step through a
-TMA ring and never waits at a grid barrier, only for ring slots and, before a head's cache
-tiles, for the consumer's write of the new row. x chunks (f32, from the flat activation buffer)
+TMA ring and never waits at a grid barrier, only for ring slots. x chunks (f32, from the flat activation buffer)
 arrive by TMA into a small ring of stages and are rounded to bf16 into column 0 of the wgmma
 operand just before their first product (`lazy_x`).
 
@@ -164,8 +165,8 @@ class MegaPlan:
         bk, hd = self.block_k, self.head_dim
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
-        if self.groups > min(ROWS, self.x_stages):
-            raise ValueError(f"at most {min(ROWS, self.x_stages)} q heads per KV head (wgmma's N, x_stages), "
+        if self.groups > min(ROWS, self.x_stages - 1):
+            raise ValueError(f"at most {min(ROWS, self.x_stages - 1)} q heads per KV head (wgmma's N; x_stages - 1), "
                              f"got {self.groups}")
         if hd % 64:  # (its vectors: whole 64-row tiles of the wgmma register layout)
             raise ValueError(f"head_dim must be a multiple of 64, got {hd}")
@@ -222,8 +223,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     bk, hd, g_heads, ctas = plan.block_k, plan.head_dim, plan.groups, plan.ctas
     P = plan.x_stages
     weights = dict(qkv=wqkv, out=wo, gate_up=wgu, down=wd, head=wh)
-    # misc barriers: 0 pos (consumer), 1 pos (producer), 2 rope, 3 residual tile, 4 the new cache
-    # row is written (consumer -> producer), 5 interpret's read-add-write
+    # misc barriers: 0 pos (consumer), 1 pos (producer), 2 rope, 3 residual tile, 4 (unused),
+    # 5 interpret's read-add-write and the input's copy
     sync = not interpret
     done = pl.get_global(plgpu.SemaphoreType.REGULAR((1 + 5 * plan.layers,))) if sync else None
 
@@ -412,25 +413,31 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
             kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
             plgpu.commit_smem()
+            # the new row, for the next steps: nothing in this one reads it back from the cache
             plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh])
             # q heads as columns 0..G-1 of the operand over [K | V]'s 2H columns: rows H.. zero
             qs = [rope(vec(qkv_a.at[i]) * (scale / math.sqrt(hd))) for i in range(g_heads)]
+            # the new position's scores, from q and k as the tensor cores would see them (bf16)
+            k_b = k_new.astype(kv_row.dtype).astype(jnp.float32)
+            s_new = [jnp.sum(q.astype(kv_row.dtype).astype(jnp.float32) * k_b) for q in qs]
+            zero_h = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
             for i, q in enumerate(qs):
                 stage.at[i, pl.ds(0, hd)][...] = q
-                stage.at[i, pl.ds(hd, hd)][...] = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
+                stage.at[i, pl.ds(hd, hd)][...] = zero_h
+            stage.at[g_heads, pl.ds(0, hd)][...] = zero_h  # [0 | v_new]: the new row's V, in o's rows
+            stage.at[g_heads, pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype).astype(jnp.float32)
             plgpu.commit_smem()
             to_operand(0, [(i, vec(stage.at[i])) for i in range(g_heads)])
+            v_col = lax.broadcast_in_dim(vec(stage.at[g_heads]), (bk, ROWS), [0])
             plgpu.commit_smem()
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # the row is in the cache ...
-            plgpu.barrier_arrive(misc.at[4])  # ... before the producer loads the tile holding it
 
-            def block(blk, carry):
+            def block(blk, carry):  # positions [64 blk, 64 blk + 64) of those before pos
                 m, l, o, r = carry
                 slot = lax.rem(r, plan.stages)
                 plgpu.barrier_wait(w_full.at[slot])
                 # (a computed index: a constant one reaches run_state's discharge as a bare literal)
                 s = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(blk, 1)])  # [64 positions, heads]
-                s = jnp.where(iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F > pos, NEG, s)
+                s = jnp.where(iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F >= pos, NEG, s)
                 m_new = jnp.maximum(m, jnp.max(s, axis=0))
                 alpha = jnp.exp(m - m_new)
                 p = jnp.exp(s - lax.broadcast_in_dim(m_new, (BLOCK_F, ROWS), [1]))
@@ -444,7 +451,18 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
             row0 = cast(jnp.full((ROWS,), NEG, jnp.float32), L.WGMMA.reduce(0))
             l0 = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
-            _, l, o, r = lax.fori_loop(0, pos // BLOCK_F + 1, block, (row0, l0, zero_acc(bk), r))
+            m, l, o, r = lax.fori_loop(0, (pos + BLOCK_F - 1) // BLOCK_F, block, (row0, l0, zero_acc(bk), r))
+            # then the new position itself, one more online-softmax step (its p stays f32)
+            col = iota((BLOCK_F, ROWS), 1)
+            s_cols = cast(jnp.full((BLOCK_F, ROWS), NEG, jnp.float32), L.WGMMA)
+            for i, si in enumerate(s_new):
+                s_cols = jnp.where(col == i, si, s_cols)
+            s_vec = jnp.max(s_cols, axis=0)
+            m_new = jnp.maximum(m, s_vec)
+            alpha = jnp.exp(m - m_new)
+            p_new = jnp.exp(s_vec - m_new)
+            l = l * alpha + p_new
+            o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
             o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
             col = iota((bk, ROWS), 1)
             for i in range(g_heads):
@@ -555,9 +573,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             return lax.fori_loop(a, b, lambda g, r: fetch(w.at[g] if name == "head" else w.at[layer, g], r), r)
 
         def heads(layer, r):
-            def head(kvh, r):
-                plgpu.barrier_wait(misc.at[4])  # the consumer has written this step's row
-                return lax.fori_loop(0, pos // BLOCK_F + 1,
+            def head(kvh, r):  # the tiles of positions before pos (this step's row comes in registers)
+                return lax.fori_loop(0, (pos + BLOCK_F - 1) // BLOCK_F,
                                      lambda blk, r: fetch(cache.at[layer, pl.ds(blk * BLOCK_F, BLOCK_F), kvh], r), r)
 
             return lax.fori_loop(0, pl.cdiv(plan.kv_heads - c, ctas), lambda i, r: head(c + i * ctas, r), r)
@@ -658,7 +675,6 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
         return v * rope[0] + jnp.concatenate([v[hd // 2:], v[: hd // 2]]) * rope[1]
 
     h = x
-    valid = jnp.arange(plan.max_len) <= pos
     for l in range(plan.layers):
         r = rms(h)
         y = mm(rows["qkv"][l], h) * r
@@ -666,14 +682,13 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
         k = y[nq * hd: (nq + nkv) * hd].reshape(nkv, hd)
         v = y[(nq + nkv) * hd:].reshape(nkv, hd)
         k_new = jax.vmap(rope_)(k).astype(bf)
-        q = jax.vmap(rope_)(q / math.sqrt(hd)).astype(bf).astype(f32)
-        row = jnp.concatenate([k_new, v.astype(bf)], axis=-1)
-        cache = cache.at[l, pos].set(row)
+        q = jax.vmap(rope_)(q / math.sqrt(hd)).astype(bf).astype(f32).reshape(nkv, g, hd)
+        cache = cache.at[l, pos].set(jnp.concatenate([k_new, v.astype(bf)], axis=-1))
         kc, vc = cache[l, :, :, :hd].astype(f32), cache[l, :, :, hd:].astype(f32)  # [S, KV, H]
-        s = jnp.einsum("kgh,skh->kgs", q.reshape(nkv, g, hd), kc, precision=lax.Precision.HIGHEST)
-        s = jnp.where(valid, s, NEG)
-        # online softmax over 64-position blocks, as the kernel (p is rounded to bf16 relative to
-        # the running max, so the blocks matter at bf16's precision)
+        s = jnp.einsum("kgh,skh->kgs", q, kc, precision=lax.Precision.HIGHEST)
+        s = jnp.where(jnp.arange(plan.max_len) < pos, s, NEG)
+        # online softmax over the 64-position blocks before pos, as the kernel (p rounded to bf16
+        # relative to the running max), then the new position with its p in f32
         m = jnp.full((nkv, g, 1), NEG)
         lsum = jnp.zeros((nkv, g, 1))
         o = jnp.zeros((nkv, g, hd))
@@ -684,10 +699,14 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
             p = jnp.exp(sb - m_new)
             pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), vc[blk * BLOCK_F: (blk + 1) * BLOCK_F],
                             precision=lax.Precision.HIGHEST)
-            take = blk * BLOCK_F <= pos  # the kernel stops after the block holding pos
+            take = blk * BLOCK_F < pos  # the kernel reads the blocks holding positions before pos
             m, lsum, o = (jnp.where(take, m_new, m), jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
                           jnp.where(take, o * alpha + pv, o))
-        o = o / lsum
+        s_new = jnp.einsum("kgh,kh->kg", q, k_new.astype(f32), precision=lax.Precision.HIGHEST)[..., None]
+        m_new = jnp.maximum(m, s_new)
+        alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
+        lsum = lsum * alpha + p_new
+        o = (o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :]) / lsum
         h1 = h + mm(rows["out"][l], o.reshape(-1))
         gu = mm(rows["gate_up"][l], h1) * rms(h1)
         gate, up = gu[: plan.mlp], gu[plan.mlp:]
