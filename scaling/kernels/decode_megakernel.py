@@ -714,9 +714,10 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
     return mm(rows["head"], h) * rms(h), cache
 
 
+@functools.partial(jax.jit, static_argnames="block_k")
 def prepare(rows: dict, block_k: int) -> dict:
     """decode.prepare_weights(model, dtype, rows=True)'s output-major weights (norm scales folded)
-    as megakernel_step's unit-major stacks."""
+    as megakernel_step's unit-major stacks (one jitted copy: no stacked intermediate stays alive)."""
     stack = lambda key: jnp.stack([layer[key] for layer in rows["layers"]])  # noqa: E731
     w = dict(qkv=stack("wqkv_xd"), out=stack("wo_dx"), gate_up=stack("wgu_xd"), down=stack("wdown_df"),
              head=rows["head_xd"])
