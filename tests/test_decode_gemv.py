@@ -200,7 +200,7 @@ def test_decoder_with_pallas_layers_equals_xla(attention):
     out = dec.generate(prompts, 6)
     assert out.tokens == ref.tokens
     np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=2e-5, rtol=0)
-    with pytest.raises(ValueError, match=r"layers='gpu': allowed \['xla', 'pallas', 'pallas_tma', 'auto'\]"):
+    with pytest.raises(ValueError, match=r"layers='gpu': allowed \['xla', 'pallas', 'pallas_tma', 'auto', 'megakernel'\]"):
         decode.Decoder(model, layers="gpu")
     with pytest.raises(ValueError, match="unknown kernel 'mlp'"):
         g.LayerBlocks.parse("mlp=256/16/1/4/4")
