@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=128, help="position of the first timed step (the prompt length)")
     ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--stages", type=int, default=3, help="weight ring stages")
-    ap.add_argument("--x-stages", type=int, default=0, help="x chunk stages (0: the most that fit, up to 8)")
+    ap.add_argument("--x-stages", type=int, default=8)
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
     ap.add_argument("--bw-gib", type=float, default=4.0)
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
         from scaling import layers
 
         inv_freq = layers.rope_frequencies(cfg)
-        plan = mk.plan_for(cfg, args.max_len, ctas=versions["sms"] or 132, stages=args.stages,
-                           **({"x_stages": args.x_stages} if args.x_stages else {}))
+        plan = mk.plan_for(cfg, args.max_len, ctas=versions["sms"] or 132,
+                           stages=args.stages, x_stages=args.x_stages)
         res: dict = {"plan": dataclasses.asdict(plan)}
         if args.check:
             try:

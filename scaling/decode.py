@@ -176,7 +176,7 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     gpu = jax.default_backend() == "gpu"
     ctas = (getattr(jax.devices()[0], "core_count", None) or 132) if gpu else 1
     return decode_megakernel.plan_for(cfg, max_len, vocab_rows=_round_up(cfg.vocab_size, HEAD_ROWS), ctas=ctas,
-                                      **({} if gpu else {"x_stages": 4}))
+                                      x_stages=8 if gpu else 4)
 
 
 def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig):

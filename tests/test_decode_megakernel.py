@@ -55,7 +55,7 @@ def test_plan_refuses_what_it_cannot_run():
         mk.plan_for(dataclasses.replace(CFG, hidden_size=4096, mlp_dim=11008, num_heads=32, num_kv_heads=32),
                     MAX_LEN, stages=4).check()
     with pytest.raises(ValueError, match="q heads per KV head"):
-        mk.plan_for(dataclasses.replace(CFG, num_heads=128, num_kv_heads=1, hidden_size=16384), MAX_LEN).check()
+        mk.plan_for(dataclasses.replace(CFG, num_heads=16, num_kv_heads=1, hidden_size=2048), MAX_LEN).check()
 
 
 def test_lowers_for_hopper_with_several_ctas(setup):

@@ -62,7 +62,6 @@ ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand (or heads 0
 BLOCK_F = 64  # weight rows per unit (wgmma's M); also cache positions per attention tile
 PAD = 256  # regions of the flat buffer start at multiples of this many f32 (a TMA box's longest side)
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
-MOSAIC_OVERHEAD = 6144  # Mosaic's reduction scratch (2 KiB) and alignment: the 7b's kernel measured 5376 B
 NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
 
 
@@ -158,17 +157,17 @@ class MegaPlan:
                 + self.stages * BLOCK_F * bk * 2  # the weight / cache ring
                 + (BLOCK_F * 2 + bk) * 4  # a partial, its residual, an attention output
                 + (self.groups + 2) * hd * 4 + 2 * hd * 4 + 2 * hd * 4 + 2 * hd * 2  # q/k/v, rotation, rope, row
-                + BLOCK_F * hd * 2 + PAD * 4 + 256  # Q tile, zeros, pos
-                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8)
-                + MOSAIC_OVERHEAD)
+                + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
+                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8))
 
     def check(self) -> None:
         """Raise ValueError naming what this kernel cannot run."""
         bk, hd = self.block_k, self.head_dim
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
-        if self.groups > BLOCK_F:
-            raise ValueError(f"at most {BLOCK_F} q heads per KV head (the rows of attention's Q tile), got {self.groups}")
+        if self.groups > min(ROWS, self.x_stages - 1):
+            raise ValueError(f"at most {min(ROWS, self.x_stages - 1)} q heads per KV head (wgmma's N; x_stages - 1), "
+                             f"got {self.groups}")
         if hd % 64:  # (its vectors: whole 64-row tiles of the wgmma register layout)
             raise ValueError(f"head_dim must be a multiple of 64, got {hd}")
         if 2 * hd != bk:
@@ -190,15 +189,9 @@ def plan_for(cfg, max_len: int, *, vocab_rows: int | None = None, **kw) -> MegaP
     """The plan of a ModelConfig's step with a cache of max_len positions."""
     hd = cfg.resolved_head_dim
     kw.setdefault("block_k", 2 * hd)
-    plan = MegaPlan(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+    return MegaPlan(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                     head_dim=hd, mlp=cfg.mlp_dim, vocab_rows=vocab_rows or -(-cfg.vocab_size // BLOCK_F) * BLOCK_F,
                     max_len=max_len, eps=cfg.norm_eps, **kw)
-    if "x_stages" not in kw:  # the most x stages (up to 8) that fit beside the ring
-        for x_stages in (8, 6, 4, 2):
-            plan = dataclasses.replace(plan, x_stages=x_stages)
-            if plan.smem_bytes() <= SMEM_BYTES:
-                break
-    return plan
 
 
 def unit_major(w, block_k: int):
@@ -220,7 +213,7 @@ def rope_table(pos, inv_freq):
 
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
-          obuf, qkv_a, rot, rope_s, kv_row, q_tile, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, *,
+          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, *,
           plan: MegaPlan, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -255,8 +248,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=L.WGMMA)
 
-    def zero_acc(rows, cols=ROWS):
-        return cast(jnp.zeros((rows, cols), jnp.float32), L.WGMMA)
+    def zero_acc(rows):
+        return cast(jnp.zeros((rows, ROWS), jnp.float32), L.WGMMA)
 
     def product(acc, a_ref, b_ref, a_t=False):
         """acc + A Bᵀ (A [M, K] or, a_t, Aᵀ of a [K, M] tile; B [8, K]) on the tensor cores."""
@@ -266,16 +259,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         def issue(acc_ref):
             plgpu.wgmma(acc_ref, a_ref.T if a_t else a_ref, b_ref.T)
-
-        return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-    def accumulate_pv(acc, p, v_ref):
-        """acc + P V, P [64, 64] bf16 in registers, V [64, H] in shared memory."""
-        if interpret:
-            return acc + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
-
-        def issue(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_ref)
 
         return pl.run_state(issue)(plgpu.ACC.init(acc))
 
@@ -432,61 +415,62 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             plgpu.commit_smem()
             # the new row, for the next steps: nothing in this one reads it back from the cache
             plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh])
+            # q heads as columns 0..G-1 of the operand over [K | V]'s 2H columns: rows H.. zero
             qs = [rope(vec(qkv_a.at[i]) * (scale / math.sqrt(hd))) for i in range(g_heads)]
             # the new position's scores, from q and k as the tensor cores would see them (bf16)
             k_b = k_new.astype(kv_row.dtype).astype(jnp.float32)
             s_new = [jnp.sum(q.astype(kv_row.dtype).astype(jnp.float32) * k_b) for q in qs]
-            # Q as rows 0..G-1 of a [64, H] tile (the rest zero): S = Q Kᵀ and O += P V as in
-            # flash attention, the softmax along rows (within warps)
-            col_q = iota((hd, BLOCK_F), 1)
-            qt = cast(jnp.zeros((hd, BLOCK_F), jnp.float32), L.WGMMA)
+            zero_h = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
             for i, q in enumerate(qs):
-                qt = jnp.where(col_q == i, lax.broadcast_in_dim(q, (hd, BLOCK_F), [0]), qt)
-            q_tile.T[...] = qt.astype(q_tile.dtype)
-            stage.at[0, pl.ds(0, hd)][...] = v_new.astype(kv_row.dtype).astype(jnp.float32)
+                stage.at[i, pl.ds(0, hd)][...] = q
+                stage.at[i, pl.ds(hd, hd)][...] = zero_h
+            stage.at[g_heads, pl.ds(0, hd)][...] = zero_h  # [0 | v_new]: the new row's V, in o's rows
+            stage.at[g_heads, pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype).astype(jnp.float32)
+            plgpu.commit_smem()
+            to_operand(0, [(i, vec(stage.at[i])) for i in range(g_heads)])
+            v_col = lax.broadcast_in_dim(vec(stage.at[g_heads]), (bk, ROWS), [0])
             plgpu.commit_smem()
 
             def block(blk, carry):  # positions [64 blk, 64 blk + 64) of those before pos
                 m, l, o, r = carry
                 slot = lax.rem(r, plan.stages)
                 plgpu.barrier_wait(w_full.at[slot])
-                k_t, v_t = ring.at[slot, :, pl.ds(0, hd)], ring.at[slot, :, pl.ds(hd, hd)]
-                s = product(zero_acc(BLOCK_F, BLOCK_F), q_tile, k_t)  # [heads, 64 positions]
-                s = jnp.where(iota((BLOCK_F, BLOCK_F), 1) + blk * BLOCK_F >= pos, NEG, s)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                # (a computed index: a constant one reaches run_state's discharge as a bare literal)
+                s = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(blk, 1)])  # [64 positions, heads]
+                s = jnp.where(iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F >= pos, NEG, s)
+                m_new = jnp.maximum(m, jnp.max(s, axis=0))
                 alpha = jnp.exp(m - m_new)
-                p = jnp.exp(s - lax.broadcast_in_dim(m_new, (BLOCK_F, BLOCK_F), [0]))
-                l = l * alpha + jnp.sum(p, axis=1)
-                o = o * lax.broadcast_in_dim(alpha, (BLOCK_F, hd), [0])
-                o = accumulate_pv(o, p.astype(ring.dtype), v_t)
+                p = jnp.exp(s - lax.broadcast_in_dim(m_new, (BLOCK_F, ROWS), [1]))
+                l = l * alpha + jnp.sum(p, axis=0)
+                p_smem.T[...] = p.astype(p_smem.dtype)
+                plgpu.commit_smem()
+                o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
+                o = product(o, ring.at[slot], p_smem, a_t=True)  # [K | V]ᵀ p: rows H.. are V ᵀ p
                 plgpu.barrier_arrive(free.at[slot])
                 return m_new, l, o, r + 1
 
-            row0 = cast(jnp.full((BLOCK_F,), NEG, jnp.float32), L.WGMMA.reduce(1))
-            l0 = cast(jnp.zeros((BLOCK_F,), jnp.float32), L.WGMMA.reduce(1))
-            m, l, o, r = lax.fori_loop(0, (pos + BLOCK_F - 1) // BLOCK_F, block,
-                                       (row0, l0, zero_acc(BLOCK_F, hd), r))
+            row0 = cast(jnp.full((ROWS,), NEG, jnp.float32), L.WGMMA.reduce(0))
+            l0 = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
+            m, l, o, r = lax.fori_loop(0, (pos + BLOCK_F - 1) // BLOCK_F, block, (row0, l0, zero_acc(bk), r))
             # then the new position itself, one more online-softmax step (its p stays f32)
-            rows, cols = iota((BLOCK_F, BLOCK_F), 0), iota((BLOCK_F, BLOCK_F), 1)
-            s_cols = cast(jnp.full((BLOCK_F, BLOCK_F), NEG, jnp.float32), L.WGMMA)
+            col = iota((BLOCK_F, ROWS), 1)
+            s_cols = cast(jnp.full((BLOCK_F, ROWS), NEG, jnp.float32), L.WGMMA)
             for i, si in enumerate(s_new):
-                s_cols = jnp.where((rows == i) & (cols == 0), si, s_cols)
-            s_vec = jnp.max(s_cols, axis=1)
+                s_cols = jnp.where(col == i, si, s_cols)
+            s_vec = jnp.max(s_cols, axis=0)
             m_new = jnp.maximum(m, s_vec)
-            alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_vec - m_new)
+            alpha = jnp.exp(m - m_new)
+            p_new = jnp.exp(s_vec - m_new)
             l = l * alpha + p_new
-            v_row = stage.at[0, pl.ds(0, hd)][...] if interpret else plgpu.load(stage.at[0, pl.ds(0, hd)],
-                                                                                 layout=L.WGMMA.reduce(0))
-            o = (o * lax.broadcast_in_dim(alpha, (BLOCK_F, hd), [0])
-                 + lax.broadcast_in_dim(p_new, (BLOCK_F, hd), [0]) * lax.broadcast_in_dim(v_row, (BLOCK_F, hd), [1]))
-            o = o * lax.broadcast_in_dim(1.0 / l, (BLOCK_F, hd), [0])
-            row_o = iota((BLOCK_F, hd), 0)
+            o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
+            o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
+            col = iota((bk, ROWS), 1)
             for i in range(g_heads):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                obuf.at[pl.ds(0, hd)][...] = jnp.sum(jnp.where(row_o == i, o, 0.0), axis=0)
+                obuf.at[pl.ds(0, bk)][...] = jnp.sum(jnp.where(col == i, o, 0.0), axis=1)
                 plgpu.commit_smem()
                 dst = plan.region("attn", layer) + (kvh * g_heads + i) * hd
-                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, hd)], buf.at[pl.ds(dst, hd)])
+                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(hd, hd)], buf.at[pl.ds(dst, hd)])
             return r
 
         r = lax.fori_loop(0, pl.cdiv(n_kv - c, ctas), lambda i, r: head(c + i * ctas, r), r)
@@ -650,7 +634,7 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         plgpu.SMEM((2 * hd,), jnp.float32),  # the rotation's doubled vector
         plgpu.SMEM((2, hd), jnp.float32),  # rope table
         plgpu.SMEM((2 * hd,), dtype),  # the new cache row
-        plgpu.SMEM((BLOCK_F, hd), dtype, transforms=tiled),  # a KV head's q rows, as attention's Q tile
+        plgpu.SMEM((ROWS, BLOCK_F), dtype, transforms=tiled),  # softmax p (operand)
         plgpu.SMEM((PAD,), jnp.float32),  # zeros
         plgpu.SMEM((2, 32), jnp.int32),  # pos, one copy per warpgroup (rows 128-byte aligned for TMA)
         plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_barriers=P),
