@@ -62,6 +62,7 @@ ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand (or heads 0
 BLOCK_F = 64  # weight rows per unit (wgmma's M); also cache positions per attention tile
 PAD = 256  # regions of the flat buffer start at multiples of this many f32 (a TMA box's longest side)
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
+MOSAIC_OVERHEAD = 6144  # Mosaic's reduction scratch (2 KiB) and alignment (a 7b variant measured 5376 B)
 NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
 
 
@@ -158,7 +159,8 @@ class MegaPlan:
                 + (BLOCK_F * 2 + bk) * 4  # a partial, its residual, an attention output
                 + (self.groups + 2) * hd * 4 + 2 * hd * 4 + 2 * hd * 4 + 2 * hd * 2  # q/k/v, rotation, rope, row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
-                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8))
+                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8)
+                + MOSAIC_OVERHEAD)
 
     def check(self) -> None:
         """Raise ValueError naming what this kernel cannot run."""
