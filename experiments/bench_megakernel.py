@@ -9,7 +9,9 @@ its new cache rows against `megakernel_reference` (f32 on the GPU) at a few posi
 2-layer model of the preset's width, then on the whole model; then `--steps` greedy steps per
 call (a lax.fori_loop: embedding row, RoPE table, the kernel, argmax; the cache donated), the
 median of `--reps` calls. Bytes per step = every weight but the embedding table + the K/V
-cache positions read (the mean over the timed steps). Writes $OUT/bench_megakernel.json.
+cache positions read (the mean over the timed steps). `--profile DIR`: one step per model under
+Mosaic GPU's on-device profiler, summarised by `phase_walls` (each phase's wall time per layer).
+Writes $OUT/bench_megakernel.json.
 """
 
 from __future__ import annotations
@@ -109,6 +111,60 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
             "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times}
 
 
+LAYER_PHASES = ("qkv", "attn", "out", "gate_up", "down")
+
+
+def phase_walls(trace: dict) -> dict[str, float]:
+    """Where a profiled step's time goes (µs, medians over layers): each phase's wall time, from
+    the last CTA to finish the phase before (the previous layer's down for q/k/v) to the last CTA
+    to finish this one; also the median CTA's own time in each region (`cta_<name>`, its mean per
+    occurrence) and the longest CTA's attention."""
+    import numpy as np
+
+    from bench_streamk_chain import regions
+
+    seqs = [seq for seq in regions(trace).values() if any(n == "qkv" for n, _, _ in seq)]  # consumers
+    if not seqs:
+        raise ValueError("no consumer regions in the trace (was it profiled with named scopes?)")
+
+    def table(name):  # [CTA, occurrence, (start, end)]
+        rows = [[(a, b) for n, a, b in seq if n == name] for seq in seqs]
+        k = min(map(len, rows))
+        return np.asarray([r[:k] for r in rows], dtype=np.float64).reshape(len(rows), k, 2)
+
+    ends = {name: table(name)[:, :, 1].max(axis=0) for name in LAYER_PHASES}  # [layers]
+    layers = min(len(e) for e in ends.values())
+    out: dict[str, float] = {"layers": layers}
+    for i, name in enumerate(LAYER_PHASES):
+        before = ends[LAYER_PHASES[i - 1]][:layers]
+        if name == "qkv":  # the previous layer's down (none before layer 0)
+            walls = ends["qkv"][1:layers] - before[: layers - 1]
+        else:
+            walls = ends[name][:layers] - before
+        out[f"wall_{name}_us"] = float(np.median(walls)) if len(walls) else float("nan")
+    out["wall_layer_us"] = float(sum(out[f"wall_{n}_us"] for n in LAYER_PHASES))
+    for name in (*LAYER_PHASES, "norm", *(f"wait_{n}" for n in LAYER_PHASES)):
+        t = table(name)
+        if t.shape[1]:
+            out[f"cta_{name}_us"] = float(np.median((t[:, :, 1] - t[:, :, 0]).mean(axis=1)))
+    attn = table("attn")
+    out["cta_attn_max_us"] = float((attn[:, :, 1] - attn[:, :, 0]).mean(axis=1).max())
+    return out
+
+
+def profile_step(plan: mk.MegaPlan, inv_freq, pos: int, out_dir: str, seed: int = 0) -> dict:
+    """One profiled step (random weights and cache): phase_walls of its trace."""
+    units = {k: mk.unit_major(v, plan.block_k) for k, v in random_weights(plan, seed).items()}
+    cache = jnp.zeros((plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim), jnp.bfloat16)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan, profile_dir=out_dir))
+    pos = jnp.int32(pos)
+    jax.block_until_ready(fn(jnp.ones((plan.hidden,)), mk.rope_table(pos, inv_freq), pos, units, cache))
+    jax.effects_barrier()
+    trace = json.loads(sorted(Path(out_dir).glob("*-trace.json"))[-1].read_text())
+    return phase_walls(trace)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama2_7b,1b")
@@ -121,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
     ap.add_argument("--bw-gib", type=float, default=4.0)
+    ap.add_argument("--profile", default="", help="also profile one step per model into DIR/<model> (fewer x "
+                    "stages: the profiler takes 16 KiB of shared memory)")
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     versions = {"jax": jax.__version__, "device": dev.device_kind, "sms": getattr(dev, "core_count", None)}
@@ -155,6 +213,14 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001
             res["decode_error"] = f"{type(e).__name__}: {str(e)[:800]}"
             print(res["decode_error"], flush=True)
+        if args.profile:
+            try:
+                pplan = dataclasses.replace(plan, x_stages=min(plan.x_stages, 4))
+                res["profile"] = profile_step(pplan, inv_freq, args.start, str(Path(args.profile) / name))
+                print(name, "profile", json.dumps(res["profile"]), flush=True)
+            except Exception as e:  # noqa: BLE001
+                res["profile_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                print(res["profile_error"], flush=True)
         result["models"][name] = res
     out = Path(os.environ.get("OUT", "."))
     (out / "bench_megakernel.json").write_text(json.dumps(result, indent=1, default=str))

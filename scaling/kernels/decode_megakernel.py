@@ -230,9 +230,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     sync = not interpret
     done = pl.get_global(plgpu.SemaphoreType.REGULAR((1 + 5 * plan.layers,))) if sync else None
 
-    def wait(index):
+    def wait(index, before: str = ""):  # before: the phase it opens (the profile's region name)
         if sync:
-            plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
+            with jax.named_scope(f"wait_{before}" if before else "wait"):
+                plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
 
     def signal(index):
         if sync:
@@ -508,41 +509,50 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         plgpu.barrier_wait(misc.at[0])
         plgpu.barrier_wait(misc.at[2])
         pos = pos_s[0, 0]
-        wait(0)
+        wait(0, "qkv")
 
+        # (named scopes: the regions of the on-device profile, `profile_dir`; no code without it)
         def layer(l, r):
             sem = 1 + 5 * l
 
             @pl.when(l > 0)
             def _():
-                wait(sem - 1)
+                wait(sem - 1, "qkv")
 
             h_in = plan.region("in", l)
-            r = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l))
+            with jax.named_scope("qkv"):
+                r = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l))
             signal(sem)
-            r_attn = norm_rsqrt(h_in)  # (while others finish q/k/v; h_in is final)
-            wait(sem)
-            r = attention(l, r, r_attn, pos)
+            with jax.named_scope("norm"):
+                r_attn = norm_rsqrt(h_in)  # (while others finish q/k/v; h_in is final)
+            wait(sem, "attn")
+            with jax.named_scope("attn"):
+                r = attention(l, r, r_attn, pos)
             signal(sem + 1)
-            wait(sem + 1)
+            wait(sem + 1, "out")
             h1 = plan.region("h1", l)
-            r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
+            with jax.named_scope("out"):
+                r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
             signal(sem + 2)
-            wait(sem + 2)
+            wait(sem + 2, "gate_up")
             gu = plan.region("gate_up", l)
-            r = gemv("gate_up", l, r, x_base=h1, y_base=gu)
+            with jax.named_scope("gate_up"):
+                r = gemv("gate_up", l, r, x_base=h1, y_base=gu)
             signal(sem + 3)
-            r_mlp = norm_rsqrt(h1)
-            wait(sem + 3)
-            r = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
-                     res_base=h1)
+            with jax.named_scope("norm"):
+                r_mlp = norm_rsqrt(h1)
+            wait(sem + 3, "down")
+            with jax.named_scope("down"):
+                r = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
+                         res_base=h1)
             signal(sem + 4)
             return r
 
         r = lax.fori_loop(0, plan.layers, layer, jnp.int32(0))
-        wait(5 * plan.layers)
+        wait(5 * plan.layers, "head")
         h_last = plan.region("in", plan.layers)
-        gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)
+        with jax.named_scope("head"):
+            gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)
 
         @pl.when(c == 0)
         def _():  # the final norm's statistic, for the caller to scale the logits by
@@ -598,16 +608,25 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.barrier_wait(free.at[lax.rem(r - plan.stages + i, plan.stages)])
 
 
-def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, interpret: bool = False):
+PROFILE_EVENTS = 512  # profiled regions per warpgroup (a 32-layer step records ~390 per consumer)
+
+
+def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, interpret: bool = False,
+                    profile_dir: str = ""):
     """One batch-1 decode step. x: f32 [D] (the token's embedding row); rope: rope_table(pos);
     pos: int32 scalar (the new token's position; positions 0..pos-1 are in the cache);
     weights: unit-major bf16 {qkv, out, gate_up, down: [L, G, 64, block_k], head: [G, 64,
     block_k]} (`prepare`), norm scales folded; cache: bf16 [L, S, KV heads, 2H] (K then V per
-    row), written in place when the caller donates it. Returns (logits f32 [vocab_rows], the flat
-    buffer, the cache)."""
+    row), written in place when the caller donates it. profile_dir: record the consumer's regions
+    (wait_<phase>, qkv, norm, attn, out, gate_up, down, head) with Mosaic GPU's on-device profiler
+    and write them there as a Perfetto trace (16 KiB more shared memory). Returns (logits f32
+    [vocab_rows], the flat buffer, the cache)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plan.check()
+    if profile_dir and (need := plan.smem_bytes() + 2 * 16 * PROFILE_EVENTS) > SMEM_BYTES:  # 4 i32 per region
+        raise ValueError(f"profiling needs {need} bytes of shared memory, more than {SMEM_BYTES}: fewer stages "
+                         f"or x_stages")
     if interpret and plan.ctas != 1:
         raise ValueError("interpret mode has no global semaphores: it runs with ctas=1")
     l_, s_, kvh, row = cache.shape
@@ -649,6 +668,8 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         out_type=jax.ShapeDtypeStruct((plan.total,), jnp.float32),
         scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
+        compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
+        if profile_dir else None,
     )(x, rope.astype(jnp.float32), pos4, weights["qkv"], weights["out"], weights["gate_up"], weights["down"],
       weights["head"], ref)
     logits = buf[plan.logits_off: plan.logits_off + plan.vocab_rows] * buf[plan.r_off]

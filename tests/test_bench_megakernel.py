@@ -1,0 +1,58 @@
+"""experiments/bench_megakernel.py: the profile summary (each phase's wall time per layer) on a
+made-up trace whose answer is known; the profiler's shared memory is checked before a launch."""
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import bench_megakernel as bm  # noqa: E402
+from scaling.kernels import decode_megakernel as mk  # noqa: E402
+
+
+def _trace():
+    """Two CTAs, two layers 100 µs apart; CTA i finishes each phase i µs later (attention 5 i)."""
+    events = []
+
+    def region(tid, name, a, b):
+        events.extend([dict(ph="B", tid=tid, name=name, ts=a), dict(ph="E", tid=tid, name=name, ts=b)])
+
+    for i in range(2):
+        for l in range(2):
+            t = 100 * l
+            region(i, "qkv", t, t + 10 + i)
+            region(i, "norm", t + 11 + i, t + 12 + i)
+            region(i, "wait_attn", t + 13, t + 15)
+            region(i, "attn", t + 15, t + 20 + 5 * i)
+            region(i, "out", t + 26, t + 40 + i)
+            region(i, "gate_up", t + 42, t + 60 + i)
+            region(i, "down", t + 62, t + 90 + i)
+        region(10 + i, "producer_only", 0, 1)  # another warpgroup: no qkv region, ignored
+    return {"traceEvents": events}
+
+
+def test_phase_walls_on_a_known_trace():
+    out = bm.phase_walls(_trace())
+    assert out["layers"] == 2
+    # last finishers: qkv 11, attn 25, out 41, gate_up 61, down 91 (+100 in layer 1)
+    assert out["wall_qkv_us"] == 20 and out["wall_attn_us"] == 14 and out["wall_out_us"] == 16
+    assert out["wall_gate_up_us"] == 20 and out["wall_down_us"] == 30 and out["wall_layer_us"] == 100
+    assert out["cta_attn_us"] == 7.5 and out["cta_attn_max_us"] == 10
+    assert out["cta_wait_attn_us"] == 2 and "cta_wait_out_us" not in out
+
+
+def test_phase_walls_refuses_a_trace_without_consumers():
+    with pytest.raises(ValueError, match="no consumer regions"):
+        bm.phase_walls({"traceEvents": [dict(ph="B", tid=0, name="x", ts=0), dict(ph="E", tid=0, name="x", ts=1)]})
+
+
+def test_profiling_refuses_a_plan_without_room_for_the_profiler(tmp_path):
+    """(A profiled kernel cannot be lowered on the CPU: the profiler's trace dump needs the GPU
+    backend. The named scopes are in every lowering test of the kernel.)"""
+    big = mk.plan_for(bm.preset("llama2_7b"), 384, ctas=132)  # 8 x stages: no room for the profiler
+    with pytest.raises(ValueError, match="profiling needs"):
+        mk.megakernel_step(jnp.zeros((4096,)), jnp.zeros((2, 128)), 0, {}, jnp.zeros((32, 384, 32, 256), jnp.bfloat16),
+                           plan=big, profile_dir=str(tmp_path))
