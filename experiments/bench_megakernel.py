@@ -112,6 +112,7 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
 
 
 LAYER_PHASES = ("qkv", "attn", "out", "gate_up", "down")
+VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}}  # --variants: MegaPlan fields
 
 
 def phase_walls(trace: dict) -> dict[str, float]:
@@ -174,12 +175,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--stages", type=int, default=3, help="weight ring stages")
     ap.add_argument("--x-stages", type=int, default=8)
+    ap.add_argument("--variants", default="base", help=f"timed one after another, comma-separated: {list(VARIANTS)}")
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
     ap.add_argument("--bw-gib", type=float, default=4.0)
     ap.add_argument("--profile", default="", help="also profile one step per model into DIR/<model> (fewer x "
                     "stages: the profiler takes 16 KiB of shared memory)")
     args = ap.parse_args(argv)
+    if unknown := set(args.variants.split(",")) - set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(unknown)}; allowed {list(VARIANTS)}")
     dev = jax.devices()[0]
     versions = {"jax": jax.__version__, "device": dev.device_kind, "sms": getattr(dev, "core_count", None)}
     print(versions, flush=True)
@@ -203,16 +207,19 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 res["check_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                 print(res["check_error"], flush=True)
-        try:
-            t = time_decode(plan, inv_freq, args.start, args.steps, args.reps)
-            t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy
-            res["decode"] = t
-            print(f"{name}: {t['step_ms']:.3f} ms/step, {t['tok_s']:.0f} tokens/s, "
-                  f"{t['achieved_Bps'] / 1e12:.3f} TB/s = {t['pct_of_copy']:.1f}% of copy "
-                  f"(compile {t['compile_s']:.0f}s)", flush=True)
-        except Exception as e:  # noqa: BLE001
-            res["decode_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            print(res["decode_error"], flush=True)
+        for variant in args.variants.split(","):
+            key = "decode" if variant == "base" else f"decode_{variant}"
+            try:
+                t = time_decode(dataclasses.replace(plan, **VARIANTS[variant]), inv_freq, args.start, args.steps,
+                                args.reps)
+                t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy
+                res[key] = t
+                print(f"{name} {variant}: {t['step_ms']:.3f} ms/step, {t['tok_s']:.0f} tokens/s, "
+                      f"{t['achieved_Bps'] / 1e12:.3f} TB/s = {t['pct_of_copy']:.1f}% of copy "
+                      f"(compile {t['compile_s']:.0f}s)", flush=True)
+            except Exception as e:  # noqa: BLE001
+                res[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                print(res[f"{key}_error"], flush=True)
         if args.profile:
             try:
                 pplan = dataclasses.replace(plan, x_stages=min(plan.x_stages, 4))

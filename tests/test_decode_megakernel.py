@@ -60,18 +60,20 @@ def test_plan_refuses_what_it_cannot_run():
 
 def test_lowers_for_hopper_with_several_ctas(setup):
     _, rows, plan, cache, x = setup
-    plan = dataclasses.replace(plan, ctas=4)
     units = mk.prepare(rows, plan.block_k)
-    fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan))
-    module = export.export(fn, platforms=["cuda"])(x, jnp.zeros((2, plan.head_dim)), jnp.int32(5), units,
-                                                    cache).mlir_module()
-    assert module.count("mosaic_gpu_v2") == 1
+    for prefetch in (False, True):
+        p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch)
+        fn = jax.jit(lambda x, r, p, w, c, p4=p4: mk.megakernel_step(x, r, p, w, c, plan=p4))
+        module = export.export(fn, platforms=["cuda"])(x, jnp.zeros((2, plan.head_dim)), jnp.int32(5), units,
+                                                        cache).mlir_module()
+        assert module.count("mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("pos", [64, 100])  # a tile holding one position; a partly masked one
-def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos):
+@pytest.mark.parametrize("pos,norm_prefetch", [(64, False), (100, True)])  # a tile holding one position; a
+def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefetch):  # partly masked one
     """Logits and the whole cache (the new row at pos, the rest untouched) against the reference."""
     _, rows, plan, cache, x = setup
+    plan = dataclasses.replace(plan, norm_prefetch=norm_prefetch)
     units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG))
     logits, buf, new_cache = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(

@@ -87,6 +87,9 @@ class MegaPlan:
     stages: int = 3
     x_stages: int = 8
     ctas: int = 132
+    # the RMSNorm statistics' reads issued before a CTA signals its q/k/v and gate/up phases and
+    # summed after the barrier, instead of read between the signal and the wait (not yet measured)
+    norm_prefetch: bool = False
 
     @property
     def groups(self) -> int:  # q heads per KV head
@@ -178,6 +181,9 @@ class MegaPlan:
         for name, (n, k) in self.gemvs().items():
             if n % BLOCK_F or k % bk:
                 raise ValueError(f"{name}: W {n}x{k} needs rows a multiple of {BLOCK_F} and K of block_k={bk}")
+        if self.norm_prefetch and self.hidden // bk > 2 * self.x_stages:
+            raise ValueError(f"norm_prefetch holds all of h in the x and up stages: hidden / block_k = "
+                             f"{self.hidden // bk} must be <= 2 * x_stages = {2 * self.x_stages}")
         if self.max_len % BLOCK_F:
             raise ValueError(f"max_len={self.max_len} must be a multiple of {BLOCK_F}")
         if self.x_slots() > 32 or max(self.stages, self.x_stages) > 32:
@@ -316,6 +322,41 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         ss = lax.fori_loop(0, n, body, cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1)))
         return lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
+
+    def norm_prefetch(base):
+        """(plan.norm_prefetch) The hidden-wide region at base into the x and up stages, issued
+        before the CTA signals its phase: the copies land while it waits at the barrier."""
+        for i in range(plan.hidden // bk):
+            dst, bar = (stage, x_full) if i < P else (ustage, u_full)
+            plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + i * bk, bk)], dst.at[i % P], bar.at[i % P])
+
+    def norm_sum():
+        """rsqrt(mean(h²) + eps) of what norm_prefetch copied."""
+        ss = cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1))
+        for i in range(plan.hidden // bk):
+            dst, bar = (stage, x_full) if i < P else (ustage, u_full)
+            plgpu.barrier_wait(bar.at[i % P])
+            v = vec(dst.at[i % P])
+            ss = ss + v * v
+        plgpu.commit_smem()  # every thread has read the stages before the next phase refills them
+        return lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
+
+    def statistic(base, sem, before):
+        """Signal phase `sem`, wait for it (the next phase is `before`), and return the RMSNorm
+        statistic of the region at base: read after the signal (in the time the CTA would wait
+        anyway; the last CTA to signal then starts the next phase that much later), or with
+        plan.norm_prefetch copied before the signal and summed after the wait."""
+        if plan.norm_prefetch:
+            norm_prefetch(base)
+            signal(sem)
+            wait(sem, before)
+            with jax.named_scope("norm"):
+                return norm_sum()
+        signal(sem)
+        with jax.named_scope("norm"):
+            r = norm_rsqrt(base)
+        wait(sem, before)
+        return r
 
     def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None):
         """This CTA's units of one projection; r: the ring's running count (returned advanced).
@@ -522,10 +563,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             h_in = plan.region("in", l)
             with jax.named_scope("qkv"):
                 r = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l))
-            signal(sem)
-            with jax.named_scope("norm"):
-                r_attn = norm_rsqrt(h_in)  # (while others finish q/k/v; h_in is final)
-            wait(sem, "attn")
+            r_attn = statistic(h_in, sem, "attn")  # (h_in is final: only reads from here on)
             with jax.named_scope("attn"):
                 r = attention(l, r, r_attn, pos)
             signal(sem + 1)
@@ -538,10 +576,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             gu = plan.region("gate_up", l)
             with jax.named_scope("gate_up"):
                 r = gemv("gate_up", l, r, x_base=h1, y_base=gu)
-            signal(sem + 3)
-            with jax.named_scope("norm"):
-                r_mlp = norm_rsqrt(h1)
-            wait(sem + 3, "down")
+            r_mlp = statistic(h1, sem + 3, "down")
             with jax.named_scope("down"):
                 r = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
                          res_base=h1)
