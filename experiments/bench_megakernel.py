@@ -111,8 +111,10 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
             "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times}
 
 
-LAYER_PHASES = ("qkv", "attn", "out", "gate_up", "down")
-VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}}  # --variants: MegaPlan fields
+LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down")  # (combine: only with attn_splits > 1)
+# --variants: MegaPlan fields
+VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"attn_splits": 2},
+            "splits4": {"attn_splits": 4}}
 
 
 def phase_walls(trace: dict) -> dict[str, float]:
@@ -133,18 +135,19 @@ def phase_walls(trace: dict) -> dict[str, float]:
         k = min(map(len, rows))
         return np.asarray([r[:k] for r in rows], dtype=np.float64).reshape(len(rows), k, 2)
 
-    ends = {name: table(name)[:, :, 1].max(axis=0) for name in LAYER_PHASES}  # [layers]
+    phases = [n for n in LAYER_PHASES if table(n).shape[1]]
+    ends = {name: table(name)[:, :, 1].max(axis=0) for name in phases}  # [layers]
     layers = min(len(e) for e in ends.values())
     out: dict[str, float] = {"layers": layers}
-    for i, name in enumerate(LAYER_PHASES):
-        before = ends[LAYER_PHASES[i - 1]][:layers]
+    for i, name in enumerate(phases):
+        before = ends[phases[i - 1]][:layers]
         if name == "qkv":  # the previous layer's down (none before layer 0)
             walls = ends["qkv"][1:layers] - before[: layers - 1]
         else:
             walls = ends[name][:layers] - before
         out[f"wall_{name}_us"] = float(np.median(walls)) if len(walls) else float("nan")
-    out["wall_layer_us"] = float(sum(out[f"wall_{n}_us"] for n in LAYER_PHASES))
-    for name in (*LAYER_PHASES, "norm", *(f"wait_{n}" for n in LAYER_PHASES)):
+    out["wall_layer_us"] = float(sum(out[f"wall_{n}_us"] for n in phases))
+    for name in (*phases, "norm", *(f"wait_{n}" for n in phases)):
         t = table(name)
         if t.shape[1]:
             out[f"cta_{name}_us"] = float(np.median((t[:, :, 1] - t[:, :, 0]).mean(axis=1)))

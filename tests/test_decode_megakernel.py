@@ -49,6 +49,8 @@ def setup():
 def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="block_k must be 2 \\* head_dim"):
         mk.plan_for(CFG, MAX_LEN, block_k=128).check()
+    with pytest.raises(ValueError, match="attn_splits must be 1..x_stages=4"):
+        mk.plan_for(CFG, MAX_LEN, x_stages=4, attn_splits=5).check()
     with pytest.raises(ValueError, match="max_len=100"):
         mk.plan_for(CFG, 100).check()
     with pytest.raises(ValueError, match="shared memory"):
@@ -61,19 +63,20 @@ def test_plan_refuses_what_it_cannot_run():
 def test_lowers_for_hopper_with_several_ctas(setup):
     _, rows, plan, cache, x = setup
     units = mk.prepare(rows, plan.block_k)
-    for prefetch in (False, True):
-        p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch)
+    for prefetch, splits in ((False, 1), (True, 3)):
+        p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch, attn_splits=splits)
         fn = jax.jit(lambda x, r, p, w, c, p4=p4: mk.megakernel_step(x, r, p, w, c, plan=p4))
         module = export.export(fn, platforms=["cuda"])(x, jnp.zeros((2, plan.head_dim)), jnp.int32(5), units,
                                                         cache).mlir_module()
         assert module.count("mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("pos,norm_prefetch", [(64, False), (100, True)])  # a tile holding one position; a
-def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefetch):  # partly masked one
+# pos 64: a tile holding one position; 100: a partly masked one. 3 splits of 2 tiles: one empty
+@pytest.mark.parametrize("pos,norm_prefetch,splits", [(64, False, 1), (100, True, 3)])
+def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefetch, splits):
     """Logits and the whole cache (the new row at pos, the rest untouched) against the reference."""
     _, rows, plan, cache, x = setup
-    plan = dataclasses.replace(plan, norm_prefetch=norm_prefetch)
+    plan = dataclasses.replace(plan, norm_prefetch=norm_prefetch, attn_splits=splits)
     units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG))
     logits, buf, new_cache = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(

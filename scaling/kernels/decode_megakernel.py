@@ -90,6 +90,14 @@ class MegaPlan:
     # the RMSNorm statistics' reads issued before a CTA signals its q/k/v and gate/up phases and
     # summed after the barrier, instead of read between the signal and the wait (not yet measured)
     norm_prefetch: bool = False
+    # attention units per KV head: the positions before pos split into this many contiguous runs
+    # of 64-position blocks, one unit each, combined by a phase of their own (one more barrier);
+    # for long caches, where one CTA per KV head reads them one tile after another (not yet measured)
+    attn_splits: int = 1
+
+    @property
+    def phases_per_layer(self) -> int:
+        return 5 + (self.attn_splits > 1)
 
     @property
     def groups(self) -> int:  # q heads per KV head
@@ -100,7 +108,8 @@ class MegaPlan:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
     # flat buffer: [r_final, then zeros | h_in | layer 0 | layer 1 | ... | logits]; per layer
-    # [qkv | attn | h1 | gate_up | h2], so layer l's input is the region just before its block
+    # [qkv | parts (attn_splits > 1) | attn | h1 | gate_up | h2], so layer l's input is the region
+    # just before its block
     r_off = 0
     zero_off = 64  # 64 zeros (the residual of a partial that is not a tile's first K step)
 
@@ -110,8 +119,9 @@ class MegaPlan:
 
     def _layer_regions(self) -> dict[str, int]:
         off, regions = 0, {}
-        for name, n in (("qkv", self.qkv_rows), ("attn", self.heads * self.head_dim), ("h1", self.hidden),
-                        ("gate_up", 2 * self.mlp), ("h2", self.hidden)):
+        parts = self.attn_splits * self.heads * self.block_k if self.attn_splits > 1 else 0
+        for name, n in (("qkv", self.qkv_rows), ("parts", parts), ("attn", self.heads * self.head_dim),
+                        ("h1", self.hidden), ("gate_up", 2 * self.mlp), ("h2", self.hidden)):
             regions[name] = off
             off += _pad(n)
         regions["stride"] = off
@@ -184,6 +194,9 @@ class MegaPlan:
         if self.norm_prefetch and self.hidden // bk > 2 * self.x_stages:
             raise ValueError(f"norm_prefetch holds all of h in the x and up stages: hidden / block_k = "
                              f"{self.hidden // bk} must be <= 2 * x_stages = {2 * self.x_stages}")
+        if not 1 <= self.attn_splits <= self.x_stages:
+            raise ValueError(f"attn_splits must be 1..x_stages={self.x_stages} (the combine holds one partial per "
+                             f"split in the x stages), got {self.attn_splits}")
         if self.max_len % BLOCK_F:
             raise ValueError(f"max_len={self.max_len} must be a multiple of {BLOCK_F}")
         if self.x_slots() > 32 or max(self.stages, self.x_stages) > 32:
@@ -234,7 +247,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     # misc barriers: 0 pos (consumer), 1 pos (producer), 2 rope, 3 residual tile, 4 (unused),
     # 5 interpret's read-add-write and the input's copy
     sync = not interpret
-    done = pl.get_global(plgpu.SemaphoreType.REGULAR((1 + 5 * plan.layers,))) if sync else None
+    n_ph = plan.phases_per_layer
+    splits = plan.attn_splits
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((1 + n_ph * plan.layers,))) if sync else None
 
     def wait(index, before: str = ""):  # before: the phase it opens (the profile's region name)
         if sync:
@@ -431,8 +446,14 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
         return r
 
+    def split_blocks(j, pos):
+        """[lo, hi): the 64-position blocks before pos that split j of a KV head reads."""
+        n = (pos + BLOCK_F - 1) // BLOCK_F
+        return j * n // splits, (j + 1) * n // splits
+
     def attention(layer, r, scale, pos):
-        """The KV heads c, c + C, ...: see the module docstring. Returns the ring count."""
+        """Units c, c + C, ... of KV heads x splits (unit u: KV head u mod K, split u div K): see
+        the module docstring. Returns the ring count."""
         base = plan.region("qkv", layer)
         n_q, n_kv = plan.heads, plan.kv_heads
         cs, sn = vec(rope_s.at[0]), vec(rope_s.at[1])
@@ -444,7 +465,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             plgpu.commit_smem()
             return v * cs + vec(rot.at[pl.ds(hd // 2, hd)]) * sn
 
-        def head(kvh, r):
+        def unit(u, r):
+            kvh, j = lax.rem(u, n_kv), u // n_kv
+            last = j == splits - 1  # the split that adds the new position and writes its row
             srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
             srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
             for i, src in enumerate(srcs):
@@ -458,7 +481,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
             plgpu.commit_smem()
             # the new row, for the next steps: nothing in this one reads it back from the cache
-            plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh])
+            pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
             # q heads as columns 0..G-1 of the operand over [K | V]'s 2H columns: rows H.. zero
             qs = [rope(vec(qkv_a.at[i]) * (scale / math.sqrt(hd))) for i in range(g_heads)]
             # the new position's scores, from q and k as the tensor cores would see them (bf16)
@@ -495,31 +518,67 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
             row0 = cast(jnp.full((ROWS,), NEG, jnp.float32), L.WGMMA.reduce(0))
             l0 = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
-            m, l, o, r = lax.fori_loop(0, (pos + BLOCK_F - 1) // BLOCK_F, block, (row0, l0, zero_acc(bk), r))
-            # then the new position itself, one more online-softmax step (its p stays f32)
+            lo, hi = split_blocks(j, pos)
+            m, l, o, r = lax.fori_loop(lo, hi, block, (row0, l0, zero_acc(bk), r))
+            # then (the last split) the new position itself, one more online-softmax step (its p
+            # stays f32); elsewhere a score of NEG, whose weight at the combine is 0
             col = iota((BLOCK_F, ROWS), 1)
             s_cols = cast(jnp.full((BLOCK_F, ROWS), NEG, jnp.float32), L.WGMMA)
             for i, si in enumerate(s_new):
-                s_cols = jnp.where(col == i, si, s_cols)
+                s_cols = jnp.where(col == i, jnp.where(last, si, NEG) if splits > 1 else si, s_cols)
             s_vec = jnp.max(s_cols, axis=0)
             m_new = jnp.maximum(m, s_vec)
             alpha = jnp.exp(m - m_new)
             p_new = jnp.exp(s_vec - m_new)
-            l = l * alpha + p_new
+            l, m = l * alpha + p_new, m_new
             o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
-            o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
             col = iota((bk, ROWS), 1)
+            if splits == 1:  # the head's output, normalised
+                o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
+            else:  # the split's partial [m | l | o] (H/2, H/2, H values) for `combine`
+                row = iota((bk, ROWS), 0)
+                o = jnp.where(row < hd // 2, lax.broadcast_in_dim(m, (bk, ROWS), [1]),
+                              jnp.where(row < hd, lax.broadcast_in_dim(l, (bk, ROWS), [1]), o))
             for i in range(g_heads):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 obuf.at[pl.ds(0, bk)][...] = jnp.sum(jnp.where(col == i, o, 0.0), axis=1)
                 plgpu.commit_smem()
-                dst = plan.region("attn", layer) + (kvh * g_heads + i) * hd
-                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(hd, hd)], buf.at[pl.ds(dst, hd)])
+                if splits == 1:
+                    dst = plan.region("attn", layer) + (kvh * g_heads + i) * hd
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(hd, hd)], buf.at[pl.ds(dst, hd)])
+                else:
+                    dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(dst, bk)])
             return r
 
-        r = lax.fori_loop(0, pl.cdiv(n_kv - c, ctas), lambda i, r: head(c + i * ctas, r), r)
+        r = lax.fori_loop(0, pl.cdiv(n_kv * splits - c, ctas), lambda i, r: unit(c + i * ctas, r), r)
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         return r
+
+    def combine(layer):
+        """(attn_splits > 1) q heads c, c + C, ...: the splits' partials into the head's output,
+        o = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s with M = max_s m_s."""
+        base, n_q = plan.region("parts", layer), plan.heads
+
+        @pl.loop(c, n_q, step=ctas)
+        def _(n):
+            for s_ in range(splits):
+                plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + (s_ * n_q + n) * bk, bk)], stage.at[s_], x_full.at[s_])
+            ms, ls = [], []
+            for s_ in range(splits):
+                plgpu.barrier_wait(x_full.at[s_])
+                ms.append(stage[s_, 0])
+                ls.append(stage[s_, hd // 2])
+            top = functools.reduce(jnp.maximum, ms)
+            ws = [jnp.exp(m_ - top) for m_ in ms]
+            total = functools.reduce(lambda a, b: a + b, [w * l_ for w, l_ in zip(ws, ls)])
+            o = functools.reduce(lambda a, b: a + b, [w * vec(stage.at[s_, pl.ds(hd, hd)]) for s_, w in enumerate(ws)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            obuf.at[pl.ds(0, hd)][...] = o * (1.0 / total)
+            plgpu.commit_smem()  # (and every thread has read the stages before they are refilled)
+            plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, hd)], buf.at[pl.ds(plan.region("attn", layer) + n * hd, hd)])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
     @pl.when(wg == 0)
     def _consumer():
@@ -554,7 +613,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         # (named scopes: the regions of the on-device profile, `profile_dir`; no code without it)
         def layer(l, r):
-            sem = 1 + 5 * l
+            sem = 1 + n_ph * l  # this layer's phases signal sem, sem + 1, ...
 
             @pl.when(l > 0)
             def _():
@@ -566,25 +625,32 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             r_attn = statistic(h_in, sem, "attn")  # (h_in is final: only reads from here on)
             with jax.named_scope("attn"):
                 r = attention(l, r, r_attn, pos)
-            signal(sem + 1)
-            wait(sem + 1, "out")
+            sem += 1
+            if splits > 1:
+                signal(sem)
+                wait(sem, "combine")
+                with jax.named_scope("combine"):
+                    combine(l)
+                sem += 1
+            signal(sem)
+            wait(sem, "out")
             h1 = plan.region("h1", l)
             with jax.named_scope("out"):
                 r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
-            signal(sem + 2)
-            wait(sem + 2, "gate_up")
+            signal(sem + 1)
+            wait(sem + 1, "gate_up")
             gu = plan.region("gate_up", l)
             with jax.named_scope("gate_up"):
                 r = gemv("gate_up", l, r, x_base=h1, y_base=gu)
-            r_mlp = statistic(h1, sem + 3, "down")
+            r_mlp = statistic(h1, sem + 2, "down")
             with jax.named_scope("down"):
                 r = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
                          res_base=h1)
-            signal(sem + 4)
+            signal(sem + 3)
             return r
 
         r = lax.fori_loop(0, plan.layers, layer, jnp.int32(0))
-        wait(5 * plan.layers, "head")
+        wait(n_ph * plan.layers, "head")
         h_last = plan.region("in", plan.layers)
         with jax.named_scope("head"):
             gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)
@@ -620,11 +686,14 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             return lax.fori_loop(a, b, lambda g, r: fetch(w.at[g] if name == "head" else w.at[layer, g], r), r)
 
         def heads(layer, r):
-            def head(kvh, r):  # the tiles of positions before pos (this step's row comes in registers)
-                return lax.fori_loop(0, (pos + BLOCK_F - 1) // BLOCK_F,
+            def unit(u, r):  # its split's tiles of the positions before pos (this step's row comes in registers)
+                kvh, j = lax.rem(u, plan.kv_heads), u // plan.kv_heads
+                lo, hi = split_blocks(j, pos)
+                return lax.fori_loop(lo, hi,
                                      lambda blk, r: fetch(cache.at[layer, pl.ds(blk * BLOCK_F, BLOCK_F), kvh], r), r)
 
-            return lax.fori_loop(0, pl.cdiv(plan.kv_heads - c, ctas), lambda i, r: head(c + i * ctas, r), r)
+            units = plan.kv_heads * splits
+            return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: unit(c + i * ctas, r), r)
 
         def layer(l, r):
             r = stream("qkv", l, r)
@@ -745,26 +814,37 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
         kc, vc = cache[l, :, :, :hd].astype(f32), cache[l, :, :, hd:].astype(f32)  # [S, KV, H]
         s = jnp.einsum("kgh,skh->kgs", q, kc, precision=lax.Precision.HIGHEST)
         s = jnp.where(jnp.arange(plan.max_len) < pos, s, NEG)
-        # online softmax over the 64-position blocks before pos, as the kernel (p rounded to bf16
-        # relative to the running max), then the new position with its p in f32
-        m = jnp.full((nkv, g, 1), NEG)
-        lsum = jnp.zeros((nkv, g, 1))
-        o = jnp.zeros((nkv, g, hd))
-        for blk in range(plan.max_len // BLOCK_F):
-            sb = s[..., blk * BLOCK_F: (blk + 1) * BLOCK_F]
-            m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.exp(sb - m_new)
-            pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), vc[blk * BLOCK_F: (blk + 1) * BLOCK_F],
-                            precision=lax.Precision.HIGHEST)
-            take = blk * BLOCK_F < pos  # the kernel reads the blocks holding positions before pos
-            m, lsum, o = (jnp.where(take, m_new, m), jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
-                          jnp.where(take, o * alpha + pv, o))
+        # per split (attn_splits; one by default): an online softmax over its 64-position blocks
+        # before pos, as the kernel (p rounded to bf16 relative to the running max); the last
+        # split then adds the new position with its p in f32; the splits are combined by their
+        # running maxima
         s_new = jnp.einsum("kgh,kh->kg", q, k_new.astype(f32), precision=lax.Precision.HIGHEST)[..., None]
-        m_new = jnp.maximum(m, s_new)
-        alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
-        lsum = lsum * alpha + p_new
-        o = (o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :]) / lsum
+        n_blk = (pos + BLOCK_F - 1) // BLOCK_F
+        parts = []
+        for j in range(plan.attn_splits):
+            lo, hi = j * n_blk // plan.attn_splits, (j + 1) * n_blk // plan.attn_splits
+            m = jnp.full((nkv, g, 1), NEG)
+            lsum = jnp.zeros((nkv, g, 1))
+            o = jnp.zeros((nkv, g, hd))
+            for blk in range(plan.max_len // BLOCK_F):
+                sb = s[..., blk * BLOCK_F: (blk + 1) * BLOCK_F]
+                m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
+                alpha = jnp.exp(m - m_new)
+                p = jnp.exp(sb - m_new)
+                pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), vc[blk * BLOCK_F: (blk + 1) * BLOCK_F],
+                                precision=lax.Precision.HIGHEST)
+                take = (lo <= blk) & (blk < hi)
+                m, lsum, o = (jnp.where(take, m_new, m),
+                              jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
+                              jnp.where(take, o * alpha + pv, o))
+            if j == plan.attn_splits - 1:
+                m_new = jnp.maximum(m, s_new)
+                alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
+                m, lsum, o = m_new, lsum * alpha + p_new, o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :]
+            parts.append((m, lsum, o))
+        top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
+        weights = [jnp.exp(m - top) for m, _, _ in parts]
+        o = sum(w * o_ for w, (_, _, o_) in zip(weights, parts)) / sum(w * l_ for w, (_, l_, _) in zip(weights, parts))
         h1 = h + mm(rows["out"][l], o.reshape(-1))
         gu = mm(rows["gate_up"][l], h1) * rms(h1)
         gate, up = gu[: plan.mlp], gu[plan.mlp:]
