@@ -15,7 +15,9 @@ The step, per layer, as five phases (each waits until every CTA has finished the
            written into the cache (for the next steps), then softmax(q Kᵀ / √H) V: the positions
            before pos from the cache, 64 per step (one [64, 2H] tile holding K and V, streamed by
            the producer before the phase starts: they do not depend on this step), on the tensor
-           cores with an online softmax; then the new position from registers
+           cores with an online softmax; then the new position from registers.
+           (attn_splits > 1: each KV head's positions split over several units, whose partials
+           [m | l | o] a `combine` phase merges; one more barrier)
   out      h1 = h + W_o attn
   gate_up  y = W_gu h1 (the MLP norm's scale folded, its statistic applied by the next phase)
   down     h2 = h1 + W_down (silu(r g) * (r u))
@@ -28,9 +30,9 @@ takes units [c G / C, (c + 1) G / C) of the phase's G ("stream-K", Osama et al.,
 adds its f32 partial of each row tile into the phase's output by a TMA reduce-add; the CTA whose
 share holds a tile's first K step also adds the residual. A producer warpgroup streams every
 weight tile (and, in the attention phase, every cache tile) of the CTA's whole step through a
-TMA ring and never waits at a grid barrier, only for ring slots. x chunks (f32, from the flat activation buffer)
-arrive by TMA into a small ring of stages and are rounded to bf16 into column 0 of the wgmma
-operand just before their first product (`lazy_x`).
+TMA ring and never waits at a grid barrier, only for ring slots. x chunks (f32, from the flat
+activation buffer) arrive by TMA into a small ring of stages and are rounded to bf16 into column 0
+of the wgmma operand just before their first product (`lazy_x`).
 
 Activations live in one flat f32 buffer the kernel returns (`MegaPlan` gives the offsets):
 the final norm's statistic, the step's input h, then per layer q/k/v, the attention output, h1,
@@ -245,7 +247,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     P = plan.x_stages
     weights = dict(qkv=wqkv, out=wo, gate_up=wgu, down=wd, head=wh)
     # misc barriers: 0 pos (consumer), 1 pos (producer), 2 rope, 3 residual tile, 4 (unused),
-    # 5 interpret's read-add-write and the input's copy
+    # 5 interpret's read-add-write and the input's copy. Semaphore 0: the buffer is initialised;
+    # then one per phase of every layer (n_ph per layer), in order
     sync = not interpret
     n_ph = plan.phases_per_layer
     splits = plan.attn_splits
