@@ -13,8 +13,9 @@ import bench_megakernel as bm  # noqa: E402
 from scaling.kernels import decode_megakernel as mk  # noqa: E402
 
 
-def _trace():
-    """Two CTAs, two layers 100 µs apart; CTA i finishes each phase i µs later (attention 5 i)."""
+def _trace(combine: bool = False):
+    """Two CTAs, two layers 100 µs apart; CTA i finishes each phase i µs later (attention 5 i);
+    with `combine`, a combine phase (attn_splits > 1) ending at 30 + i."""
     events = []
 
     def region(tid, name, a, b):
@@ -27,6 +28,8 @@ def _trace():
             region(i, "norm", t + 11 + i, t + 12 + i)
             region(i, "wait_attn", t + 13, t + 15)
             region(i, "attn", t + 15, t + 20 + 5 * i)
+            if combine:
+                region(i, "combine", t + 26, t + 30 + i)
             region(i, "out", t + 26, t + 40 + i)
             region(i, "gate_up", t + 42, t + 60 + i)
             region(i, "down", t + 62, t + 90 + i)
@@ -42,6 +45,11 @@ def test_phase_walls_on_a_known_trace():
     assert out["wall_gate_up_us"] == 20 and out["wall_down_us"] == 30 and out["wall_layer_us"] == 100
     assert out["cta_attn_us"] == 7.5 and out["cta_attn_max_us"] == 10
     assert out["cta_wait_attn_us"] == 2 and "cta_wait_out_us" not in out
+
+
+def test_phase_walls_with_a_combine_phase():
+    out = bm.phase_walls(_trace(combine=True))
+    assert out["wall_combine_us"] == 6 and out["wall_out_us"] == 10 and out["wall_layer_us"] == 100
 
 
 def test_phase_walls_refuses_a_trace_without_consumers():
