@@ -50,7 +50,8 @@ def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="block_k must be 2 \\* head_dim"):
         mk.plan_for(CFG, MAX_LEN, block_k=128).check()
     with pytest.raises(ValueError, match="norm_prefetch holds all of h"):
-        mk.plan_for(dataclasses.replace(CFG, hidden_size=4096), MAX_LEN, x_stages=4, norm_prefetch=True).check()
+        mk.plan_for(dataclasses.replace(CFG, hidden_size=4096, num_heads=32, num_kv_heads=16), MAX_LEN, x_stages=4,
+                    norm_prefetch=True).check()
     with pytest.raises(ValueError, match="attn_splits must be 1..x_stages=4"):
         mk.plan_for(CFG, MAX_LEN, x_stages=4, attn_splits=5).check()
     with pytest.raises(ValueError, match="max_len=100"):
