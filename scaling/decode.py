@@ -683,11 +683,10 @@ class Decoder:
         if max_len is not None and max_len < 1:
             raise ValueError(f"{max_len=} must be >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
-        if self.megakernel:
+        if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
             block_k = megakernel_plan(self.cfg, KV_BLOCK).block_k
-            rows = prepare_weights(model, self.dtype, rows=True) if self.pallas_max_batch == 0 else self.weights
-            self.megakernel_weights = {"units": decode_megakernel.prepare(rows, block_k), "embed_vd": rows["embed_vd"]}
-            del rows
+            self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, block_k),
+                                       "embed_vd": self.weights["embed_vd"]}
 
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
