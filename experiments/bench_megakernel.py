@@ -187,6 +187,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if unknown := set(args.variants.split(",")) - set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(unknown)}; allowed {list(VARIANTS)}")
+    if args.start + args.steps > args.max_len or args.max_len % 64:
+        ap.error(f"--max-len must be a multiple of 64 holding --start + --steps = {args.start + args.steps} "
+                 f"positions, got {args.max_len}")
     dev = jax.devices()[0]
     versions = {"jax": jax.__version__, "device": dev.device_kind, "sms": getattr(dev, "core_count", None)}
     print(versions, flush=True)
