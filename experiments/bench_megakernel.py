@@ -9,9 +9,10 @@ its new cache rows against `megakernel_reference` (f32 on the GPU) at a few posi
 2-layer model of the preset's width, then on the whole model; then `--steps` greedy steps per
 call (a lax.fori_loop: embedding row, RoPE table, the kernel, argmax; the cache donated), the
 median of `--reps` calls. Bytes per step = every weight but the embedding table + the K/V
-cache positions read (the mean over the timed steps). `--profile DIR`: one step per model under
-Mosaic GPU's on-device profiler, summarised by `phase_walls` (each phase's wall time per layer).
-Writes $OUT/bench_megakernel.json.
+cache positions read (the mean over the timed steps). `--variants`: MegaPlan options, each timed
+in turn. `--profile DIR`: one step per model and variant under Mosaic GPU's on-device profiler,
+summarised by `phase_walls` (each phase's wall time per layer). Writes
+$OUT/bench_megakernel.json after every variant.
 """
 
 from __future__ import annotations
@@ -156,6 +157,22 @@ def phase_walls(trace: dict) -> dict[str, float]:
     return out
 
 
+def profile_plan(plan: mk.MegaPlan) -> mk.MegaPlan:
+    """The plan to profile: the timed plan with as many of its x stages as fit beside the
+    profiler's buffer (the 1b keeps all 8; the 7b at 3 ring stages keeps 6)."""
+    plan.check()
+    for x_stages in range(plan.x_stages, 0, -1):
+        p = dataclasses.replace(plan, x_stages=x_stages)
+        try:
+            p.check()
+        except ValueError:
+            continue  # (too few stages for the q heads per KV head, or for attn_splits)
+        if p.smem_bytes(profile=True) <= mk.SMEM_BYTES:
+            return p
+    raise ValueError(f"no x_stages <= {plan.x_stages} leaves room for the profiler "
+                     f"({mk.PROFILE_BYTES} bytes): fewer ring stages (stages={plan.stages})")
+
+
 def profile_step(plan: mk.MegaPlan, inv_freq, pos: int, out_dir: str, seed: int = 0) -> dict:
     """One profiled step (random weights and cache): phase_walls of its trace."""
     units = {k: mk.unit_major(v, plan.block_k) for k, v in random_weights(plan, seed).items()}
@@ -182,8 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
     ap.add_argument("--bw-gib", type=float, default=4.0)
-    ap.add_argument("--profile", default="", help="also profile one step per model into DIR/<model> (fewer x "
-                    "stages: the profiler takes 16 KiB of shared memory)")
+    ap.add_argument("--profile", default="", help="also profile one step per model and variant into DIR/<model>_<variant> (with "
+                    "fewer x stages where the profiler's 16 KiB of shared memory needs them)")
     args = ap.parse_args(argv)
     if unknown := set(args.variants.split(",")) - set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(unknown)}; allowed {list(VARIANTS)}")
@@ -197,6 +214,11 @@ def main(argv=None) -> int:
     copy = max(bw.values())
     print({k: f"{v / 1e12:.3f} TB/s" for k, v in bw.items()}, flush=True)
     result = {"versions": versions, "bandwidth": bw, "args": vars(args), "models": {}}
+    out = Path(os.environ.get("OUT", "."))
+
+    def save():
+        (out / "bench_megakernel.json").write_text(json.dumps(result, indent=1, default=str))
+
     for name in args.models.split(","):
         cfg = preset(name)
         from scaling import layers
@@ -213,11 +235,12 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 res["check_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                 print(res["check_error"], flush=True)
+        result["models"][name] = res
         for variant in args.variants.split(","):
             key = "decode" if variant == "base" else f"decode_{variant}"
+            vplan = dataclasses.replace(plan, **VARIANTS[variant])
             try:
-                t = time_decode(dataclasses.replace(plan, **VARIANTS[variant]), inv_freq, args.start, args.steps,
-                                args.reps)
+                t = time_decode(vplan, inv_freq, args.start, args.steps, args.reps)
                 t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy
                 res[key] = t
                 print(f"{name} {variant}: {t['step_ms']:.3f} ms/step, {t['tok_s']:.0f} tokens/s, "
@@ -226,17 +249,17 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 res[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                 print(res[f"{key}_error"], flush=True)
-        if args.profile:
-            try:
-                pplan = dataclasses.replace(plan, x_stages=min(plan.x_stages, 4))
-                res["profile"] = profile_step(pplan, inv_freq, args.start, str(Path(args.profile) / name))
-                print(name, "profile", json.dumps(res["profile"]), flush=True)
-            except Exception as e:  # noqa: BLE001
-                res["profile_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-                print(res["profile_error"], flush=True)
-        result["models"][name] = res
-    out = Path(os.environ.get("OUT", "."))
-    (out / "bench_megakernel.json").write_text(json.dumps(result, indent=1, default=str))
+            if args.profile:  # every variant's own profile: where its time goes, beside its timing
+                pkey = "profile" if variant == "base" else f"profile_{variant}"
+                try:
+                    pplan = profile_plan(vplan)
+                    res[pkey] = profile_step(pplan, inv_freq, args.start, str(Path(args.profile) / f"{name}_{variant}"))
+                    res[pkey]["x_stages"] = pplan.x_stages
+                    print(name, variant, "profile", json.dumps(res[pkey]), flush=True)
+                except Exception as e:  # noqa: BLE001
+                    res[f"{pkey}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    print(res[f"{pkey}_error"], flush=True)
+            save()  # (after every variant: a call cut off by its time limit keeps what it measured)
     return 0
 
 

@@ -1,6 +1,7 @@
 """experiments/bench_megakernel.py: the profile summary (each phase's wall time per layer) on a
 made-up trace whose answer is known; the profiler's shared memory is checked before a launch."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -64,3 +65,25 @@ def test_profiling_refuses_a_plan_without_room_for_the_profiler(tmp_path):
     with pytest.raises(ValueError, match="profiling needs"):
         mk.megakernel_step(jnp.zeros((4096,)), jnp.zeros((2, 128)), 0, {}, jnp.zeros((32, 384, 32, 256), jnp.bfloat16),
                            plan=big, profile_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("model", ["1b", "llama2_7b"])
+def test_profile_plan_keeps_the_most_x_stages_that_fit_beside_the_profiler(model):
+    """The profiled plan must pass the kernel's own checks (the 1b's 4 q heads per KV head need
+    more than 4 x stages) and leave room for the profiler; one more x stage would not fit."""
+    plan = mk.plan_for(bm.preset(model), 384, ctas=132)
+    p = bm.profile_plan(plan)
+    p.check()
+    assert p.smem_bytes(profile=True) <= mk.SMEM_BYTES
+    assert p.smem_bytes(profile=True) - p.smem_bytes() == 2 * 4 * 4 * mk.PROFILE_EVENTS  # 2 WGs x 4 i32 x range
+    assert p == dataclasses.replace(plan, x_stages=p.x_stages)  # nothing else changed
+    if p.x_stages < plan.x_stages:
+        assert dataclasses.replace(p, x_stages=p.x_stages + 1).smem_bytes(profile=True) > mk.SMEM_BYTES
+    assert bm.profile_plan(dataclasses.replace(plan, attn_splits=4)).attn_splits == 4
+
+
+def test_profile_plan_refuses_when_no_x_stages_fit():
+    big = mk.plan_for(bm.preset("llama2_7b"), 384, ctas=132, stages=3)
+    big = dataclasses.replace(big, norm_prefetch=True)  # all of h in the x and up stages: 8 x stages, no room
+    with pytest.raises(ValueError, match="leaves room for the profiler"):
+        bm.profile_plan(big)

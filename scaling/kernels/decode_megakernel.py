@@ -66,6 +66,8 @@ PAD = 256  # regions of the flat buffer start at multiples of this many f32 (a T
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
 MOSAIC_OVERHEAD = 6144  # Mosaic's reduction scratch (2 KiB) and alignment (a 7b variant measured 5376 B)
 NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
+PROFILE_EVENTS = 512  # profiled regions per warpgroup (a 32-layer step records ~390 per consumer)
+PROFILE_BYTES = 2 * 16 * PROFILE_EVENTS  # the profiler's buffer: 4 i32 per region, two warpgroups
 
 
 def _pad(n: int) -> int:
@@ -166,7 +168,9 @@ class MegaPlan:
         return max(min(k // self.block_k, -(-self.units(name) // self.ctas) + 1)
                    for name, (_, k) in self.gemvs().items())
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, profile: bool = False) -> int:
+        """Shared memory per CTA (an estimate with Mosaic's measured overhead); profile: with the
+        on-device profiler's buffer."""
         bk, hd = self.block_k, self.head_dim
         return (self.x_slots() * ROWS * bk * 2  # operands (bf16)
                 + 2 * self.x_stages * bk * 4  # x (and the SwiGLU's up) stages, f32
@@ -175,7 +179,7 @@ class MegaPlan:
                 + (self.groups + 2) * hd * 4 + 2 * hd * 4 + 2 * hd * 4 + 2 * hd * 2  # q/k/v, rotation, rope, row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8)
-                + MOSAIC_OVERHEAD)
+                + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
     def check(self) -> None:
         """Raise ValueError naming what this kernel cannot run."""
@@ -715,9 +719,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.barrier_wait(free.at[lax.rem(r - plan.stages + i, plan.stages)])
 
 
-PROFILE_EVENTS = 512  # profiled regions per warpgroup (a 32-layer step records ~390 per consumer)
-
-
 def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, interpret: bool = False,
                     profile_dir: str = ""):
     """One batch-1 decode step. x: f32 [D] (the token's embedding row); rope: rope_table(pos);
@@ -731,7 +732,7 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plan.check()
-    if profile_dir and (need := plan.smem_bytes() + 2 * 16 * PROFILE_EVENTS) > SMEM_BYTES:  # 4 i32 per region
+    if profile_dir and (need := plan.smem_bytes(profile=True)) > SMEM_BYTES:
         raise ValueError(f"profiling needs {need} bytes of shared memory, more than {SMEM_BYTES}: fewer stages "
                          f"or x_stages")
     if interpret and plan.ctas != 1:
