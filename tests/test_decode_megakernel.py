@@ -10,6 +10,7 @@
 """
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,27 @@ def test_lowers_for_hopper_with_several_ctas(setup):
         module = export.export(fn, platforms=["cuda"])(x, jnp.zeros((2, plan.head_dim)), jnp.int32(5), units,
                                                         cache).mlir_module()
         assert module.count("mosaic_gpu_v2") == 1
+
+
+@pytest.mark.parametrize("preset", ["1b", "llama2_7b"])
+def test_lowers_at_the_benchmarked_shapes_with_every_option(preset):
+    """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128, 4 q heads per KV
+    head; the 7b: head_dim 128, one q head per KV head), with norm_prefetch and attn_splits on,
+    as abstract shapes (nothing allocated)."""
+    from scaling.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
+    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, attn_splits=2)
+    plan.check()
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
+               for name in plan.gemvs()}
+    f32 = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan))
+    module = export.export(fn, platforms=["cuda"])(
+        f32((plan.hidden,), jnp.float32), f32((2, plan.head_dim), jnp.float32), f32((), jnp.int32), weights,
+        bf16(plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)).mlir_module()
+    assert module.count("mosaic_gpu_v2") == 1
 
 
 # pos 64: a tile holding one position; 100: a partly masked one. 3 splits of 2 tiles: one empty
