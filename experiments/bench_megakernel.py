@@ -199,8 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
     ap.add_argument("--bw-gib", type=float, default=4.0)
-    ap.add_argument("--profile", default="", help="also profile one step per model and variant into DIR/<model>_<variant> (with "
-                    "fewer x stages where the profiler's 16 KiB of shared memory needs them)")
+    ap.add_argument("--profile", default="", help="also profile one step per model and variant into "
+                    "DIR/<model>_<variant> (fewer x stages where the profiler's 16 KiB need them)")
     args = ap.parse_args(argv)
     if unknown := set(args.variants.split(",")) - set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(unknown)}; allowed {list(VARIANTS)}")
