@@ -88,10 +88,11 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset):
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
                for name in plan.gemvs()}
-    f32 = jax.ShapeDtypeStruct
+    abstract = jax.ShapeDtypeStruct
     fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan))
     module = export.export(fn, platforms=["cuda"])(
-        f32((plan.hidden,), jnp.float32), f32((2, plan.head_dim), jnp.float32), f32((), jnp.int32), weights,
+        abstract((plan.hidden,), jnp.float32), abstract((2, plan.head_dim), jnp.float32), abstract((), jnp.int32),
+        weights,
         bf16(plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)).mlir_module()
     assert module.count("mosaic_gpu_v2") == 1
 
