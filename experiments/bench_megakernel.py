@@ -47,6 +47,10 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+# the first position, tiles of 64 positions (and of 128, paired) started, filled, crossed
+CHECK_POSITIONS = (0, 1, 63, 64, 129, 200)
+
+
 def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: bool = True) -> list[dict]:
     rows = random_weights(plan, seed)
     units = {k: mk.unit_major(v, plan.block_k) for k, v in rows.items()}
@@ -54,7 +58,12 @@ def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: 
     cache = (jax.random.normal(k1, (plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)) * 0.5
              ).astype(jnp.bfloat16)
     x = jax.random.normal(k2, (plan.hidden,))
-    step = jax.jit(lambda x, rope, pos, w, c: mk.megakernel_step(x, rope, pos, w, c, plan=plan))
+
+    def step(x, rope, pos, w, c):  # (the kernel's cache layout: pack_cache)
+        logits, _, c = mk.megakernel_step(x, rope, pos, w, mk.pack_cache(c, plan.ppr), plan=plan)
+        return logits, None, mk.unpack_cache(c, plan.ppr)
+
+    step = jax.jit(step)
     ref = jax.jit(lambda x, rope, pos, w, c: mk.megakernel_reference(x, rope, pos, w, c, plan=plan))
     out = []
     for pos in positions:
@@ -80,8 +89,7 @@ def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: 
 def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, seed: int = 0) -> dict:
     units = {k: mk.unit_major(v, plan.block_k) for k, v in random_weights(plan, seed).items()}
     embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
-    cache = (jax.random.normal(jax.random.key(seed + 3),
-                               (plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)) * 0.5).astype(jnp.bfloat16)
+    cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
 
     def run(cache, token, units, embed):  # (weights as arguments: closed over, they become constants)
         def body(i, carry):
@@ -113,9 +121,19 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
 
 
 LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down")  # (combine: only with attn_splits > 1)
-# --variants: MegaPlan fields
+# --variants: MegaPlan fields; a variant may join several with "+" (pairs+norm_prefetch)
 VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"attn_splits": 2},
-            "splits4": {"attn_splits": 4}}
+            "splits4": {"attn_splits": 4}, "splits8": {"attn_splits": 8},
+            "pairs": {"block_k": 256},  # (head_dim 64: two positions per cache row, MegaPlan.ppr)
+            "stages4": {"stages": 4}, "stages5": {"stages": 5}}
+
+
+def variant_fields(variant: str) -> dict:
+    """The MegaPlan fields of a --variants entry ("a+b": both)."""
+    fields: dict = {}
+    for part in variant.split("+"):
+        fields.update(VARIANTS[part])
+    return fields
 
 
 def phase_walls(trace: dict) -> dict[str, float]:
@@ -176,7 +194,7 @@ def profile_plan(plan: mk.MegaPlan) -> mk.MegaPlan:
 def profile_step(plan: mk.MegaPlan, inv_freq, pos: int, out_dir: str, seed: int = 0) -> dict:
     """One profiled step (random weights and cache): phase_walls of its trace."""
     units = {k: mk.unit_major(v, plan.block_k) for k, v in random_weights(plan, seed).items()}
-    cache = jnp.zeros((plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim), jnp.bfloat16)
+    cache = jnp.zeros(plan.cache_shape, jnp.bfloat16)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan, profile_dir=out_dir))
     pos = jnp.int32(pos)
@@ -202,10 +220,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", help="also profile one step per model and variant into "
                     "DIR/<model>_<variant> (fewer x stages where the profiler's 16 KiB need them)")
     args = ap.parse_args(argv)
-    if unknown := set(args.variants.split(",")) - set(VARIANTS):
+    if unknown := {p for v in args.variants.split(",") for p in v.split("+")} - set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(unknown)}; allowed {list(VARIANTS)}")
-    if args.start + args.steps > args.max_len or args.max_len % 64:
-        ap.error(f"--max-len must be a multiple of 64 holding --start + --steps = {args.start + args.steps} "
+    if args.start + args.steps > args.max_len or args.max_len % 128:
+        ap.error(f"--max-len must be a multiple of 128 holding --start + --steps = {args.start + args.steps} "
                  f"positions, got {args.max_len}")
     dev = jax.devices()[0]
     versions = {"jax": jax.__version__, "device": dev.device_kind, "sms": getattr(dev, "core_count", None)}
@@ -229,7 +247,7 @@ def main(argv=None) -> int:
         res: dict = {"plan": dataclasses.asdict(plan)}
         if args.check:
             try:
-                res["check_2_layers"] = check(dataclasses.replace(plan, layers=2), [0, 63, 64, 200], inv_freq)
+                res["check_2_layers"] = check(dataclasses.replace(plan, layers=2), CHECK_POSITIONS, inv_freq)
                 if args.check_full:
                     res["check"] = check(plan, [args.start], inv_freq, cpu_reference=False)
             except Exception as e:  # noqa: BLE001
@@ -238,7 +256,14 @@ def main(argv=None) -> int:
         result["models"][name] = res
         for variant in args.variants.split(","):
             key = "decode" if variant == "base" else f"decode_{variant}"
-            vplan = dataclasses.replace(plan, **VARIANTS[variant])
+            vplan = dataclasses.replace(plan, **variant_fields(variant))
+            if args.check and vplan.ppr != plan.ppr and f"check_2_layers_ppr{vplan.ppr}" not in res:
+                try:  # (another cache layout: its own check)
+                    res[f"check_2_layers_ppr{vplan.ppr}"] = check(dataclasses.replace(vplan, layers=2),
+                                                                  CHECK_POSITIONS, inv_freq)
+                except Exception as e:  # noqa: BLE001
+                    res[f"check_ppr{vplan.ppr}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    print(res[f"check_ppr{vplan.ppr}_error"], flush=True)
             try:
                 t = time_decode(vplan, inv_freq, args.start, args.steps, args.reps)
                 t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy

@@ -164,10 +164,13 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
         if jax.default_backend() == "gpu" and not is_hopper():
             raise ValueError("layers='megakernel' needs a Hopper GPU (sm_90); use layers='auto'")
         try:
-            megakernel_plan(cfg, KV_BLOCK).check()
+            megakernel_plan(cfg, MEGAKERNEL_CHECK_LEN).check()
         except ValueError as e:
             raise ValueError(f"layers='megakernel' cannot run this model: {e}; use layers='auto'") from None
     return impl
+
+
+MEGAKERNEL_CHECK_LEN = 256  # a cache length every megakernel plan takes (whole tiles of 64 or 128 positions)
 
 
 def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan:
@@ -175,14 +178,28 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     GPU, one CTA in the CPU's interpreter."""
     gpu = jax.default_backend() == "gpu"
     ctas = (getattr(jax.devices()[0], "core_count", None) or 132) if gpu else 1
-    return decode_megakernel.plan_for(cfg, max_len, vocab_rows=_round_up(cfg.vocab_size, HEAD_ROWS), ctas=ctas,
-                                      x_stages=8 if gpu else 4)
+    x_stages = 8 if gpu else 4
+    plan = decode_megakernel.plan_for(cfg, max_len, vocab_rows=_round_up(cfg.vocab_size, HEAD_ROWS), ctas=ctas,
+                                      x_stages=x_stages)
+    # Measured on the H100 (docs/benchmarks.md, issue 8, "Seventeenth session"): norm_prefetch
+    # gains 2% on the 1b and is level on the 7b; splitting each KV head's positions over 4 units
+    # takes a 2048-position step from 83% to 92% of the copy bandwidth (7b) and costs <1% at 128.
+    # So a split per 512 positions of the cache, as many as the x stages and the CTAs hold.
+    splits = max(1, min(max_len // 512, x_stages, max(1, ctas // cfg.num_kv_heads)))
+    tuned = dataclasses.replace(plan, norm_prefetch=True, attn_splits=splits)
+    for candidate in (tuned, dataclasses.replace(tuned, norm_prefetch=False), plan):
+        try:
+            candidate.check()
+            return candidate
+        except ValueError:
+            continue
+    return plan  # (its check names what it cannot run)
 
 
 def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig):
-    """A batch-1 step by decode_megakernel: cache {"kv": [L, S, K, 2H]} (megakernel_cache)."""
+    """A batch-1 step by decode_megakernel: cache {"kv": plan.cache_shape} (megakernel_cache)."""
     kv = cache["kv"]
-    plan = megakernel_plan(cfg, kv.shape[1])
+    plan = megakernel_plan(cfg, _cache_len(cache, cfg))
     x = jnp.take(weights["embed_vd"], tokens_b[0], axis=0).astype(jnp.float32)
     pos = write_b[0]
     rope = decode_megakernel.rope_table(pos, layers.rope_frequencies(cfg))
@@ -191,10 +208,20 @@ def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig):
     return logits[None, : cfg.vocab_size], {"kv": kv}
 
 
-@jax.jit
-def megakernel_cache(cache):
-    """A batch-1 cache {"k", "v": per layer [1, S, K, H]} as the megakernel's {"kv": [L, S, K, 2H]}."""
-    return {"kv": jnp.stack([jnp.concatenate([k[0], v[0]], axis=-1) for k, v in zip(cache["k"], cache["v"])])}
+@functools.partial(jax.jit, static_argnames="ppr")
+def megakernel_cache(cache, ppr: int = 1):
+    """A batch-1 cache {"k", "v": per layer [1, S, K, H]} as the megakernel's {"kv": [L, S / ppr,
+    K, ppr 2H]} (decode_megakernel.pack_cache: ppr positions per row)."""
+    kv = jnp.stack([jnp.concatenate([k[0], v[0]], axis=-1) for k, v in zip(cache["k"], cache["v"])])
+    return {"kv": decode_megakernel.pack_cache(kv, ppr)}
+
+
+def _cache_len(cache, cfg: ModelConfig) -> int:
+    """Positions a cache holds (the megakernel's {"kv"} packs ppr per row)."""
+    if "kv" in cache:
+        kv = cache["kv"]
+        return kv.shape[1] * kv.shape[3] // (2 * cfg.resolved_head_dim)
+    return cache["k"][0].shape[1]
 
 
 def _xla_decode(q_bnh, k_bskh, v_bskh, lengths_b):
@@ -382,7 +409,7 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     """One token per row at position pos[b] -> logits [B, V]; its K/V written in place. tma: the
     TMA kernels' settings (layers="pallas_tma")."""
     b = tokens_b.shape[0]
-    s = cache["kv"].shape[1] if "kv" in cache else cache["k"][0].shape[1]
+    s = _cache_len(cache, cfg)
     inv_freq = layers.rope_frequencies(cfg)
     rows = jnp.arange(b)
     # Finished rows may sit at the end; never write past it. (Their outputs are discarded.)
@@ -684,7 +711,7 @@ class Decoder:
             raise ValueError(f"{max_len=} must be >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
         if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
-            block_k = megakernel_plan(self.cfg, KV_BLOCK).block_k
+            block_k = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN).block_k
             self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, block_k),
                                        "embed_vd": self.weights["embed_vd"]}
 
@@ -759,7 +786,9 @@ class Decoder:
         cfg = self.cfg
         n_rows = len(prompts)
         b = self.bucket(n_rows)
-        s = _round_up(max_len, KV_BLOCK)
+        # (the megakernel's attention tiles: 64 positions, or 128 with paired positions)
+        s = _round_up(max_len, megakernel_plan(cfg, MEGAKERNEL_CHECK_LEN).tile_positions if self.megakernel
+                      else KV_BLOCK)
         longest = max(len(p) for p in prompts)
         t = min(max(MIN_PROMPT_BUCKET, _next_pow2(longest)), s)
 
@@ -793,7 +822,7 @@ class Decoder:
         state, tok, lp = _prefill(self.weights, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(done),
                                   params, cfg=cfg, core_impl=self.core_impl, sampling=sampling)
         if self._step_layers(b) == DecodeLayerImpl.megakernel:
-            state = dict(state, cache=megakernel_cache(state["cache"]))
+            state = dict(state, cache=megakernel_cache(state["cache"], megakernel_plan(cfg, s).ppr))
         tok, lp, all_done = jax.device_get((tok, lp, jnp.all(state["done"])))
         t1 = time.perf_counter()
         if timing is not None:

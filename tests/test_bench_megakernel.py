@@ -88,3 +88,11 @@ def test_profile_plan_refuses_when_no_x_stages_fit():
     big = dataclasses.replace(big, norm_prefetch=True)  # all of h in the x and up stages: 8 x stages, no room
     with pytest.raises(ValueError, match="leaves room for the profiler"):
         bm.profile_plan(big)
+
+
+def test_variants_join_with_plus():
+    assert bm.variant_fields("pairs+norm_prefetch+splits4") == {"block_k": 256, "norm_prefetch": True,
+                                                                 "attn_splits": 4}
+    assert bm.variant_fields("base") == {}
+    with pytest.raises(KeyError):
+        bm.variant_fields("pairs+nope")

@@ -75,15 +75,15 @@ def test_lowers_for_hopper_with_several_ctas(setup):
         assert module.count("mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("preset", ["1b", "llama2_7b"])
-def test_lowers_at_the_benchmarked_shapes_with_every_option(preset):
-    """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128, 4 q heads per KV
-    head; the 7b: head_dim 128, one q head per KV head), with norm_prefetch and attn_splits on,
-    as abstract shapes (nothing allocated)."""
+@pytest.mark.parametrize("preset,block_k", [("1b", 128), ("1b", 256), ("llama2_7b", 256)])
+def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k):
+    """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128 or 256 with paired
+    positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head), with
+    norm_prefetch and attn_splits on, as abstract shapes (nothing allocated)."""
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, attn_splits=2)
+    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, attn_splits=2, block_k=block_k)
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
@@ -93,7 +93,7 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset):
     module = export.export(fn, platforms=["cuda"])(
         abstract((plan.hidden,), jnp.float32), abstract((2, plan.head_dim), jnp.float32), abstract((), jnp.int32),
         weights,
-        bf16(plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)).mlir_module()
+        bf16(*plan.cache_shape)).mlir_module()
     assert module.count("mosaic_gpu_v2") == 1
 
 
@@ -117,6 +117,52 @@ def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefe
     np.testing.assert_array_equal(np.asarray(buf[plan.x_off: plan.x_off + plan.hidden]), np.asarray(x))
 
 
+# head_dim 64 at block_k 256: two positions per cache row (plan.ppr 2), 128 per attention tile;
+# 2 q heads per KV head, so the even and odd positions' columns fill x_stages 4
+CFG2 = dataclasses.replace(CFG, num_heads=4, num_kv_heads=2)
+MAX_LEN2 = 256
+
+
+@pytest.fixture(scope="module")
+def setup_pairs():
+    model = build_model(dataclasses.replace(CFG2, param_dtype=DType.bfloat16), seed=5)
+    rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
+    plan = mk.plan_for(CFG2, MAX_LEN2, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=4, block_k=256)
+    assert plan.ppr == 2
+    cache = (jax.random.normal(jax.random.key(6), (CFG2.num_layers, MAX_LEN2, CFG2.num_kv_heads, 2 * plan.head_dim))
+             * 0.5).astype(jnp.bfloat16)
+    return rows, plan, cache, rows["embed_vd"][11].astype(jnp.float32)
+
+
+def test_pack_cache_pairs_positions():
+    kv = jnp.arange(2 * 8 * 3 * 4).reshape(2, 8, 3, 4)
+    packed = mk.pack_cache(kv, 2)
+    assert packed.shape == (2, 4, 3, 8)
+    np.testing.assert_array_equal(packed[1, 2, 0], np.concatenate([kv[1, 4, 0], kv[1, 5, 0]]))
+    np.testing.assert_array_equal(mk.unpack_cache(packed, 2), kv)
+
+
+# pos 1: the odd positions' stream has nothing yet; 129: the second tile holds one (even)
+# position; 130 with 3 splits of 2 tiles: one split empty, one partial odd stream
+@pytest.mark.parametrize("pos,splits", [(1, 1), (129, 1), (130, 3)])
+def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, splits):
+    rows, plan, cache, x = setup_pairs
+    plan = dataclasses.replace(plan, attn_splits=splits)
+    units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
+    rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG2))
+    logits, _, packed = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
+        x, rope, jnp.int32(pos), units, mk.pack_cache(cache, 2))
+    want, want_cache = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache, plan=plan)
+    new_cache = mk.unpack_cache(packed, 2)
+    assert _rel(logits, want) < 2e-3
+    assert _rel(new_cache.astype(jnp.float32), want_cache.astype(jnp.float32)) < 2e-3
+    np.testing.assert_array_equal(np.delete(np.asarray(new_cache), pos, axis=1), np.delete(np.asarray(cache), pos, axis=1))
+    # and the reference's paired streams are still attention: against the one-stream reference
+    want1, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
+                                       plan=dataclasses.replace(plan, block_k=128, attn_splits=1))
+    assert _rel(want, want1) < 2e-2
+
+
 def test_reference_matches_the_decoders_xla_step(setup):
     """megakernel_reference (norms folded, deferred statistics, online softmax over 64-position
     blocks, bf16 at the kernel's points) against the decoder's XLA layers on the same weights."""
@@ -133,8 +179,10 @@ def test_reference_matches_the_decoders_xla_step(setup):
     assert _rel(want[: CFG.vocab_size], logits[0]) < 3e-2
 
 
-def test_decoder_megakernel_generates_as_xla():
-    model = build_model(dataclasses.replace(CFG, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
+@pytest.mark.parametrize("cfg,ppr", [(CFG, 1), (CFG2, 2)])
+def test_decoder_megakernel_generates_as_xla(cfg, ppr):
+    assert decode.megakernel_plan(cfg, MAX_LEN).ppr == ppr  # (head_dim 64: paired positions by default)
+    model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)
     dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -98,6 +99,23 @@ class MegaPlan:
     # of 64-position blocks, one unit each, combined by a phase of their own (one more barrier);
     # for long caches, where one CTA per KV head reads them one tile after another (not yet measured)
     attn_splits: int = 1
+
+    @property
+    def ppr(self) -> int:
+        """Cache positions per cache row: one [64, block_k] ring slot holds 64 rows of [K | V]
+        (2 H values) per position, so block_k = 4 H pairs positions 2R and 2R + 1 in row R (the 1b's
+        head_dim 64 at block_k 256). Its attention then reads 128 positions per tile: the even and
+        odd positions as two softmax streams in the operand's columns G.. (merged per head)."""
+        return self.block_k // (2 * self.head_dim)
+
+    @property
+    def tile_positions(self) -> int:  # cache positions per attention tile
+        return BLOCK_F * self.ppr
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """The kernel's cache, `pack_cache` of [L, S, KV heads, 2H]."""
+        return self.layers, self.max_len // self.ppr, self.kv_heads, 2 * self.head_dim * self.ppr
 
     @property
     def phases_per_layer(self) -> int:
@@ -191,9 +209,13 @@ class MegaPlan:
                              f"got {self.groups}")
         if hd % 64:  # (its vectors: whole 64-row tiles of the wgmma register layout)
             raise ValueError(f"head_dim must be a multiple of 64, got {hd}")
-        if 2 * hd != bk:
-            raise ValueError(f"a cache tile [64, 2 * head_dim] is one ring slot: block_k must be 2 * head_dim = "
-                             f"{2 * hd}, got {bk}")
+        if bk not in (2 * hd, 4 * hd):
+            raise ValueError(f"a cache tile of 64 rows of 1 or 2 positions' [K | V] is one ring slot: block_k must be "
+                             f"2 * head_dim = {2 * hd} or 4 * head_dim = {4 * hd}, got {bk}")
+        if self.ppr == 2 and 2 * self.groups > min(ROWS, self.x_stages):
+            raise ValueError(f"block_k = 4 * head_dim puts the even and odd positions' q heads in separate operand "
+                             f"columns: at most {min(ROWS, self.x_stages) // 2} q heads per KV head (wgmma's N; "
+                             f"x_stages / 2), got {self.groups}")
         for name, (n, k) in self.gemvs().items():
             if n % BLOCK_F or k % bk:
                 raise ValueError(f"{name}: W {n}x{k} needs rows a multiple of {BLOCK_F} and K of block_k={bk}")
@@ -203,8 +225,9 @@ class MegaPlan:
         if not 1 <= self.attn_splits <= self.x_stages:
             raise ValueError(f"attn_splits must be 1..x_stages={self.x_stages} (the combine holds one partial per "
                              f"split in the x stages), got {self.attn_splits}")
-        if self.max_len % BLOCK_F:
-            raise ValueError(f"max_len={self.max_len} must be a multiple of {BLOCK_F}")
+        if self.max_len % self.tile_positions:
+            raise ValueError(f"max_len={self.max_len} must be a multiple of {self.tile_positions} (an attention tile's "
+                             f"positions)")
         if self.x_slots() > 32 or max(self.stages, self.x_stages) > 32:
             raise ValueError("at most 32 barriers per group: more CTAs, or fewer stages")
         if (need := self.smem_bytes()) > SMEM_BYTES:
@@ -212,10 +235,22 @@ class MegaPlan:
                              f"(stages={self.stages}, x_stages={self.x_stages}) or more CTAs")
 
 
+def default_block_k(cfg, x_stages: int) -> int:
+    """2 head_dim (a cache tile is 64 positions), or 256 where head_dim is 64 and the q heads fit
+    the paired positions' columns: the GEMVs' tiles then carry twice the bytes per unit (the 7b's
+    block_k), which the 1b's steps need (docs/decoding.md, "Seventeenth session")."""
+    hd, groups = cfg.resolved_head_dim, cfg.num_heads // cfg.num_kv_heads
+    ks = (cfg.hidden_size, cfg.mlp_dim, cfg.num_heads * hd)
+    if 4 * hd == 256 and 2 * groups <= min(ROWS, x_stages) and all(k % 256 == 0 for k in ks):
+        return 256
+    return 2 * hd
+
+
 def plan_for(cfg, max_len: int, *, vocab_rows: int | None = None, **kw) -> MegaPlan:
     """The plan of a ModelConfig's step with a cache of max_len positions."""
     hd = cfg.resolved_head_dim
-    kw.setdefault("block_k", 2 * hd)
+    if "block_k" not in kw:
+        kw["block_k"] = default_block_k(cfg, kw.get("x_stages", MegaPlan.x_stages))
     return MegaPlan(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                     head_dim=hd, mlp=cfg.mlp_dim, vocab_rows=vocab_rows or -(-cfg.vocab_size // BLOCK_F) * BLOCK_F,
                     max_len=max_len, eps=cfg.norm_eps, **kw)
@@ -226,6 +261,19 @@ def unit_major(w, block_k: int):
     *lead, n, k = w.shape
     t = w.reshape(*lead, n // BLOCK_F, BLOCK_F, k // block_k, block_k)
     return jnp.swapaxes(t, -3, -2).reshape(*lead, n // BLOCK_F * (k // block_k), BLOCK_F, block_k)
+
+
+def pack_cache(kv, ppr: int):
+    """[L, S, K, 2H] (K then V per position) as the kernel's [L, S / ppr, K, ppr 2H]: row R holds
+    positions ppr R .. ppr R + ppr - 1 side by side."""
+    l_, s_, k_, row = kv.shape
+    return jnp.swapaxes(kv.reshape(l_, s_ // ppr, ppr, k_, row), 2, 3).reshape(l_, s_ // ppr, k_, ppr * row)
+
+
+def unpack_cache(packed, ppr: int):
+    """pack_cache's inverse."""
+    l_, r_, k_, row = packed.shape
+    return jnp.swapaxes(packed.reshape(l_, r_, k_, ppr, row // ppr), 2, 3).reshape(l_, r_ * ppr, k_, row // ppr)
 
 
 def rope_table(pos, inv_freq):
@@ -247,7 +295,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     L = plgpu.Layout
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
-    bk, hd, g_heads, ctas = plan.block_k, plan.head_dim, plan.groups, plan.ctas
+    bk, hd, g_heads, ctas, ppr = plan.block_k, plan.head_dim, plan.groups, plan.ctas, plan.ppr
     P = plan.x_stages
     weights = dict(qkv=wqkv, out=wo, gate_up=wgu, down=wd, head=wh)
     # misc barriers: 0 pos (consumer), 1 pos (producer), 2 rope, 3 residual tile, 4 (unused),
@@ -293,13 +341,18 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         return pl.run_state(issue)(plgpu.ACC.init(acc))
 
-    def to_operand(slot, columns):
-        """[(column, f32 [bk] vector)] -> bf16 columns of x_smem[slot] (the others zero)."""
+    def to_operand(slot, columns, rows=None):
+        """[(column, f32 [bk] vector)] -> bf16 columns of x_smem[slot] (the others zero); rows:
+        [(lo, hi)] per column, the rows it keeps (the others zero)."""
         col = iota((bk, ROWS), 1)
+        row = iota((bk, ROWS), 0) if rows else None
         xb = jnp.zeros((bk, ROWS), jnp.float32)
         xb = cast(xb, L.WGMMA)
-        for j, v in columns:
-            xb = jnp.where(col == j, lax.broadcast_in_dim(v, (bk, ROWS), [0]), xb)
+        for n, (j, v) in enumerate(columns):
+            v = lax.broadcast_in_dim(v, (bk, ROWS), [0])
+            if rows:
+                v = jnp.where(row < rows[n][0], 0.0, jnp.where(row < rows[n][1], v, 0.0))
+            xb = jnp.where(col == j, v, xb)
         x_smem.at[slot].T[...] = xb.astype(x_smem.dtype)
 
     def reduce_add(src, dst):
@@ -454,8 +507,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         return r
 
     def split_blocks(j, pos):
-        """[lo, hi): the 64-position blocks before pos that split j of a KV head reads."""
-        n = (pos + BLOCK_F - 1) // BLOCK_F
+        """[lo, hi): the cache tiles (64 rows, plan.tile_positions positions) before pos that
+        split j of a KV head reads."""
+        n = (pos + plan.tile_positions - 1) // plan.tile_positions
         return j * n // splits, (j + 1) * n // splits
 
     def attention(layer, r, scale, pos):
@@ -471,6 +525,38 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             rot.at[pl.ds(hd, hd)][...] = v
             plgpu.commit_smem()
             return v * cs + vec(rot.at[pl.ds(hd // 2, hd)]) * sn
+
+        def merge_streams(layer, kvh, j, m, l, o):
+            """(ppr 2) Head i's even positions' stream (column i: m, l, o at rows H..2H) and odd
+            ones' (column G + i: o at rows 3H..4H) merged, as the head's output or (attn_splits >
+            1) the split's partial [m | l | o | 0] (H values each) for `combine`."""
+            col, row = iota((bk, ROWS), 1), iota((bk, ROWS), 0)
+            packed = jnp.where(row < hd // 2, lax.broadcast_in_dim(m, (bk, ROWS), [1]),
+                               jnp.where(row < hd, lax.broadcast_in_dim(l, (bk, ROWS), [1]), o))
+            for i in range(2 * g_heads):  # column i -> stage row i: [m | l | o (even) | . | o (odd)]
+                stage.at[i][...] = jnp.sum(jnp.where(col == i, packed, 0.0), axis=1)
+            plgpu.commit_smem()
+            zero_h = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
+            for i in range(g_heads):
+                m_e, l_e, m_o, l_o = (stage[i, 0], stage[i, hd // 2], stage[g_heads + i, 0],
+                                      stage[g_heads + i, hd // 2])
+                top = jnp.maximum(m_e, m_o)
+                w_e, w_o = jnp.exp(m_e - top), jnp.exp(m_o - top)
+                total = w_e * l_e + w_o * l_o
+                o_i = w_e * vec(stage.at[i, pl.ds(hd, hd)]) + w_o * vec(stage.at[g_heads + i, pl.ds(3 * hd, hd)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if splits == 1:
+                    obuf.at[pl.ds(0, hd)][...] = o_i * (1.0 / total)
+                    plgpu.commit_smem()
+                    dst = plan.region("attn", layer) + (kvh * g_heads + i) * hd
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, hd)], buf.at[pl.ds(dst, hd)])
+                else:
+                    for n_, v in enumerate((zero_h + top, zero_h + total, o_i, zero_h)):
+                        obuf.at[pl.ds(n_ * hd, hd)][...] = v
+                    plgpu.commit_smem()
+                    dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(dst, bk)])
+            plgpu.commit_smem()  # (every thread has read the stages before they are refilled)
 
         def unit(u, r):
             kvh, j = lax.rem(u, n_kv), u // n_kv
@@ -488,20 +574,33 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
             plgpu.commit_smem()
             # the new row, for the next steps: nothing in this one reads it back from the cache
-            pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
+            if ppr == 1:
+                pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
+            else:  # (a static column offset per parity)
+                for par in range(ppr):
+                    pl.when(last & (lax.rem(pos, ppr) == par))(functools.partial(
+                        lambda par: plgpu.copy_smem_to_gmem(
+                            kv_row, cache.at[layer, pos // ppr, kvh, pl.ds(par * 2 * hd, 2 * hd)]), par))
             # q heads as columns 0..G-1 of the operand over [K | V]'s 2H columns: rows H.. zero
             qs = [rope(vec(qkv_a.at[i]) * (scale / math.sqrt(hd))) for i in range(g_heads)]
             # the new position's scores, from q and k as the tensor cores would see them (bf16)
             k_b = k_new.astype(kv_row.dtype).astype(jnp.float32)
             s_new = [jnp.sum(q.astype(kv_row.dtype).astype(jnp.float32) * k_b) for q in qs]
             zero_h = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
-            for i, q in enumerate(qs):
-                stage.at[i, pl.ds(0, hd)][...] = q
-                stage.at[i, pl.ds(hd, hd)][...] = zero_h
-            stage.at[g_heads, pl.ds(0, hd)][...] = zero_h  # [0 | v_new]: the new row's V, in o's rows
+            for i, q in enumerate(qs):  # [q | 0] per position of a cache row
+                for par in range(ppr):
+                    stage.at[i, pl.ds(2 * hd * par, hd)][...] = q
+                    stage.at[i, pl.ds(2 * hd * par + hd, hd)][...] = zero_h
+            stage.at[g_heads, pl.ds(0, hd)][...] = zero_h  # [0 | v_new | 0 ..]: the new row's V, in o's rows
             stage.at[g_heads, pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype).astype(jnp.float32)
+            for i in range(2 * hd, bk, hd):
+                stage.at[g_heads, pl.ds(i, hd)][...] = zero_h
             plgpu.commit_smem()
-            to_operand(0, [(i, vec(stage.at[i])) for i in range(g_heads)])
+            if ppr == 1:
+                to_operand(0, [(i, vec(stage.at[i])) for i in range(g_heads)])
+            else:  # q head i: column i over the even positions' K, column G + i over the odd ones'
+                to_operand(0, [(i + g_heads * par, vec(stage.at[i])) for par in range(2) for i in range(g_heads)],
+                           rows=[(2 * hd * par, 2 * hd * par + hd) for par in range(2) for _ in range(g_heads)])
             v_col = lax.broadcast_in_dim(vec(stage.at[g_heads]), (bk, ROWS), [0])
             plgpu.commit_smem()
 
@@ -511,7 +610,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.barrier_wait(w_full.at[slot])
                 # (a computed index: a constant one reaches run_state's discharge as a bare literal)
                 s = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(blk, 1)])  # [64 positions, heads]
-                s = jnp.where(iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F >= pos, NEG, s)
+                at = (iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F) * ppr  # the positions of the scores
+                if ppr == 2:
+                    at = jnp.where(iota((BLOCK_F, ROWS), 1) >= g_heads, at + 1, at)
+                s = jnp.where(at >= pos, NEG, s)
                 m_new = jnp.maximum(m, jnp.max(s, axis=0))
                 alpha = jnp.exp(m - m_new)
                 p = jnp.exp(s - lax.broadcast_in_dim(m_new, (BLOCK_F, ROWS), [1]))
@@ -540,6 +642,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             l, m = l * alpha + p_new, m_new
             o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
             col = iota((bk, ROWS), 1)
+            if ppr == 2:
+                merge_streams(layer, kvh, j, m, l, o)
+                return r
             if splits == 1:  # the head's output, normalised
                 o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
             else:  # the split's partial [m | l | o] (H/2, H/2, H values) for `combine`
@@ -572,14 +677,15 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             for s_ in range(splits):
                 plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + (s_ * n_q + n) * bk, bk)], stage.at[s_], x_full.at[s_])
             ms, ls = [], []
+            l_at, o_at = (hd // 2, hd) if plan.ppr == 1 else (hd, 2 * hd)  # (the partial's layout)
             for s_ in range(splits):
                 plgpu.barrier_wait(x_full.at[s_])
                 ms.append(stage[s_, 0])
-                ls.append(stage[s_, hd // 2])
+                ls.append(stage[s_, l_at])
             top = functools.reduce(jnp.maximum, ms)
             ws = [jnp.exp(m_ - top) for m_ in ms]
             total = functools.reduce(lambda a, b: a + b, [w * l_ for w, l_ in zip(ws, ls)])
-            o = functools.reduce(lambda a, b: a + b, [w * vec(stage.at[s_, pl.ds(hd, hd)]) for s_, w in enumerate(ws)])
+            o = functools.reduce(lambda a, b: a + b, [w * vec(stage.at[s_, pl.ds(o_at, hd)]) for s_, w in enumerate(ws)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             obuf.at[pl.ds(0, hd)][...] = o * (1.0 / total)
             plgpu.commit_smem()  # (and every thread has read the stages before they are refilled)
@@ -724,7 +830,8 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
     """One batch-1 decode step. x: f32 [D] (the token's embedding row); rope: rope_table(pos);
     pos: int32 scalar (the new token's position; positions 0..pos-1 are in the cache);
     weights: unit-major bf16 {qkv, out, gate_up, down: [L, G, 64, block_k], head: [G, 64,
-    block_k]} (`prepare`), norm scales folded; cache: bf16 [L, S, KV heads, 2H] (K then V per
+    block_k]} (`prepare`), norm scales folded; cache: bf16 plan.cache_shape, `pack_cache` of
+    [L, S, KV heads, 2H] (K then V per
     row), written in place when the caller donates it. profile_dir: record the consumer's regions
     (wait_<phase>, qkv, norm, attn, out, gate_up, down, head) with Mosaic GPU's on-device profiler
     and write them there as a Perfetto trace (16 KiB more shared memory). Returns (logits f32
@@ -737,10 +844,9 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
                          f"or x_stages")
     if interpret and plan.ctas != 1:
         raise ValueError("interpret mode has no global semaphores: it runs with ctas=1")
-    l_, s_, kvh, row = cache.shape
-    if (l_, kvh, row) != (plan.layers, plan.kv_heads, 2 * plan.head_dim) or s_ != plan.max_len:
-        raise ValueError(f"cache must be [{plan.layers}, {plan.max_len}, {plan.kv_heads}, {2 * plan.head_dim}], "
-                         f"got {cache.shape}")
+    if cache.shape != plan.cache_shape:
+        raise ValueError(f"cache must be {list(plan.cache_shape)} (pack_cache of [L, S, KV heads, 2H] with ppr="
+                         f"{plan.ppr}), got {list(cache.shape)}")
     if x.shape != (plan.hidden,) or x.dtype != jnp.float32:
         raise ValueError(f"x must be float32 [{plan.hidden}] (batch 1), got {x.dtype} {x.shape}")
     bk = plan.block_k
@@ -818,30 +924,32 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
         kc, vc = cache[l, :, :, :hd].astype(f32), cache[l, :, :, hd:].astype(f32)  # [S, KV, H]
         s = jnp.einsum("kgh,skh->kgs", q, kc, precision=lax.Precision.HIGHEST)
         s = jnp.where(jnp.arange(plan.max_len) < pos, s, NEG)
-        # per split (attn_splits; one by default): an online softmax over its 64-position blocks
-        # before pos, as the kernel (p rounded to bf16 relative to the running max); the last
-        # split then adds the new position with its p in f32; the splits are combined by their
-        # running maxima
+        # per split (attn_splits; one by default): an online softmax over its cache tiles before
+        # pos, as the kernel (p rounded to bf16 relative to the running max), per stream: with
+        # ppr 2 a tile's even and odd positions are separate streams, each with its own running
+        # max; the last split's first stream then adds the new position with its p in f32; all
+        # streams of all splits are combined by their running maxima
         s_new = jnp.einsum("kgh,kh->kg", q, k_new.astype(f32), precision=lax.Precision.HIGHEST)[..., None]
-        n_blk = (pos + BLOCK_F - 1) // BLOCK_F
+        ppr, tile = plan.ppr, plan.tile_positions
+        n_blk = (pos + tile - 1) // tile
         parts = []
-        for j in range(plan.attn_splits):
+        for j, par in itertools.product(range(plan.attn_splits), range(ppr)):
             lo, hi = j * n_blk // plan.attn_splits, (j + 1) * n_blk // plan.attn_splits
             m = jnp.full((nkv, g, 1), NEG)
             lsum = jnp.zeros((nkv, g, 1))
             o = jnp.zeros((nkv, g, hd))
-            for blk in range(plan.max_len // BLOCK_F):
-                sb = s[..., blk * BLOCK_F: (blk + 1) * BLOCK_F]
+            for blk in range(plan.max_len // tile):
+                at = slice(blk * tile + par, (blk + 1) * tile, ppr)  # the stream's positions in the tile
+                sb = s[..., at]
                 m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
                 alpha = jnp.exp(m - m_new)
                 p = jnp.exp(sb - m_new)
-                pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), vc[blk * BLOCK_F: (blk + 1) * BLOCK_F],
-                                precision=lax.Precision.HIGHEST)
+                pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), vc[at], precision=lax.Precision.HIGHEST)
                 take = (lo <= blk) & (blk < hi)
                 m, lsum, o = (jnp.where(take, m_new, m),
                               jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
                               jnp.where(take, o * alpha + pv, o))
-            if j == plan.attn_splits - 1:
+            if j == plan.attn_splits - 1 and par == 0:
                 m_new = jnp.maximum(m, s_new)
                 alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
                 m, lsum, o = m_new, lsum * alpha + p_new, o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :]
