@@ -125,7 +125,8 @@ LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down")  # (combine:
 VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"attn_splits": 2},
             "splits4": {"attn_splits": 4}, "splits8": {"attn_splits": 8},
             "pairs": {"block_k": 256},  # (head_dim 64: two positions per cache row, MegaPlan.ppr)
-            "stages4": {"stages": 4}, "stages5": {"stages": 5}}
+            "stages4": {"stages": 4}, "stages5": {"stages": 5},
+            "out_skips_attn": {"out_skips_attn": True}}
 
 
 def variant_fields(variant: str) -> dict:
@@ -257,13 +258,13 @@ def main(argv=None) -> int:
         for variant in args.variants.split(","):
             key = "decode" if variant == "base" else f"decode_{variant}"
             vplan = dataclasses.replace(plan, **variant_fields(variant))
-            if args.check and vplan.ppr != plan.ppr and f"check_2_layers_ppr{vplan.ppr}" not in res:
-                try:  # (another cache layout: its own check)
-                    res[f"check_2_layers_ppr{vplan.ppr}"] = check(dataclasses.replace(vplan, layers=2),
-                                                                  CHECK_POSITIONS, inv_freq)
+            if args.check and variant != "base":  # (every variant's own check: a layout or a split may differ)
+                try:
+                    res[f"check_2_layers_{variant}"] = check(dataclasses.replace(vplan, layers=2), CHECK_POSITIONS,
+                                                             inv_freq)
                 except Exception as e:  # noqa: BLE001
-                    res[f"check_ppr{vplan.ppr}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-                    print(res[f"check_ppr{vplan.ppr}_error"], flush=True)
+                    res[f"check_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    print(res[f"check_{variant}_error"], flush=True)
             try:
                 t = time_decode(vplan, inv_freq, args.start, args.steps, args.reps)
                 t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy

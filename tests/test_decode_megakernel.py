@@ -67,8 +67,8 @@ def test_plan_refuses_what_it_cannot_run():
 def test_lowers_for_hopper_with_several_ctas(setup):
     _, rows, plan, cache, x = setup
     units = mk.prepare(rows, plan.block_k)
-    for prefetch, splits in ((False, 1), (True, 3)):
-        p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch, attn_splits=splits)
+    for prefetch, splits, skip in ((False, 1, True), (True, 3, False)):
+        p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch, attn_splits=splits, out_skips_attn=skip)
         fn = jax.jit(lambda x, r, p, w, c, p4=p4: mk.megakernel_step(x, r, p, w, c, plan=p4))
         module = export.export(fn, platforms=["cuda"])(x, jnp.zeros((2, plan.head_dim)), jnp.int32(5), units,
                                                         cache).mlir_module()
@@ -132,6 +132,24 @@ def setup_pairs():
     cache = (jax.random.normal(jax.random.key(6), (CFG2.num_layers, MAX_LEN2, CFG2.num_kv_heads, 2 * plan.head_dim))
              * 0.5).astype(jnp.bfloat16)
     return rows, plan, cache, rows["embed_vd"][11].astype(jnp.float32)
+
+
+@pytest.mark.parametrize("units,ctas,first", [(512, 132, 0), (256, 132, 8), (5, 4, 1), (3, 8, 2)])
+def test_cta_spans_cover_every_unit_once(units, ctas, first):
+    spans = [mk.cta_span(c, units, ctas, first) for c in range(ctas)]
+    assert all(spans[c] == (0, 0) for c in range(first))
+    assert [u for a, b in spans for u in range(a, b)] == list(range(units))
+    sizes = [b - a for a, b in spans[first:]]
+    assert max(sizes) - min(sizes) <= 1
+    # the kernel's traced form agrees
+    assert [tuple(map(int, mk.cta_span(jnp.int32(c), units, ctas, first))) for c in range(ctas)] == spans
+
+
+def test_out_skips_attn_needs_ctas_beyond_attention():
+    plan = mk.plan_for(CFG, MAX_LEN, ctas=1, x_stages=4, out_skips_attn=True)
+    with pytest.raises(ValueError, match="out_skips_attn needs CTAs"):
+        plan.check()
+    assert dataclasses.replace(plan, ctas=4).out_first_cta == 1
 
 
 def test_pack_cache_pairs_positions():

@@ -99,6 +99,19 @@ class MegaPlan:
     # of 64-position blocks, one unit each, combined by a phase of their own (one more barrier);
     # for long caches, where one CTA per KV head reads them one tile after another (not yet measured)
     attn_splits: int = 1
+    # the output projection's units spread over the CTAs that run no attention (or combine) unit:
+    # those are the last to reach the phase, and its weights are already in the others' rings
+    out_skips_attn: bool = False
+
+    @property
+    def attn_ctas(self) -> int:
+        """CTAs 0.. that run an attention unit (and, with attn_splits > 1, a combine)."""
+        units = self.kv_heads * self.attn_splits
+        return min(self.ctas, max(units, self.heads) if self.attn_splits > 1 else units)
+
+    @property
+    def out_first_cta(self) -> int:
+        return self.attn_ctas if self.out_skips_attn else 0
 
     @property
     def ppr(self) -> int:
@@ -222,6 +235,9 @@ class MegaPlan:
         if self.norm_prefetch and self.hidden // bk > 2 * self.x_stages:
             raise ValueError(f"norm_prefetch holds all of h in the x and up stages: hidden / block_k = "
                              f"{self.hidden // bk} must be <= 2 * x_stages = {2 * self.x_stages}")
+        if self.out_skips_attn and self.attn_ctas >= self.ctas:
+            raise ValueError(f"out_skips_attn needs CTAs beyond the {self.attn_ctas} that run attention, got "
+                             f"ctas={self.ctas}")
         if not 1 <= self.attn_splits <= self.x_stages:
             raise ValueError(f"attn_splits must be 1..x_stages={self.x_stages} (the combine holds one partial per "
                              f"split in the x stages), got {self.attn_splits}")
@@ -233,6 +249,17 @@ class MegaPlan:
         if (need := self.smem_bytes()) > SMEM_BYTES:
             raise ValueError(f"needs {need} bytes of shared memory, more than {SMEM_BYTES}: fewer stages "
                              f"(stages={self.stages}, x_stages={self.x_stages}) or more CTAs")
+
+
+def cta_span(c, units: int, ctas: int, first: int = 0):
+    """[a, b): the stream-K share of CTA c of a phase's units, spread evenly over CTAs first..C-1
+    (empty for the CTAs before first)."""
+    n = ctas - first
+    k = c - first
+    a, b = k * units // n, (k + 1) * units // n
+    if isinstance(c, int):
+        return (a, b) if k >= 0 else (0, 0)
+    return jnp.where(k >= 0, a, 0), jnp.where(k >= 0, b, 0)
 
 
 def default_block_k(cfg, x_stages: int) -> int:
@@ -366,8 +393,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
 
     def span(name):
-        g = plan.units(name)
-        return c * g // ctas, (c + 1) * g // ctas
+        return cta_span(c, plan.units(name), ctas, plan.out_first_cta if name == "out" else 0)
 
     # ---------------------------------------------------------------- the consumer's phases
 
