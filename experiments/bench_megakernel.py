@@ -125,6 +125,7 @@ LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down")  # (combine:
 VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"attn_splits": 2},
             "splits4": {"attn_splits": 4}, "splits8": {"attn_splits": 8},
             "pairs": {"block_k": 256},  # (head_dim 64: two positions per cache row, MegaPlan.ppr)
+            "k128": {"block_k": 128},  # (head_dim 64: one position per cache row, the default before pairs)
             "stages4": {"stages": 4}, "stages5": {"stages": 5},
             "out_skips_attn": {"out_skips_attn": True}}
 
