@@ -181,13 +181,13 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     x_stages = 8 if gpu else 4
     plan = decode_megakernel.plan_for(cfg, max_len, vocab_rows=_round_up(cfg.vocab_size, HEAD_ROWS), ctas=ctas,
                                       x_stages=x_stages)
-    # Measured on the H100 (docs/benchmarks.md, issue 8, "Seventeenth session"): norm_prefetch
-    # gains 2% on the 1b and is level on the 7b; splitting each KV head's positions over 4 units
-    # takes a 2048-position step from 83% to 92% of the copy bandwidth (7b) and costs <1% at 128.
-    # So a split per 512 positions of the cache, as many as the x stages and the CTAs hold.
-    splits = max(1, min(max_len // 512, x_stages, max(1, ctas // cfg.num_kv_heads)))
-    tuned = dataclasses.replace(plan, norm_prefetch=True, attn_splits=splits)
-    for candidate in (tuned, dataclasses.replace(tuned, norm_prefetch=False), plan):
+    # Measured (docs/benchmarks.md, issue 8, "Seventeenth session"): splitting each KV head's
+    # positions over several units takes a 2048-position step from 83% to 92% of the copy
+    # bandwidth (7b, H100, 4 splits) and the 1b's from 53% to 63% (H200, 8 splits), and costs <1%
+    # at 128 positions. So a split per 256 positions of the cache, as many as the x stages and the
+    # CTAs hold. (norm_prefetch: level with paired positions, so left off.)
+    splits = max(1, min(max_len // 256, x_stages, max(1, ctas // cfg.num_kv_heads)))
+    for candidate in (dataclasses.replace(plan, attn_splits=splits), plan):
         try:
             candidate.check()
             return candidate

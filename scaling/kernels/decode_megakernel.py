@@ -16,6 +16,9 @@ The step, per layer, as five phases (each waits until every CTA has finished the
            before pos from the cache, 64 per step (one [64, 2H] tile holding K and V, streamed by
            the producer before the phase starts: they do not depend on this step), on the tensor
            cores with an online softmax; then the new position from registers.
+           (block_k = 4 H, `MegaPlan.ppr` 2: a cache row holds two positions, a tile 128, the
+           even and odd ones as two softmax streams in the q operand's columns 0..G-1 and G..2G-1,
+           merged per head; the 1b's head_dim 64 then streams its weights at block_k 256)
            (attn_splits > 1: each KV head's positions split over several units, whose partials
            [m | l | o] a `combine` phase merges; one more barrier)
   out      h1 = h + W_o attn
