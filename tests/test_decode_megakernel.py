@@ -174,7 +174,8 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
     new_cache = mk.unpack_cache(packed, 2)
     assert _rel(logits, want) < 2e-3
     assert _rel(new_cache.astype(jnp.float32), want_cache.astype(jnp.float32)) < 2e-3
-    np.testing.assert_array_equal(np.delete(np.asarray(new_cache), pos, axis=1), np.delete(np.asarray(cache), pos, axis=1))
+    np.testing.assert_array_equal(np.delete(np.asarray(new_cache), pos, axis=1),
+                                  np.delete(np.asarray(cache), pos, axis=1))
     # and the reference's paired streams are still attention: against the one-stream reference
     want1, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
                                        plan=dataclasses.replace(plan, block_k=128, attn_splits=1))

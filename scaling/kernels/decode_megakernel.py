@@ -714,7 +714,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             top = functools.reduce(jnp.maximum, ms)
             ws = [jnp.exp(m_ - top) for m_ in ms]
             total = functools.reduce(lambda a, b: a + b, [w * l_ for w, l_ in zip(ws, ls)])
-            o = functools.reduce(lambda a, b: a + b, [w * vec(stage.at[s_, pl.ds(o_at, hd)]) for s_, w in enumerate(ws)])
+            o = functools.reduce(lambda a, b: a + b,
+                                 [w * vec(stage.at[s_, pl.ds(o_at, hd)]) for s_, w in enumerate(ws)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             obuf.at[pl.ds(0, hd)][...] = o * (1.0 / total)
             plgpu.commit_smem()  # (and every thread has read the stages before they are refilled)
