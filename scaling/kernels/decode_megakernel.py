@@ -96,14 +96,17 @@ class MegaPlan:
     x_stages: int = 8
     ctas: int = 132
     # the RMSNorm statistics' reads issued before a CTA signals its q/k/v and gate/up phases and
-    # summed after the barrier, instead of read between the signal and the wait (not yet measured)
+    # summed after the barrier, instead of read between the signal and the wait (+2-3% on the 1b
+    # at block_k 128, level with paired positions and on the 7b: docs/benchmarks.md, seventeenth)
     norm_prefetch: bool = False
     # attention units per KV head: the positions before pos split into this many contiguous runs
     # of 64-position blocks, one unit each, combined by a phase of their own (one more barrier);
-    # for long caches, where one CTA per KV head reads them one tile after another (not yet measured)
+    # for long caches, where one CTA per KV head reads them one tile after another (at 2048
+    # positions 83% -> 92% of the copy bandwidth on the 7b; <1% slower at 128)
     attn_splits: int = 1
     # the output projection's units spread over the CTAs that run no attention (or combine) unit:
     # those are the last to reach the phase, and its weights are already in the others' rings
+    # (measured: level on the 1b, 0.7% slower on the 7b)
     out_skips_attn: bool = False
 
     @property
@@ -670,10 +673,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             p_new = jnp.exp(s_vec - m_new)
             l, m = l * alpha + p_new, m_new
             o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
-            col = iota((bk, ROWS), 1)
             if ppr == 2:
                 merge_streams(layer, kvh, j, m, l, o)
                 return r
+            col = iota((bk, ROWS), 1)
             if splits == 1:  # the head's output, normalised
                 o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
             else:  # the split's partial [m | l | o] (H/2, H/2, H values) for `combine`
@@ -861,9 +864,9 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
     pos: int32 scalar (the new token's position; positions 0..pos-1 are in the cache);
     weights: unit-major bf16 {qkv, out, gate_up, down: [L, G, 64, block_k], head: [G, 64,
     block_k]} (`prepare`), norm scales folded; cache: bf16 plan.cache_shape, `pack_cache` of
-    [L, S, KV heads, 2H] (K then V per
-    row), written in place when the caller donates it. profile_dir: record the consumer's regions
-    (wait_<phase>, qkv, norm, attn, out, gate_up, down, head) with Mosaic GPU's on-device profiler
+    [L, S, KV heads, 2H] (K then V per row), written in place when the caller donates it.
+    profile_dir: record the consumer's regions (wait_<phase>, qkv, norm, attn, out, gate_up,
+    down, head) with Mosaic GPU's on-device profiler
     and write them there as a Perfetto trace (16 KiB more shared memory). Returns (logits f32
     [vocab_rows], the flat buffer, the cache)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
