@@ -127,8 +127,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "pairs": {"block_k": 256},  # (head_dim 64: two positions per cache row, MegaPlan.ppr)
             "k128": {"block_k": 128},  # (head_dim 64: one position per cache row, the default before pairs)
             "stages4": {"stages": 4}, "stages5": {"stages": 5},
-            "out_skips_attn": {"out_skips_attn": True},
-            **{f"l2pf{n}": {"l2_prefetch": n} for n in (2, 4, 6, 8, 12)}}
+            "out_skips_attn": {"out_skips_attn": True}}
 
 
 def variant_fields(variant: str) -> dict:

@@ -67,9 +67,8 @@ def test_plan_refuses_what_it_cannot_run():
 def test_lowers_for_hopper_with_several_ctas(setup):
     _, rows, plan, cache, x = setup
     units = mk.prepare(rows, plan.block_k)
-    for prefetch, splits, skip, l2 in ((False, 1, True, 0), (True, 3, False, 3)):
-        p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch, attn_splits=splits, out_skips_attn=skip,
-                                 l2_prefetch=l2)
+    for prefetch, splits, skip in ((False, 1, True), (True, 3, False)):
+        p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch, attn_splits=splits, out_skips_attn=skip)
         fn = jax.jit(lambda x, r, p, w, c, p4=p4: mk.megakernel_step(x, r, p, w, c, plan=p4))
         module = export.export(fn, platforms=["cuda"])(x, jnp.zeros((2, plan.head_dim)), jnp.int32(5), units,
                                                         cache).mlir_module()
@@ -80,11 +79,11 @@ def test_lowers_for_hopper_with_several_ctas(setup):
 def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k):
     """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128 or 256 with paired
     positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head), with
-    norm_prefetch, attn_splits and l2_prefetch on, as abstract shapes (nothing allocated)."""
+    norm_prefetch and attn_splits on, as abstract shapes (nothing allocated)."""
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, attn_splits=2, block_k=block_k, l2_prefetch=6)
+    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, attn_splits=2, block_k=block_k)
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)

@@ -108,10 +108,6 @@ class MegaPlan:
     # those are the last to reach the phase, and its weights are already in the others' rings
     # (measured: level on the 1b, 0.7% slower on the 7b)
     out_skips_attn: bool = False
-    # the first this-many of a CTA's gate/up units prefetched into L2 (TMA prefetch) when its
-    # producer reaches the layer's attention tiles: HBM otherwise idles through the attention
-    # phase and the output projection's barrier while the rings are full
-    l2_prefetch: int = 0
 
     @property
     def attn_ctas(self) -> int:
@@ -248,8 +244,6 @@ class MegaPlan:
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
             raise ValueError(f"out_skips_attn needs CTAs beyond the {self.attn_ctas} that run attention, got "
                              f"ctas={self.ctas}")
-        if self.l2_prefetch < 0:
-            raise ValueError(f"l2_prefetch must be >= 0 (gate/up units per CTA), got {self.l2_prefetch}")
         if not 1 <= self.attn_splits <= self.x_stages:
             raise ValueError(f"attn_splits must be 1..x_stages={self.x_stages} (the combine holds one partial per "
                              f"split in the x stages), got {self.attn_splits}")
@@ -847,19 +841,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             units = plan.kv_heads * splits
             return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: unit(c + i * ctas, r), r)
 
-        def prefetch(name, layer, n):  # the CTA's first n units of a phase into L2 (no ring slot)
-            a, b = span(name)
-
-            @pl.loop(0, n)
-            def _(i):
-                @pl.when(a + i < b)
-                def _():
-                    plgpu.async_prefetch(weights[name].at[layer, a + i])
-
         def layer(l, r):
             r = stream("qkv", l, r)
-            if plan.l2_prefetch:
-                prefetch("gate_up", l, plan.l2_prefetch)
             r = heads(l, r)
             for name in ("out", "gate_up", "down"):
                 r = stream(name, l, r)
