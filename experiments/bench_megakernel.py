@@ -121,13 +121,17 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
 
 
 LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down")  # (combine: only with attn_splits > 1)
+# an attention unit's parts: q/k/v loaded, RoPE and the operands, the cache tiles, the new
+# position, (fuse_out) the streams merged and the output projection
+ATTN_PARTS = ("a_qkv", "a_prep", "a_tiles", "a_new", "a_merge", "a_out")
 # --variants: MegaPlan fields; a variant may join several with "+" (pairs+norm_prefetch)
 VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"attn_splits": 2},
             "splits4": {"attn_splits": 4}, "splits8": {"attn_splits": 8},
             "pairs": {"block_k": 256},  # (head_dim 64: two positions per cache row, MegaPlan.ppr)
             "k128": {"block_k": 128},  # (head_dim 64: one position per cache row, the default before pairs)
             "stages4": {"stages": 4}, "stages5": {"stages": 5},
-            "out_skips_attn": {"out_skips_attn": True}}
+            "out_skips_attn": {"out_skips_attn": True},
+            "fuse": {"fuse_out": True}}  # (attention and the output projection as one phase)
 
 
 def variant_fields(variant: str) -> dict:
@@ -151,9 +155,10 @@ def phase_walls(trace: dict) -> dict[str, float]:
     if not seqs:
         raise ValueError("no consumer regions in the trace (was it profiled with named scopes?)")
 
-    def table(name):  # [CTA, occurrence, (start, end)]
+    def table(name, present=False):  # [CTA, occurrence, (start, end)]; present: only the CTAs that have it
         rows = [[(a, b) for n, a, b in seq if n == name] for seq in seqs]
-        k = min(map(len, rows))
+        rows = [r for r in rows if r] if present else rows
+        k = min(map(len, rows), default=0)
         return np.asarray([r[:k] for r in rows], dtype=np.float64).reshape(len(rows), k, 2)
 
     phases = [n for n in LAYER_PHASES if table(n).shape[1]]
@@ -168,8 +173,8 @@ def phase_walls(trace: dict) -> dict[str, float]:
             walls = ends[name][:layers] - before
         out[f"wall_{name}_us"] = float(np.median(walls)) if len(walls) else float("nan")
     out["wall_layer_us"] = float(sum(out[f"wall_{n}_us"] for n in phases))
-    for name in (*phases, "norm", *(f"wait_{n}" for n in phases)):
-        t = table(name)
+    for name in (*phases, "norm", *ATTN_PARTS, *(f"wait_{n}" for n in phases)):
+        t = table(name, present=name in ATTN_PARTS)  # (an attention part: the CTAs that run a unit)
         if t.shape[1]:
             out[f"cta_{name}_us"] = float(np.median((t[:, :, 1] - t[:, :, 0]).mean(axis=1)))
     attn = table("attn")

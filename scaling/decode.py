@@ -187,7 +187,11 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     # at 128 positions. So a split per 256 positions of the cache, as many as the x stages and the
     # CTAs hold. (norm_prefetch: level with paired positions, so left off.)
     splits = max(1, min(max_len // 256, x_stages, max(1, ctas // cfg.num_kv_heads)))
-    for candidate in (dataclasses.replace(plan, attn_splits=splits), plan):
+    # Without splits, attention and the output projection as one phase where a KV head's q heads
+    # are one K step of W_o (the 1b at prompt 128: 1.05x, H200; docs/benchmarks.md, eighteenth)
+    fused = dataclasses.replace(plan, fuse_out=True)
+    candidates = (fused, plan) if splits == 1 else (dataclasses.replace(plan, attn_splits=splits), plan)
+    for candidate in candidates:
         try:
             candidate.check()
             return candidate

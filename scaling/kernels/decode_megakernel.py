@@ -108,6 +108,27 @@ class MegaPlan:
     # those are the last to reach the phase, and its weights are already in the others' rings
     # (measured: level on the 1b, 0.7% slower on the 7b)
     out_skips_attn: bool = False
+    # attention and the output projection as one phase (one barrier and the attention output's
+    # round trip through global memory fewer per layer): the CTAs form one group per KV head
+    # (`out_group` each); every CTA of a group computes its head's attention and multiplies it by
+    # its share of the head's W_o columns, one K step of block_k = G H (the 1b at block_k 256)
+    fuse_out: bool = False
+
+    @property
+    def out_group(self) -> int:
+        """(fuse_out) CTAs per KV head: each computes the head's attention, then its share of
+        the row tiles of W_o's K step for that head."""
+        return max(1, self.ctas // self.kv_heads)
+
+    def out_tiles(self, member):
+        """(fuse_out) [a, b): the row tiles of W_o that member m of a KV head's group takes."""
+        t, n = self.hidden // BLOCK_F, self.out_group
+        return member * t // n, (member + 1) * t // n
+
+    @property
+    def res_tiles(self) -> int:
+        """Residual tiles a CTA holds at once: one, or (fuse_out) a member's row tiles."""
+        return -(-(self.hidden // BLOCK_F) // self.out_group) if self.fuse_out else 1
 
     @property
     def attn_ctas(self) -> int:
@@ -138,7 +159,7 @@ class MegaPlan:
 
     @property
     def phases_per_layer(self) -> int:
-        return 5 + (self.attn_splits > 1)
+        return 4 if self.fuse_out else 5 + (self.attn_splits > 1)
 
     @property
     def groups(self) -> int:  # q heads per KV head
@@ -212,10 +233,11 @@ class MegaPlan:
         return (self.x_slots() * ROWS * bk * 2  # operands (bf16)
                 + 2 * self.x_stages * bk * 4  # x (and the SwiGLU's up) stages, f32
                 + self.stages * BLOCK_F * bk * 2  # the weight / cache ring
-                + (BLOCK_F * 2 + bk) * 4  # a partial, its residual, an attention output
-                + (self.groups + 2) * hd * 4 + 2 * hd * 4 + 2 * hd * 4 + 2 * hd * 2  # q/k/v, rotation, rope, row
+                + (BLOCK_F * (1 + self.res_tiles) + bk) * 4  # a partial, its residuals, an attention output
+                + (self.groups + 2) * hd * 4 + (self.groups + 1) * 2 * hd * 4  # q/k/v, the rotations
+                + 2 * hd * 4 + 2 * hd * 2  # the rope table, the new row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
-                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8)
+                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
     def check(self) -> None:
@@ -241,6 +263,11 @@ class MegaPlan:
         if self.norm_prefetch and self.hidden // bk > 2 * self.x_stages:
             raise ValueError(f"norm_prefetch holds all of h in the x and up stages: hidden / block_k = "
                              f"{self.hidden // bk} must be <= 2 * x_stages = {2 * self.x_stages}")
+        if self.fuse_out and (self.attn_splits > 1 or self.out_skips_attn or self.groups * hd != bk):
+            raise ValueError(f"fuse_out needs attn_splits=1, out_skips_attn off and a KV head's q heads to be one K "
+                             f"step of W_o: groups * head_dim = {self.groups * hd} == block_k = {bk}")
+        if self.fuse_out and self.res_tiles > 32:
+            raise ValueError(f"fuse_out: {self.res_tiles} residual tiles per CTA, at most 32: more CTAs")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
             raise ValueError(f"out_skips_attn needs CTAs beyond the {self.attn_ctas} that run attention, got "
                              f"ctas={self.ctas}")
@@ -321,7 +348,7 @@ def rope_table(pos, inv_freq):
 
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
-          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, *,
+          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full, *,
           plan: MegaPlan, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -337,6 +364,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     sync = not interpret
     n_ph = plan.phases_per_layer
     splits = plan.attn_splits
+    fused, gs = plan.fuse_out, plan.out_group
     done = pl.get_global(plgpu.SemaphoreType.REGULAR((1 + n_ph * plan.layers,))) if sync else None
 
     def wait(index, before: str = ""):  # before: the phase it opens (the profile's region name)
@@ -376,7 +404,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
     def to_operand(slot, columns, rows=None):
         """[(column, f32 [bk] vector)] -> bf16 columns of x_smem[slot] (the others zero); rows:
-        [(lo, hi)] per column, the rows it keeps (the others zero)."""
+        [(lo, hi)] per column, the rows it keeps (the others zero). Returns the bf16 operand."""
         col = iota((bk, ROWS), 1)
         row = iota((bk, ROWS), 0) if rows else None
         xb = jnp.zeros((bk, ROWS), jnp.float32)
@@ -386,7 +414,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             if rows:
                 v = jnp.where(row < rows[n][0], 0.0, jnp.where(row < rows[n][1], v, 0.0))
             xb = jnp.where(col == j, v, xb)
-        x_smem.at[slot].T[...] = xb.astype(x_smem.dtype)
+        xb = xb.astype(x_smem.dtype)
+        x_smem.at[slot].T[...] = xb
+        return xb
 
     def reduce_add(src, dst):
         if interpret:  # no TMA reduction in the interpreter: read, add, write (one CTA: no race)
@@ -508,7 +538,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             n = jnp.minimum(steps - j0, b - g)
             if res_base is not None:  # the residual tile, or (not the tile's first K step) zeros
                 src = jnp.where(j0 == 0, res_base + t * BLOCK_F, plan.zero_off)
-                plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)], res, misc.at[3])
+                plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)], res.at[pl.ds(0, BLOCK_F)], misc.at[3])
 
             def step(jj, acc):
                 slot = lax.rem(r + jj, plan.stages)
@@ -528,7 +558,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read `part`
             if res_base is not None:
                 plgpu.barrier_wait(misc.at[3])
-                y = y + vec(res)
+                y = y + vec(res.at[pl.ds(0, BLOCK_F)])
             part[...] = y
             plgpu.commit_smem()
             reduce_add(part, buf.at[pl.ds(y_base + t * BLOCK_F, BLOCK_F)])
@@ -551,31 +581,39 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         n_q, n_kv = plan.heads, plan.kv_heads
         cs, sn = vec(rope_s.at[0]), vec(rope_s.at[1])
 
-        def rope(v):  # v * [cos, cos] + [x2, x1] * [-sin, sin]
-            plgpu.commit_smem()  # (the previous rotation's loads are done)
-            rot.at[pl.ds(0, hd)][...] = v
-            rot.at[pl.ds(hd, hd)][...] = v
+        def rope(vs):  # each v * [cos, cos] + [x2, x1] * [-sin, sin]: all through smem at once
+            for n, v in enumerate(vs):
+                rot.at[n, pl.ds(0, hd)][...] = v
+                rot.at[n, pl.ds(hd, hd)][...] = v
             plgpu.commit_smem()
-            return v * cs + vec(rot.at[pl.ds(hd // 2, hd)]) * sn
+            return [v * cs + vec(rot.at[n, pl.ds(hd // 2, hd)]) * sn for n, v in enumerate(vs)]
 
-        def merge_streams(layer, kvh, j, m, l, o):
+        def merge_streams(m, l, o):
             """(ppr 2) Head i's even positions' stream (column i: m, l, o at rows H..2H) and odd
-            ones' (column G + i: o at rows 3H..4H) merged, as the head's output or (attn_splits >
-            1) the split's partial [m | l | o | 0] (H values each) for `combine`."""
+            ones' (column G + i: o at rows 3H..4H) merged: per q head (max, sum, o unnormalised)."""
             col, row = iota((bk, ROWS), 1), iota((bk, ROWS), 0)
             packed = jnp.where(row < hd // 2, lax.broadcast_in_dim(m, (bk, ROWS), [1]),
                                jnp.where(row < hd, lax.broadcast_in_dim(l, (bk, ROWS), [1]), o))
             for i in range(2 * g_heads):  # column i -> stage row i: [m | l | o (even) | . | o (odd)]
                 stage.at[i][...] = jnp.sum(jnp.where(col == i, packed, 0.0), axis=1)
             plgpu.commit_smem()
-            zero_h = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
+            heads = []
             for i in range(g_heads):
                 m_e, l_e, m_o, l_o = (stage[i, 0], stage[i, hd // 2], stage[g_heads + i, 0],
                                       stage[g_heads + i, hd // 2])
                 top = jnp.maximum(m_e, m_o)
                 w_e, w_o = jnp.exp(m_e - top), jnp.exp(m_o - top)
                 total = w_e * l_e + w_o * l_o
-                o_i = w_e * vec(stage.at[i, pl.ds(hd, hd)]) + w_o * vec(stage.at[g_heads + i, pl.ds(3 * hd, hd)])
+                heads.append((top, total, w_e * vec(stage.at[i, pl.ds(hd, hd)])
+                              + w_o * vec(stage.at[g_heads + i, pl.ds(3 * hd, hd)])))
+            plgpu.commit_smem()  # (every thread has read the stages before they are refilled)
+            return heads
+
+        def write_heads(layer, kvh, j, heads):
+            """(ppr 2) merge_streams' heads as the heads' outputs or (attn_splits > 1) the split's
+            partials [m | l | o | 0] (H values each) for `combine`."""
+            zero_h = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
+            for i, (top, total, o_i) in enumerate(heads):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 if splits == 1:
                     obuf.at[pl.ds(0, hd)][...] = o_i * (1.0 / total)
@@ -588,53 +626,93 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                     plgpu.commit_smem()
                     dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
                     plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(dst, bk)])
-            plgpu.commit_smem()  # (every thread has read the stages before they are refilled)
+
+        def fused_out(layer, kvh, member, heads, r):
+            """(fuse_out) The G heads' outputs (one K step of W_o) times the member's row tiles of
+            W_o, each reduce-added into h1 (plus the residual: the group of KV head 0)."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (obuf)
+            for i, o_i in enumerate(heads):
+                obuf.at[pl.ds(i * hd, hd)][...] = o_i
+            plgpu.commit_smem()
+            to_operand(0, [(0, vec(obuf.at[pl.ds(0, bk)]))])
+            plgpu.commit_smem()
+            t_lo, t_hi = plan.out_tiles(member)
+            h1 = plan.region("h1", layer)
+
+            def tile(t, r):
+                slot = lax.rem(r, plan.stages)
+                plgpu.barrier_wait(w_full.at[slot])
+                y = jnp.sum(product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(t, 1)]), axis=1)
+                plgpu.barrier_arrive(free.at[slot])
+                plgpu.barrier_wait(res_full.at[t - t_lo])
+                y = y + vec(res.at[pl.ds((t - t_lo) * BLOCK_F, BLOCK_F)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read `part`
+                part[...] = y
+                plgpu.commit_smem()
+                reduce_add(part, buf.at[pl.ds(h1 + t * BLOCK_F, BLOCK_F)])
+                return r + 1
+
+            return lax.fori_loop(t_lo, t_hi, tile, r)
 
         def unit(u, r):
-            kvh, j = lax.rem(u, n_kv), u // n_kv
-            last = j == splits - 1  # the split that adds the new position and writes its row
-            srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
-            srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
-            for i, src in enumerate(srcs):
-                plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
-            for i in range(len(srcs)):
-                plgpu.barrier_wait(a_full.at[i])
-            k_new = rope(vec(qkv_a.at[g_heads]) * scale)
-            v_new = vec(qkv_a.at[g_heads + 1]) * scale
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
-            kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
-            kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
-            plgpu.commit_smem()
-            # the new row, for the next steps: nothing in this one reads it back from the cache
-            if ppr == 1:
-                pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
-            else:  # (a static column offset per parity)
-                for par in range(ppr):
-                    pl.when(last & (lax.rem(pos, ppr) == par))(functools.partial(
-                        lambda par: plgpu.copy_smem_to_gmem(
-                            kv_row, cache.at[layer, pos // ppr, kvh, pl.ds(par * 2 * hd, 2 * hd)]), par))
-            # q heads as columns 0..G-1 of the operand over [K | V]'s 2H columns: rows H.. zero
-            qs = [rope(vec(qkv_a.at[i]) * (scale / math.sqrt(hd))) for i in range(g_heads)]
-            # the new position's scores, from q and k as the tensor cores would see them (bf16)
-            k_b = k_new.astype(kv_row.dtype).astype(jnp.float32)
-            s_new = [jnp.sum(q.astype(kv_row.dtype).astype(jnp.float32) * k_b) for q in qs]
-            zero_h = cast(jnp.zeros((hd,), jnp.float32), L.WGMMA.reduce(1))
-            for i, q in enumerate(qs):  # [q | 0] per position of a cache row
-                for par in range(ppr):
-                    stage.at[i, pl.ds(2 * hd * par, hd)][...] = q
-                    stage.at[i, pl.ds(2 * hd * par + hd, hd)][...] = zero_h
-            stage.at[g_heads, pl.ds(0, hd)][...] = zero_h  # [0 | v_new | 0 ..]: the new row's V, in o's rows
-            stage.at[g_heads, pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype).astype(jnp.float32)
-            for i in range(2 * hd, bk, hd):
-                stage.at[g_heads, pl.ds(i, hd)][...] = zero_h
-            plgpu.commit_smem()
-            if ppr == 1:
-                to_operand(0, [(i, vec(stage.at[i])) for i in range(g_heads)])
-            else:  # q head i: column i over the even positions' K, column G + i over the odd ones'
-                to_operand(0, [(i + g_heads * par, vec(stage.at[i])) for par in range(2) for i in range(g_heads)],
-                           rows=[(2 * hd * par, 2 * hd * par + hd) for par in range(2) for _ in range(g_heads)])
-            v_col = lax.broadcast_in_dim(vec(stage.at[g_heads]), (bk, ROWS), [0])
-            plgpu.commit_smem()
+            if fused:  # member `member` of KV head kvh's group
+                kvh, j, member = u // gs, 0, lax.rem(u, gs)
+                last = member == 0  # (writes the new row)
+            else:
+                kvh, j = lax.rem(u, n_kv), u // n_kv
+                last = j == splits - 1  # the split that adds the new position and writes its row
+            with jax.named_scope("a_qkv"):
+                srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
+                srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
+                for i, src in enumerate(srcs):
+                    plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
+                if fused:  # the residual tiles fused_out adds (or zeros: the other KV heads' groups), meanwhile
+                    t_lo, t_hi = plan.out_tiles(member)
+                    for k in range(plan.res_tiles):
+                        src = jnp.where(kvh == 0, plan.region("in", layer) + (t_lo + k) * BLOCK_F, plan.zero_off)
+                        pl.when(t_lo + k < t_hi)(functools.partial(
+                            lambda k, src: plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)],
+                                                                   res.at[pl.ds(k * BLOCK_F, BLOCK_F)], res_full.at[k]),
+                            k, src))
+                for i in range(len(srcs)):
+                    plgpu.barrier_wait(a_full.at[i])
+            with jax.named_scope("a_prep"):
+                # RoPE of the G q heads (scaled by 1 / sqrt(H)) and of k, in one pass
+                *qs, k_new = rope([vec(qkv_a.at[i]) * (scale / math.sqrt(hd)) for i in range(g_heads)]
+                                  + [vec(qkv_a.at[g_heads]) * scale])
+                v_new = vec(qkv_a.at[g_heads + 1]) * scale
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
+                kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
+                kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
+                # stage row i: q head i at each position's K columns of a cache row; row G: [k | v]
+                # of the new position as the tensor cores see them (bf16); the rest is masked below
+                for i, q in enumerate(qs):
+                    for par in range(ppr):
+                        stage.at[i, pl.ds(2 * hd * par, hd)][...] = q
+                stage.at[g_heads, pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype).astype(jnp.float32)
+                stage.at[g_heads, pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype).astype(jnp.float32)
+                plgpu.commit_smem()
+                # the new row, for the next steps: nothing in this one reads it back from the cache
+                if ppr == 1:
+                    pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
+                else:  # (a static column offset per parity)
+                    for par in range(ppr):
+                        pl.when(last & (lax.rem(pos, ppr) == par))(functools.partial(
+                            lambda par: plgpu.copy_smem_to_gmem(
+                                kv_row, cache.at[layer, pos // ppr, kvh, pl.ds(par * 2 * hd, 2 * hd)]), par))
+                # q head i as column i over the even positions' K (rows 0..H-1), and with ppr 2 as
+                # column G + i over the odd ones' (rows 2H..3H-1); zeros elsewhere (under V)
+                xb = to_operand(0, [(i + g_heads * par, vec(stage.at[i])) for par in range(ppr) for i in range(g_heads)],
+                                rows=[(2 * hd * par, 2 * hd * par + hd) for par in range(ppr) for _ in range(g_heads)])
+                row, col = iota((bk, ROWS), 0), iota((bk, ROWS), 1)
+                kv2 = lax.broadcast_in_dim(vec(stage.at[g_heads]), (bk, ROWS), [0])
+                v_col = jnp.where(row < hd, 0.0, jnp.where(row < 2 * hd, kv2, 0.0))  # in o's rows
+                # the new position's scores q_i . k, one sum for all columns; the columns that do
+                # not take it (odd positions, unused, not the last split) get NEG through row 0
+                s2 = xb.astype(jnp.float32) * jnp.where(row < hd, kv2, 0.0)
+                skip = g_heads if splits == 1 else g_heads * last.astype(jnp.int32)
+                s_new = jnp.sum(jnp.where((row == 0) & (col >= skip), NEG, s2), axis=0)
+                plgpu.commit_smem()
 
             def block(blk, carry):  # positions [64 blk, 64 blk + 64) of those before pos
                 m, l, o, r = carry
@@ -660,23 +738,34 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             row0 = cast(jnp.full((ROWS,), NEG, jnp.float32), L.WGMMA.reduce(0))
             l0 = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
             lo, hi = split_blocks(j, pos)
-            m, l, o, r = lax.fori_loop(lo, hi, block, (row0, l0, zero_acc(bk), r))
+            with jax.named_scope("a_tiles"):
+                m, l, o, r = lax.fori_loop(lo, hi, block, (row0, l0, zero_acc(bk), r))
             # then (the last split) the new position itself, one more online-softmax step (its p
             # stays f32); elsewhere a score of NEG, whose weight at the combine is 0
-            col = iota((BLOCK_F, ROWS), 1)
-            s_cols = cast(jnp.full((BLOCK_F, ROWS), NEG, jnp.float32), L.WGMMA)
-            for i, si in enumerate(s_new):
-                s_cols = jnp.where(col == i, jnp.where(last, si, NEG) if splits > 1 else si, s_cols)
-            s_vec = jnp.max(s_cols, axis=0)
-            m_new = jnp.maximum(m, s_vec)
-            alpha = jnp.exp(m - m_new)
-            p_new = jnp.exp(s_vec - m_new)
-            l, m = l * alpha + p_new, m_new
-            o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
+            with jax.named_scope("a_new"):
+                s_vec = s_new
+                m_new = jnp.maximum(m, s_vec)
+                alpha = jnp.exp(m - m_new)
+                p_new = jnp.exp(s_vec - m_new)
+                l, m = l * alpha + p_new, m_new
+                o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
+            if fused and ppr == 2:
+                with jax.named_scope("a_merge"):
+                    heads = [o_i * (1.0 / total) for _, total, o_i in merge_streams(m, l, o)]
+                with jax.named_scope("a_out"):
+                    return fused_out(layer, kvh, member, heads, r)
             if ppr == 2:
-                merge_streams(layer, kvh, j, m, l, o)
+                write_heads(layer, kvh, j, merge_streams(m, l, o))
                 return r
             col = iota((bk, ROWS), 1)
+            if fused:  # each head's column, normalised; its o at rows H..2H
+                o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
+                for i in range(g_heads):
+                    stage.at[i][...] = jnp.sum(jnp.where(col == i, o, 0.0), axis=1)
+                plgpu.commit_smem()
+                heads = [vec(stage.at[i, pl.ds(hd, hd)]) for i in range(g_heads)]
+                plgpu.commit_smem()  # (every thread has read the stages before they are refilled)
+                return fused_out(layer, kvh, member, heads, r)
             if splits == 1:  # the head's output, normalised
                 o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
             else:  # the split's partial [m | l | o] (H/2, H/2, H values) for `combine`
@@ -695,7 +784,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                     plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(dst, bk)])
             return r
 
-        r = lax.fori_loop(0, pl.cdiv(n_kv * splits - c, ctas), lambda i, r: unit(c + i * ctas, r), r)
+        units = n_kv * gs if fused else n_kv * splits
+        r = lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: unit(c + i * ctas, r), r)
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         return r
 
@@ -769,20 +859,21 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             with jax.named_scope("qkv"):
                 r = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l))
             r_attn = statistic(h_in, sem, "attn")  # (h_in is final: only reads from here on)
-            with jax.named_scope("attn"):
-                r = attention(l, r, r_attn, pos)
-            sem += 1
-            if splits > 1:
-                signal(sem)
-                wait(sem, "combine")
-                with jax.named_scope("combine"):
-                    combine(l)
-                sem += 1
-            signal(sem)
-            wait(sem, "out")
             h1 = plan.region("h1", l)
-            with jax.named_scope("out"):
-                r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
+            with jax.named_scope("attn"):  # (fuse_out: and the output projection)
+                r = attention(l, r, r_attn, pos)
+            if not fused:
+                sem += 1
+                if splits > 1:
+                    signal(sem)
+                    wait(sem, "combine")
+                    with jax.named_scope("combine"):
+                        combine(l)
+                    sem += 1
+                signal(sem)
+                wait(sem, "out")
+                with jax.named_scope("out"):
+                    r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
             signal(sem + 1)
             wait(sem + 1, "gate_up")
             gu = plan.region("gate_up", l)
@@ -838,13 +929,21 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 return lax.fori_loop(lo, hi,
                                      lambda blk, r: fetch(cache.at[layer, pl.ds(blk * BLOCK_F, BLOCK_F), kvh], r), r)
 
-            units = plan.kv_heads * splits
-            return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: unit(c + i * ctas, r), r)
+            def fused_unit(u, r):  # (fuse_out) its KV head's tiles, then its row tiles of W_o's K step
+                kvh, member = u // plan.out_group, lax.rem(u, plan.out_group)
+                r = unit(kvh, r)
+                t_lo, t_hi = plan.out_tiles(member)
+                steps = plan.gemvs()["out"][1] // bk
+                return lax.fori_loop(t_lo, t_hi, lambda t, r: fetch(wo.at[layer, t * steps + kvh], r), r)
+
+            units = plan.kv_heads * (plan.out_group if plan.fuse_out else splits)
+            body = fused_unit if plan.fuse_out else unit
+            return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: body(c + i * ctas, r), r)
 
         def layer(l, r):
             r = stream("qkv", l, r)
             r = heads(l, r)
-            for name in ("out", "gate_up", "down"):
+            for name in ("gate_up", "down") if plan.fuse_out else ("out", "gate_up", "down"):
                 r = stream(name, l, r)
             return r
 
@@ -896,10 +995,11 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         plgpu.SMEM((plan.x_slots(), ROWS, bk), dtype, transforms=tiled),  # x operands
         plgpu.SMEM((P, bk), jnp.float32), plgpu.SMEM((P, bk), jnp.float32),  # x stages, up stages
         plgpu.SMEM((plan.stages, BLOCK_F, bk), dtype, transforms=tiled),  # the weight / cache ring
-        plgpu.SMEM((BLOCK_F,), jnp.float32), plgpu.SMEM((BLOCK_F,), jnp.float32),  # a partial, its residual
+        plgpu.SMEM((BLOCK_F,), jnp.float32),  # a partial
+        plgpu.SMEM((BLOCK_F * plan.res_tiles,), jnp.float32),  # its residual (fuse_out: each row tile's)
         plgpu.SMEM((max(bk, PAD),), jnp.float32),  # an attention output, the input's copy, r_final
         plgpu.SMEM((plan.groups + 2, hd), jnp.float32),  # q heads, k, v of a KV head
-        plgpu.SMEM((2 * hd,), jnp.float32),  # the rotation's doubled vector
+        plgpu.SMEM((plan.groups + 1, 2 * hd), jnp.float32),  # the rotation's doubled vectors
         plgpu.SMEM((2, hd), jnp.float32),  # rope table
         plgpu.SMEM((2 * hd,), dtype),  # the new cache row
         plgpu.SMEM((ROWS, BLOCK_F), dtype, transforms=tiled),  # softmax p (operand)
@@ -908,6 +1008,7 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_barriers=P),
         plgpu.Barrier(num_barriers=plan.stages), plgpu.Barrier(num_barriers=plan.stages),
         plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
+        plgpu.Barrier(num_barriers=plan.res_tiles),
     )
     pos4 = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (4,))
     buf = plgpu.kernel(
