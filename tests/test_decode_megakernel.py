@@ -75,15 +75,17 @@ def test_lowers_for_hopper_with_several_ctas(setup):
         assert module.count("mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("preset,block_k", [("1b", 128), ("1b", 256), ("llama2_7b", 256)])
-def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k):
+@pytest.mark.parametrize("preset,block_k,fuse", [("1b", 128, False), ("1b", 256, False), ("1b", 256, True),
+                                                ("llama2_7b", 256, False)])
+def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fuse):
     """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128 or 256 with paired
     positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head), with
-    norm_prefetch and attn_splits on, as abstract shapes (nothing allocated)."""
+    norm_prefetch and attn_splits (or fuse_out) on, as abstract shapes (nothing allocated)."""
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, attn_splits=2, block_k=block_k)
+    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k,
+                       **(dict(fuse_out=True) if fuse else dict(attn_splits=2)))
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
@@ -182,6 +184,51 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
     assert _rel(want, want1) < 2e-2
 
 
+# fuse_out: a KV head's q heads are one K step of W_o. CFG: head_dim 128, 2 q heads (one position
+# per cache row); CFG3: head_dim 64, 4 q heads at block_k 256 (paired positions, as the 1b)
+CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, mlp_dim=512)
+
+
+@pytest.mark.parametrize("cfg,max_len,pos", [(CFG, MAX_LEN, 100), (CFG3, 256, 1), (CFG3, 256, 129)])
+def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos):
+    model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
+    rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
+    plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True)
+    plan.check()
+    assert plan.phases_per_layer == 4 and plan.ppr == (1 if cfg is CFG else 2)
+    cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
+             * 0.5).astype(jnp.bfloat16)
+    x = rows["embed_vd"][7].astype(jnp.float32)
+    units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
+    rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(cfg))
+    logits, _, packed = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
+        x, rope, jnp.int32(pos), units, mk.pack_cache(cache, plan.ppr))
+    want, want_cache = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache, plan=plan)
+    assert _rel(logits, want) < 2e-3
+    np.testing.assert_array_equal(np.asarray(mk.unpack_cache(packed, plan.ppr)), np.asarray(want_cache))
+    # the fused reference's rounding (each stream's share on its own) is still the same attention
+    unfused, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
+                                         plan=dataclasses.replace(plan, fuse_out=False))
+    assert _rel(want, unfused) < 2e-2
+
+
+@pytest.mark.parametrize("ctas,kv_heads", [(132, 8), (1, 2), (40, 8), (264, 8)])
+def test_fused_groups_cover_every_output_row_tile_once(ctas, kv_heads):
+    plan = mk.plan_for(dataclasses.replace(CFG3, num_heads=4 * kv_heads, num_kv_heads=kv_heads, hidden_size=2048),
+                       256, ctas=ctas, fuse_out=True)
+    tiles = [t for m in range(plan.out_group) for t in range(*plan.out_tiles(m))]
+    assert tiles == list(range(plan.hidden // mk.BLOCK_F))
+    assert plan.out_group == max(1, ctas // kv_heads)
+    assert plan.res_tiles == max(b - a for a, b in map(plan.out_tiles, range(plan.out_group)))
+
+
+def test_fused_output_projection_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="fuse_out needs attn_splits=1"):
+        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, attn_splits=2).check()
+    with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):
+        mk.plan_for(dataclasses.replace(CFG3, num_kv_heads=4), 256, x_stages=8, block_k=256, fuse_out=True).check()
+
+
 def test_reference_matches_the_decoders_xla_step(setup):
     """megakernel_reference (norms folded, deferred statistics, online softmax over 64-position
     blocks, bf16 at the kernel's points) against the decoder's XLA layers on the same weights."""
@@ -200,7 +247,9 @@ def test_reference_matches_the_decoders_xla_step(setup):
 
 @pytest.mark.parametrize("cfg,ppr", [(CFG, 1), (CFG2, 2)])
 def test_decoder_megakernel_generates_as_xla(cfg, ppr):
-    assert decode.megakernel_plan(cfg, MAX_LEN).ppr == ppr  # (head_dim 64: paired positions by default)
+    plan = decode.megakernel_plan(cfg, MAX_LEN)
+    assert plan.ppr == ppr  # (head_dim 64: paired positions by default)
+    assert plan.fuse_out == (cfg is CFG)  # (CFG: its 2 q heads of 128 are one K step of W_o)
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)

@@ -237,6 +237,7 @@ class MegaPlan:
                 + (self.groups + 2) * hd * 4 + (self.groups + 1) * 2 * hd * 4  # q/k/v, the rotations
                 + 2 * hd * 4 + 2 * hd * 2  # the rope table, the new row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
+                + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -348,7 +349,7 @@ def rope_table(pos, inv_freq):
 
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
-          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full, *,
+          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full, ml_smem, *,
           plan: MegaPlan, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -627,15 +628,43 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                     dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
                     plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(dst, bk)])
 
-        def fused_out(layer, kvh, member, heads, r):
-            """(fuse_out) The G heads' outputs (one K step of W_o) times the member's row tiles of
-            W_o, each reduce-added into h1 (plus the residual: the group of KV head 0)."""
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (obuf)
-            for i, o_i in enumerate(heads):
-                obuf.at[pl.ds(i * hd, hd)][...] = o_i
+        def fused_operand(m, l, o):
+            """(fuse_out) The G heads' outputs as the output projection's operand: head i's rows
+            (i H.. (i + 1) H, one K step) hold its stream's o, normalised (with ppr 2, the even
+            positions' stream in column i and the odd ones' in column G + i, each weighted for the
+            merge: the product's columns are summed, so no stream is added to another). Only 64-row
+            tiles move, which in registers is a renaming; the per-column weights come from m and l
+            through shared memory as scalars."""
+            col = iota((BLOCK_F, ROWS), 1)
+            if ppr == 1:
+                scale = lax.broadcast_in_dim(1.0 / l, (BLOCK_F, ROWS), [1])
+            else:
+                row = iota((BLOCK_F, ROWS), 0)
+                ml_smem[...] = jnp.where(row < BLOCK_F // 2, lax.broadcast_in_dim(m, (BLOCK_F, ROWS), [1]),
+                                         lax.broadcast_in_dim(l, (BLOCK_F, ROWS), [1]))
+                plgpu.commit_smem()
+                scale = cast(jnp.zeros((BLOCK_F, ROWS), jnp.float32), L.WGMMA)
+                for i in range(g_heads):
+                    m_e, l_e = ml_smem[0, i], ml_smem[BLOCK_F // 2, i]
+                    m_o, l_o = ml_smem[0, g_heads + i], ml_smem[BLOCK_F // 2, g_heads + i]
+                    top = jnp.maximum(m_e, m_o)
+                    w_e, w_o = jnp.exp(m_e - top), jnp.exp(m_o - top)
+                    inv = 1.0 / (w_e * l_e + w_o * l_o)
+                    scale = jnp.where(col == i, w_e * inv, jnp.where(col == g_heads + i, w_o * inv, scale))
+            tiles = []
+            for i in range(g_heads):
+                for k in range(hd // BLOCK_F):
+                    t = cast(jnp.zeros((BLOCK_F, ROWS), jnp.float32), L.WGMMA)
+                    for par in range(ppr):  # (o's rows 2 H par + H..: the stream's V part)
+                        lo = 2 * hd * par + hd + k * BLOCK_F
+                        t = jnp.where(col == i + g_heads * par, o[lo: lo + BLOCK_F] * scale, t)
+                    tiles.append(t)
+            x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0).astype(x_smem.dtype)
             plgpu.commit_smem()
-            to_operand(0, [(0, vec(obuf.at[pl.ds(0, bk)]))])
-            plgpu.commit_smem()
+
+        def fused_out(layer, kvh, member, r):
+            """(fuse_out) fused_operand's operand times the member's row tiles of W_o's K step kvh,
+            each reduce-added into h1 (plus the residual: the group of KV head 0)."""
             t_lo, t_hi = plan.out_tiles(member)
             h1 = plan.region("h1", layer)
 
@@ -749,23 +778,15 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 p_new = jnp.exp(s_vec - m_new)
                 l, m = l * alpha + p_new, m_new
                 o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
-            if fused and ppr == 2:
+            if fused:
                 with jax.named_scope("a_merge"):
-                    heads = [o_i * (1.0 / total) for _, total, o_i in merge_streams(m, l, o)]
+                    fused_operand(m, l, o)
                 with jax.named_scope("a_out"):
-                    return fused_out(layer, kvh, member, heads, r)
+                    return fused_out(layer, kvh, member, r)
             if ppr == 2:
                 write_heads(layer, kvh, j, merge_streams(m, l, o))
                 return r
             col = iota((bk, ROWS), 1)
-            if fused:  # each head's column, normalised; its o at rows H..2H
-                o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
-                for i in range(g_heads):
-                    stage.at[i][...] = jnp.sum(jnp.where(col == i, o, 0.0), axis=1)
-                plgpu.commit_smem()
-                heads = [vec(stage.at[i, pl.ds(hd, hd)]) for i in range(g_heads)]
-                plgpu.commit_smem()  # (every thread has read the stages before they are refilled)
-                return fused_out(layer, kvh, member, heads, r)
             if splits == 1:  # the head's output, normalised
                 o = o / lax.broadcast_in_dim(l, (bk, ROWS), [1])
             else:  # the split's partial [m | l | o] (H/2, H/2, H values) for `combine`
@@ -1009,6 +1030,7 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         plgpu.Barrier(num_barriers=plan.stages), plgpu.Barrier(num_barriers=plan.stages),
         plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
         plgpu.Barrier(num_barriers=plan.res_tiles),
+        plgpu.SMEM((BLOCK_F, ROWS), jnp.float32),  # (fuse_out, ppr 2) the streams' m and l
     )
     pos4 = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (4,))
     buf = plgpu.kernel(
@@ -1090,8 +1112,13 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
             parts.append((m, lsum, o))
         top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
         weights = [jnp.exp(m - top) for m, _, _ in parts]
-        o = sum(w * o_ for w, (_, _, o_) in zip(weights, parts)) / sum(w * l_ for w, (_, l_, _) in zip(weights, parts))
-        h1 = h + mm(rows["out"][l], o.reshape(-1))
+        total = sum(w * l_ for w, (_, l_, _) in zip(weights, parts))
+        if plan.fuse_out:  # each stream's share rounded to bf16 on its own (its own operand column)
+            o = sum((w * o_ / total).astype(bf).astype(f32) for w, (_, _, o_) in zip(weights, parts))
+            h1 = h + jnp.dot(rows["out"][l].astype(f32), o.reshape(-1), precision=lax.Precision.HIGHEST)
+        else:
+            o = sum(w * o_ for w, (_, _, o_) in zip(weights, parts)) / total
+            h1 = h + mm(rows["out"][l], o.reshape(-1))
         gu = mm(rows["gate_up"][l], h1) * rms(h1)
         gate, up = gu[: plan.mlp], gu[plan.mlp:]
         h = h1 + mm(rows["down"][l], gate / (1 + jnp.exp(-gate)) * up)
