@@ -95,9 +95,10 @@ class MegaPlan:
     stages: int = 3
     x_stages: int = 8
     ctas: int = 132
-    # the RMSNorm statistics' reads issued before a CTA signals its q/k/v and gate/up phases and
-    # summed after the barrier, instead of read between the signal and the wait (+2-3% on the 1b
-    # at block_k 128, level with paired positions and on the 7b: docs/benchmarks.md, seventeenth)
+    # the MLP norm's statistic read issued before a CTA signals its gate/up units and summed
+    # after the barrier, instead of read between the signal and the wait (with the attention
+    # norm's too: +2-3% on the 1b at block_k 128, level with paired positions and on the 7b,
+    # docs/benchmarks.md, seventeenth session; the attention units now compute theirs themselves)
     norm_prefetch: bool = False
     # attention units per KV head: the positions before pos split into this many contiguous runs
     # of 64-position blocks, one unit each, combined by a phase of their own (one more barrier);
@@ -575,9 +576,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         n = (pos + plan.tile_positions - 1) // plan.tile_positions
         return j * n // splits, (j + 1) * n // splits
 
-    def attention(layer, r, scale, pos):
+    def attention(layer, r, h_in, pos):
         """Units c, c + C, ... of KV heads x splits (unit u: KV head u mod K, split u div K): see
-        the module docstring. Returns the ring count."""
+        the module docstring. Each unit computes the RMSNorm statistic of h_in itself, while its
+        q/k/v loads land (a CTA without a unit needs none). Returns the ring count."""
         base = plan.region("qkv", layer)
         n_q, n_kv = plan.heads, plan.kv_heads
         cs, sn = vec(rope_s.at[0]), vec(rope_s.at[1])
@@ -703,6 +705,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                             lambda k, src: plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)],
                                                                    res.at[pl.ds(k * BLOCK_F, BLOCK_F)], res_full.at[k]),
                             k, src))
+                scale = norm_rsqrt(h_in)
                 for i in range(len(srcs)):
                     plgpu.barrier_wait(a_full.at[i])
             with jax.named_scope("a_prep"):
@@ -713,13 +716,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
                 kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
                 kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
-                # stage row i: q head i at each position's K columns of a cache row; row G: [k | v]
-                # of the new position as the tensor cores see them (bf16); the rest is masked below
-                for i, q in enumerate(qs):
-                    for par in range(ppr):
-                        stage.at[i, pl.ds(2 * hd * par, hd)][...] = q
-                stage.at[g_heads, pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype).astype(jnp.float32)
-                stage.at[g_heads, pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype).astype(jnp.float32)
                 plgpu.commit_smem()
                 # the new row, for the next steps: nothing in this one reads it back from the cache
                 if ppr == 1:
@@ -729,18 +725,27 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                         pl.when(last & (lax.rem(pos, ppr) == par))(functools.partial(
                             lambda par: plgpu.copy_smem_to_gmem(
                                 kv_row, cache.at[layer, pos // ppr, kvh, pl.ds(par * 2 * hd, 2 * hd)]), par))
-                # q head i as column i over the even positions' K (rows 0..H-1), and with ppr 2 as
-                # column G + i over the odd ones' (rows 2H..3H-1); zeros elsewhere (under V)
-                xb = to_operand(0, [(i + g_heads * par, vec(stage.at[i])) for par in range(ppr) for i in range(g_heads)],
-                                rows=[(2 * hd * par, 2 * hd * par + hd) for par in range(ppr) for _ in range(g_heads)])
-                row, col = iota((bk, ROWS), 0), iota((bk, ROWS), 1)
-                kv2 = lax.broadcast_in_dim(vec(stage.at[g_heads]), (bk, ROWS), [0])
-                v_col = jnp.where(row < hd, 0.0, jnp.where(row < 2 * hd, kv2, 0.0))  # in o's rows
-                # the new position's scores q_i . k, one sum for all columns; the columns that do
-                # not take it (odd positions, unused, not the last split) get NEG through row 0
-                s2 = xb.astype(jnp.float32) * jnp.where(row < hd, kv2, 0.0)
+                # the q operand [bk, 8] as row tiles built in registers: q head i as column i over
+                # the even positions' K (rows 0..H-1) and, with ppr 2, as column G + i over the odd
+                # ones' (rows 2H..3H-1); zeros under V
+                col = iota((hd, ROWS), 1)
+                zero_t = cast(jnp.zeros((hd, ROWS), jnp.float32), L.WGMMA)
+                tiles = []
+                for par in range(ppr):
+                    t = zero_t
+                    for i, q in enumerate(qs):
+                        t = jnp.where(col == i + g_heads * par, lax.broadcast_in_dim(q, (hd, ROWS), [0]), t)
+                    tiles += [t.astype(x_smem.dtype), zero_t.astype(x_smem.dtype)]
+                x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0)
+                # the new position: V in o's rows (H..2H-1, the even stream's), and its scores
+                # q_i . k, as the tensor cores see them (bf16), one sum for all columns; those
+                # that do not take it (odd positions, unused, not the last split) get NEG in row 0
+                k_b = lax.broadcast_in_dim(k_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
+                v_b = lax.broadcast_in_dim(v_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
+                v_col = jnp.concatenate([zero_t, v_b] + [zero_t] * (2 * ppr - 2), axis=0)
                 skip = g_heads if splits == 1 else g_heads * last.astype(jnp.int32)
-                s_new = jnp.sum(jnp.where((row == 0) & (col >= skip), NEG, s2), axis=0)
+                s2 = tiles[0].astype(jnp.float32) * k_b
+                s_new = jnp.sum(jnp.where((iota((hd, ROWS), 0) == 0) & (col >= skip), NEG, s2), axis=0)
                 plgpu.commit_smem()
 
             def block(blk, carry):  # positions [64 blk, 64 blk + 64) of those before pos
@@ -879,10 +884,11 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             h_in = plan.region("in", l)
             with jax.named_scope("qkv"):
                 r = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l))
-            r_attn = statistic(h_in, sem, "attn")  # (h_in is final: only reads from here on)
+            signal(sem)
+            wait(sem, "attn")
             h1 = plan.region("h1", l)
             with jax.named_scope("attn"):  # (fuse_out: and the output projection)
-                r = attention(l, r, r_attn, pos)
+                r = attention(l, r, h_in, pos)
             if not fused:
                 sem += 1
                 if splits > 1:
