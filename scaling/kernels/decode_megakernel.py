@@ -10,7 +10,7 @@ This kernel is that chain with the rest of the step added, so a step is one laun
 The step, per layer, as five phases (each waits until every CTA has finished the one before):
   qkv      y = W_qkv x, x = the layer's input h (RMSNorm's scale folded into W_qkv's columns,
            decode_gemv.fold_norm; its statistic r = rsqrt(mean(h²) + eps) is applied later: W (r h)
-           = r (W h), so no CTA waits for it before its products)
+           = r (W h), so no CTA waits for it before its products; each attention unit computes it)
   attn     one unit per KV head: q, k, v of the head scaled by r, RoPE on q and k, the new k/v row
            written into the cache (for the next steps), then softmax(q Kᵀ / √H) V: the positions
            before pos from the cache, 64 per step (one [64, 2H] tile holding K and V, streamed by
@@ -22,6 +22,8 @@ The step, per layer, as five phases (each waits until every CTA has finished the
            (attn_splits > 1: each KV head's positions split over several units, whose partials
            [m | l | o] a `combine` phase merges; one more barrier)
   out      h1 = h + W_o attn
+           (fuse_out: attention and out as one phase: one group of CTAs per KV head, each computing
+           its head's attention, then its share of the row tiles of W_o's K step for that head)
   gate_up  y = W_gu h1 (the MLP norm's scale folded, its statistic applied by the next phase)
   down     h2 = h1 + W_down (silu(r g) * (r u))
 then the head: logits = W_head h2, unscaled (the final norm's statistic is written beside them;
