@@ -256,8 +256,19 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr):
     dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2)
     assert dec._step_layers(1) == decode.DecodeLayerImpl.megakernel
     got = dec.generate(prompts, 5)
-    assert got.tokens == want.tokens
-    np.testing.assert_allclose(got.logprobs[0], want.logprobs[0], atol=3e-2)  # (bf16 steps, rounded apart)
+    # Every step against the model's own forward over the generated sequence (teacher-forced):
+    # its log-probs, and greedy up to near-ties. The bf16 steps round ~0.5% apart, so where two
+    # logits are that close (CFG2's second token: 2.086 against 2.079) either may win.
+    seq, n = prompts[0] + got.tokens[0], len(got.tokens[0])
+    logp = np.asarray(jax.nn.log_softmax(model(jnp.array([seq[:-1]]))[0].astype(jnp.float32)))
+    rows = logp[len(prompts[0]) - 1: len(prompts[0]) - 1 + n]
+    chosen = rows[np.arange(n), got.tokens[0]]
+    np.testing.assert_allclose(got.logprobs[0], chosen, atol=3e-2)
+    assert np.all(rows.max(axis=-1) - chosen < 2e-2), rows.max(axis=-1) - chosen
+    # and the XLA decoder's tokens up to the first near-tie
+    k = next((i for i, (a, b) in enumerate(zip(got.tokens[0], want.tokens[0])) if a != b), n)
+    assert k == n or abs(rows[k, got.tokens[0][k]] - rows[k, want.tokens[0][k]]) < 2e-2
+    np.testing.assert_allclose(got.logprobs[0][:k], want.logprobs[0][:k], atol=3e-2)
 
 
 def test_decoder_megakernel_refuses_a_model_it_cannot_run():

@@ -352,7 +352,8 @@ def rope_table(pos, inv_freq):
 
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
-          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full, ml_smem, *,
+          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
+          ml_smem, *,
           plan: MegaPlan, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -437,31 +438,38 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
     # ---------------------------------------------------------------- the consumer's phases
 
-    def norm_rsqrt(base):
-        """rsqrt(mean(h²) + eps) of the hidden-wide region at base, through the x stages."""
+    def norm_issue(base):
+        """norm_rsqrt's first loads (as many chunks as the x stages hold), to be finished later."""
+        @pl.loop(0, min(P, plan.hidden // bk))
+        def _(i):
+            plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + i * bk, bk)], stage.at[i], x_full.at[i])
+
+    def norm_rsqrt(base, issued=False):
+        """rsqrt(mean(h²) + eps) of the hidden-wide region at base, through the x stages
+        (issued: norm_issue(base) ran already)."""
         n = plan.hidden // bk
 
         def issue(i):
             plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + i * bk, bk)], stage.at[lax.rem(i, P)],
                                     x_full.at[lax.rem(i, P)])
 
-        @pl.loop(0, min(P, n))
-        def _(i):
-            issue(i)
+        if not issued:
+            norm_issue(base)
 
         def body(i, ss):
             plgpu.barrier_wait(x_full.at[lax.rem(i, P)])
             v = vec(stage.at[lax.rem(i, P)])
             ss = ss + v * v
-            plgpu.commit_smem()  # every thread has read the stage before it is refilled
 
             @pl.when(i + P < n)
             def _():
+                plgpu.commit_smem()  # every thread has read the stage before it is refilled
                 issue(i + P)
 
             return ss
 
         ss = lax.fori_loop(0, n, body, cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1)))
+        plgpu.commit_smem()  # (and before the stages' next use; one fence, not one per chunk)
         return lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
 
     def norm_prefetch(base):
@@ -707,26 +715,15 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                             lambda k, src: plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)],
                                                                    res.at[pl.ds(k * BLOCK_F, BLOCK_F)], res_full.at[k]),
                             k, src))
-                scale = norm_rsqrt(h_in)
+                # the RMSNorm statistic r's loads: it is applied late (RoPE and the scores are
+                # linear in it), so only the new cache row waits for it, not the q operand
+                norm_issue(h_in)
                 for i in range(len(srcs)):
                     plgpu.barrier_wait(a_full.at[i])
             with jax.named_scope("a_prep"):
-                # RoPE of the G q heads (scaled by 1 / sqrt(H)) and of k, in one pass
-                *qs, k_new = rope([vec(qkv_a.at[i]) * (scale / math.sqrt(hd)) for i in range(g_heads)]
-                                  + [vec(qkv_a.at[g_heads]) * scale])
-                v_new = vec(qkv_a.at[g_heads + 1]) * scale
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
-                kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
-                kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
-                plgpu.commit_smem()
-                # the new row, for the next steps: nothing in this one reads it back from the cache
-                if ppr == 1:
-                    pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
-                else:  # (a static column offset per parity)
-                    for par in range(ppr):
-                        pl.when(last & (lax.rem(pos, ppr) == par))(functools.partial(
-                            lambda par: plgpu.copy_smem_to_gmem(
-                                kv_row, cache.at[layer, pos // ppr, kvh, pl.ds(par * 2 * hd, 2 * hd)]), par))
+                # RoPE of the G q heads (scaled by 1 / sqrt(H), not yet by r) and of k, in one pass
+                *qs, k_rot = rope([vec(qkv_a.at[i]) * (1.0 / math.sqrt(hd)) for i in range(g_heads)]
+                                  + [vec(qkv_a.at[g_heads])])
                 # the q operand [bk, 8] as row tiles built in registers: q head i as column i over
                 # the even positions' K (rows 0..H-1) and, with ppr 2, as column G + i over the odd
                 # ones' (rows 2H..3H-1); zeros under V
@@ -739,6 +736,20 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                         t = jnp.where(col == i + g_heads * par, lax.broadcast_in_dim(q, (hd, ROWS), [0]), t)
                     tiles += [t.astype(x_smem.dtype), zero_t.astype(x_smem.dtype)]
                 x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0)
+                scale = norm_rsqrt(h_in, issued=True)
+                k_new, v_new = k_rot * scale, vec(qkv_a.at[g_heads + 1]) * scale
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
+                kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
+                kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
+                plgpu.commit_smem()
+                # the new row, for the next steps: nothing in this one reads it back from the cache
+                if ppr == 1:
+                    pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
+                else:  # (a static column offset per parity)
+                    for par in range(ppr):
+                        pl.when(last & (lax.rem(pos, ppr) == par))(functools.partial(
+                            lambda par: plgpu.copy_smem_to_gmem(
+                                kv_row, cache.at[layer, pos // ppr, kvh, pl.ds(par * 2 * hd, 2 * hd)]), par))
                 # the new position: V in o's rows (H..2H-1, the even stream's), and its scores
                 # q_i . k, as the tensor cores see them (bf16), one sum for all columns; those
                 # that do not take it (odd positions, unused, not the last split) get NEG in row 0
@@ -747,7 +758,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 v_col = jnp.concatenate([zero_t, v_b] + [zero_t] * (2 * ppr - 2), axis=0)
                 skip = g_heads if splits == 1 else g_heads * last.astype(jnp.int32)
                 s2 = tiles[0].astype(jnp.float32) * k_b
-                s_new = jnp.sum(jnp.where((iota((hd, ROWS), 0) == 0) & (col >= skip), NEG, s2), axis=0)
+                s_new = jnp.sum(jnp.where((iota((hd, ROWS), 0) == 0) & (col >= skip), NEG, s2 * scale),
+                                axis=0)
                 plgpu.commit_smem()
 
             def block(blk, carry):  # positions [64 blk, 64 blk + 64) of those before pos
@@ -756,6 +768,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.barrier_wait(w_full.at[slot])
                 # (a computed index: a constant one reaches run_state's discharge as a bare literal)
                 s = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(blk, 1)])  # [64 positions, heads]
+                s = s * scale  # (the statistic r, applied late)
                 at = (iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F) * ppr  # the positions of the scores
                 if ppr == 2:
                     at = jnp.where(iota((BLOCK_F, ROWS), 1) >= g_heads, at + 1, at)
@@ -1078,22 +1091,22 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
     h = x
     for l in range(plan.layers):
         r = rms(h)
-        y = mm(rows["qkv"][l], h) * r
-        q = y[: nq * hd].reshape(nq, hd)
-        k = y[nq * hd: (nq + nkv) * hd].reshape(nkv, hd)
-        v = y[(nq + nkv) * hd:].reshape(nkv, hd)
+        y = mm(rows["qkv"][l], h)
+        q = y[: nq * hd].reshape(nq, hd)  # (r is applied to the scores: q rounds to bf16 without it)
+        k = y[nq * hd: (nq + nkv) * hd].reshape(nkv, hd) * r
+        v = y[(nq + nkv) * hd:].reshape(nkv, hd) * r
         k_new = jax.vmap(rope_)(k).astype(bf)
         q = jax.vmap(rope_)(q / math.sqrt(hd)).astype(bf).astype(f32).reshape(nkv, g, hd)
         cache = cache.at[l, pos].set(jnp.concatenate([k_new, v.astype(bf)], axis=-1))
         kc, vc = cache[l, :, :, :hd].astype(f32), cache[l, :, :, hd:].astype(f32)  # [S, KV, H]
-        s = jnp.einsum("kgh,skh->kgs", q, kc, precision=lax.Precision.HIGHEST)
+        s = jnp.einsum("kgh,skh->kgs", q, kc, precision=lax.Precision.HIGHEST) * r
         s = jnp.where(jnp.arange(plan.max_len) < pos, s, NEG)
         # per split (attn_splits; one by default): an online softmax over its cache tiles before
         # pos, as the kernel (p rounded to bf16 relative to the running max), per stream: with
         # ppr 2 a tile's even and odd positions are separate streams, each with its own running
         # max; the last split's first stream then adds the new position with its p in f32; all
         # streams of all splits are combined by their running maxima
-        s_new = jnp.einsum("kgh,kh->kg", q, k_new.astype(f32), precision=lax.Precision.HIGHEST)[..., None]
+        s_new = jnp.einsum("kgh,kh->kg", q, k_new.astype(f32), precision=lax.Precision.HIGHEST)[..., None] * r
         ppr, tile = plan.ppr, plan.tile_positions
         n_blk = (pos + tile - 1) // tile
         parts = []
