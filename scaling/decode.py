@@ -188,7 +188,8 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     # CTAs hold. (norm_prefetch: level with paired positions, so left off.)
     splits = max(1, min(max_len // 256, x_stages, max(1, ctas // cfg.num_kv_heads)))
     # Without splits, attention and the output projection as one phase where a KV head's q heads
-    # are one K step of W_o (the 1b at prompt 128: 1.05x, H200; docs/benchmarks.md, eighteenth)
+    # are one K step of W_o (the 1b at prompt 128: 1.08x on the H200, 1.06x on the H100;
+    # docs/benchmarks.md, eighteenth session)
     fused = dataclasses.replace(plan, fuse_out=True)
     candidates = (fused, plan) if splits == 1 else (dataclasses.replace(plan, attn_splits=splits), plan)
     for candidate in candidates:

@@ -407,21 +407,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         return pl.run_state(issue)(plgpu.ACC.init(acc))
 
-    def to_operand(slot, columns, rows=None):
-        """[(column, f32 [bk] vector)] -> bf16 columns of x_smem[slot] (the others zero); rows:
-        [(lo, hi)] per column, the rows it keeps (the others zero). Returns the bf16 operand."""
-        col = iota((bk, ROWS), 1)
-        row = iota((bk, ROWS), 0) if rows else None
-        xb = jnp.zeros((bk, ROWS), jnp.float32)
-        xb = cast(xb, L.WGMMA)
-        for n, (j, v) in enumerate(columns):
-            v = lax.broadcast_in_dim(v, (bk, ROWS), [0])
-            if rows:
-                v = jnp.where(row < rows[n][0], 0.0, jnp.where(row < rows[n][1], v, 0.0))
-            xb = jnp.where(col == j, v, xb)
-        xb = xb.astype(x_smem.dtype)
-        x_smem.at[slot].T[...] = xb
-        return xb
+    def to_operand(slot, v):
+        """An f32 [bk] vector -> bf16 column 0 of x_smem[slot] (the other columns zero)."""
+        v = lax.broadcast_in_dim(v, (bk, ROWS), [0])
+        x_smem.at[slot].T[...] = jnp.where(iota((bk, ROWS), 1) == 0, v, 0.0).astype(x_smem.dtype)
 
     def reduce_add(src, dst):
         if interpret:  # no TMA reduction in the interpreter: read, add, write (one CTA: no race)
@@ -537,7 +526,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.barrier_wait(u_full.at[s])
                 gate, up = v * scale, vec(ustage.at[s]) * scale
                 v = gate / (1.0 + jnp.exp(-gate)) * up
-            to_operand(i, [(0, v)])
+            to_operand(i, v)
             plgpu.commit_smem()  # visible to wgmma; the stage is read before it is refilled
 
             @pl.when(i + P < n_x)
@@ -797,7 +786,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 alpha = jnp.exp(m - m_new)
                 p_new = jnp.exp(s_vec - m_new)
                 l, m = l * alpha + p_new, m_new
-                o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1]) + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col
+                o = (o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
+                     + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col)
             if fused:
                 with jax.named_scope("a_merge"):
                     fused_operand(m, l, o)
