@@ -11,8 +11,9 @@ The step, per layer, as five phases (each waits until every CTA has finished the
   qkv      y = W_qkv x, x = the layer's input h (RMSNorm's scale folded into W_qkv's columns,
            decode_gemv.fold_norm; its statistic r = rsqrt(mean(h²) + eps) is applied later: W (r h)
            = r (W h), so no CTA waits for it before its products; each attention unit computes it)
-  attn     one unit per KV head: q, k, v of the head scaled by r, RoPE on q and k, the new k/v row
-           written into the cache (for the next steps), then softmax(q Kᵀ / √H) V: the positions
+  attn     one unit per KV head: RoPE on the head's q and k, the new k/v row (scaled by r, which
+           the unit computes meanwhile) written into the cache (for the next steps), then
+           softmax(r q Kᵀ / √H) V (r applied to the scores): the positions
            before pos from the cache, 64 per step (one [64, 2H] tile holding K and V, streamed by
            the producer before the phase starts: they do not depend on this step), on the tensor
            cores with an online softmax; then the new position from registers.
