@@ -782,10 +782,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             # then (the last split) the new position itself, one more online-softmax step (its p
             # stays f32); elsewhere a score of NEG, whose weight at the combine is 0
             with jax.named_scope("a_new"):
-                s_vec = s_new
-                m_new = jnp.maximum(m, s_vec)
+                m_new = jnp.maximum(m, s_new)
                 alpha = jnp.exp(m - m_new)
-                p_new = jnp.exp(s_vec - m_new)
+                p_new = jnp.exp(s_new - m_new)
                 l, m = l * alpha + p_new, m_new
                 o = (o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
                      + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col)
