@@ -53,7 +53,7 @@ CHECK_POSITIONS = (0, 1, 63, 64, 129, 200)
 
 def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: bool = True) -> list[dict]:
     rows = random_weights(plan, seed)
-    units = {k: mk.unit_major(v, plan.block_k) for k, v in rows.items()}
+    units = mk.to_units(rows, plan.block_k, plan.fuse_mlp)
     k1, k2 = jax.random.split(jax.random.key(seed + 1))
     cache = (jax.random.normal(k1, (plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)) * 0.5
              ).astype(jnp.bfloat16)
@@ -87,7 +87,7 @@ def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: 
 
 
 def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, seed: int = 0) -> dict:
-    units = {k: mk.unit_major(v, plan.block_k) for k, v in random_weights(plan, seed).items()}
+    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
     embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
     cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
 
@@ -120,7 +120,8 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
             "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times}
 
 
-LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down")  # (combine: only with attn_splits > 1)
+# (combine: only with attn_splits > 1; mlp: gate/up and down as one phase, fuse_mlp)
+LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down", "mlp")
 # an attention unit's parts: q/k/v loaded, RoPE and the operands, the cache tiles, the new
 # position, (fuse_out) the streams merged and the output projection
 ATTN_PARTS = ("a_qkv", "a_prep", "a_tiles", "a_new", "a_merge", "a_out")
@@ -131,7 +132,8 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "k128": {"block_k": 128},  # (head_dim 64: one position per cache row, the default before pairs)
             "stages4": {"stages": 4}, "stages5": {"stages": 5},
             "out_skips_attn": {"out_skips_attn": True},
-            "fuse": {"fuse_out": True}}  # (attention and the output projection as one phase)
+            "fuse": {"fuse_out": True},  # (attention and the output projection as one phase)
+            "mlp": {"fuse_mlp": True}}  # (gate/up and down as one phase)
 
 
 def variant_fields(variant: str) -> dict:
@@ -200,7 +202,7 @@ def profile_plan(plan: mk.MegaPlan) -> mk.MegaPlan:
 
 def profile_step(plan: mk.MegaPlan, inv_freq, pos: int, out_dir: str, seed: int = 0) -> dict:
     """One profiled step (random weights and cache): phase_walls of its trace."""
-    units = {k: mk.unit_major(v, plan.block_k) for k, v in random_weights(plan, seed).items()}
+    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
     cache = jnp.zeros(plan.cache_shape, jnp.bfloat16)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan, profile_dir=out_dir))

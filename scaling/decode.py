@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 
@@ -190,10 +191,22 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     # Without splits, attention and the output projection as one phase where a KV head's q heads
     # are one K step of W_o (the 1b at prompt 128: 1.08x on the H200, 1.06x on the H100;
     # docs/benchmarks.md, eighteenth session)
+    # gate/up and down as one phase where the MLP's 64-wide slices spread evenly over the CTAs (the
+    # 1b: 128 on 132 SMs; not the 7b's 172), with a deeper weight ring (the 1b at prompt 128 on the
+    # H200: 1.05x, and stages 5 against 3 another 1.02-1.03x; docs/benchmarks.md, nineteenth
+    # session). It fixes W_down's layout, so it depends on the model only, not on max_len.
+    slices = cfg.mlp_dim // decode_megakernel.BLOCK_F
+    if -(-slices // ctas) * ctas <= 1.05 * slices:
+        try:
+            dataclasses.replace(plan, fuse_mlp=True).check()
+            plan = dataclasses.replace(plan, fuse_mlp=True)
+        except ValueError:
+            pass
     fused = dataclasses.replace(plan, fuse_out=True)
     candidates = (fused, plan) if splits == 1 else (dataclasses.replace(plan, attn_splits=splits), plan)
-    for candidate in candidates:
+    for candidate, stages in itertools.product(candidates, (5, 4, 3) if plan.fuse_mlp else (plan.stages,)):
         try:
+            candidate = dataclasses.replace(candidate, stages=stages)
             candidate.check()
             return candidate
         except ValueError:
@@ -716,8 +729,8 @@ class Decoder:
             raise ValueError(f"{max_len=} must be >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
         if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
-            block_k = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN).block_k
-            self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, block_k),
+            plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN)
+            self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, plan.block_k, plan.fuse_mlp),
                                        "embed_vd": self.weights["embed_vd"]}
 
     def _step_layers(self, batch: int) -> DecodeLayerImpl:

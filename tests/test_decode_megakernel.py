@@ -80,12 +80,12 @@ def test_lowers_for_hopper_with_several_ctas(setup):
 def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fuse):
     """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128 or 256 with paired
     positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head), with
-    norm_prefetch and attn_splits (or fuse_out) on, as abstract shapes (nothing allocated)."""
+    norm_prefetch and attn_splits (or fuse_out and fuse_mlp) on, as abstract shapes (nothing allocated)."""
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
     plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k,
-                       **(dict(fuse_out=True) if fuse else dict(attn_splits=2)))
+                       **(dict(fuse_out=True, fuse_mlp=True) if fuse else dict(attn_splits=2)))
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
@@ -189,17 +189,20 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
 CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, mlp_dim=512)
 
 
-@pytest.mark.parametrize("cfg,max_len,pos", [(CFG, MAX_LEN, 100), (CFG3, 256, 1), (CFG3, 256, 129)])
-def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos):
+# (fuse_mlp: gate/up and down as one phase, W_down slice-major; its own test is the last case)
+@pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp", [(CFG, MAX_LEN, 100, False), (CFG3, 256, 1, False),
+                                                      (CFG3, 256, 129, True)])
+def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
-    plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True)
+    plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
+                       fuse_mlp=fuse_mlp)
     plan.check()
-    assert plan.phases_per_layer == 4 and plan.ppr == (1 if cfg is CFG else 2)
+    assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
              * 0.5).astype(jnp.bfloat16)
     x = rows["embed_vd"][7].astype(jnp.float32)
-    units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
+    units, ref_w = mk.prepare(rows, plan.block_k, fuse_mlp), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(cfg))
     logits, _, packed = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
         x, rope, jnp.int32(pos), units, mk.pack_cache(cache, plan.ppr))
@@ -229,6 +232,36 @@ def test_fused_output_projection_refuses_what_it_cannot_run():
         mk.plan_for(dataclasses.replace(CFG3, num_kv_heads=4), 256, x_stages=8, block_k=256, fuse_out=True).check()
 
 
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_down_slices_hold_each_slices_columns_by_row_tile(block_k):
+    """fuse_mlp's W_down layout: unit i * (D / block_k) + u times the operand with the slice's
+    activations in column c of rows 64 c.. gives rows u block_k + 64 c.. of W_down[:, slice i] a,
+    against the row-major product in float64."""
+    d, f = 512, 384
+    w = jax.random.normal(jax.random.key(0), (2, d, f))
+    a = np.asarray(jax.random.normal(jax.random.key(1), (f,)), np.float64)
+    units = np.asarray(mk.down_slices(w, block_k), np.float64)  # [L, F/64 * D/bk, 64, bk]
+    assert units.shape == (2, f // 64 * (d // block_k), 64, block_k)
+    n_c = block_k // 64
+    for layer in range(2):
+        got = np.zeros(d)
+        for i in range(f // 64):
+            operand = np.zeros((block_k, n_c))  # [K, columns]
+            for c in range(n_c):
+                operand[64 * c: 64 * c + 64, c] = a[64 * i: 64 * i + 64]
+            for u in range(d // block_k):
+                got[u * block_k: (u + 1) * block_k] += (units[layer, i * (d // block_k) + u] @ operand).T.reshape(-1)
+        np.testing.assert_allclose(got, np.asarray(w[layer], np.float64) @ a, rtol=1e-12, atol=1e-9)
+
+
+def test_fused_mlp_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="fuse_mlp holds all of h1 in the x stages: hidden / block_k = 8"):
+        mk.plan_for(dataclasses.replace(CFG, hidden_size=2048, num_heads=16, num_kv_heads=8), 256, x_stages=4,
+                    fuse_mlp=True).check()
+    plan = mk.plan_for(CFG3, 256, x_stages=8, fuse_mlp=True)
+    assert plan.up_stages == 1 and plan.x_slots() >= plan.hidden // plan.block_k
+
+
 def test_reference_matches_the_decoders_xla_step(setup):
     """megakernel_reference (norms folded, deferred statistics, online softmax over 64-position
     blocks, bf16 at the kernel's points) against the decoder's XLA layers on the same weights."""
@@ -250,6 +283,7 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr):
     plan = decode.megakernel_plan(cfg, MAX_LEN)
     assert plan.ppr == ppr  # (head_dim 64: paired positions by default)
     assert plan.fuse_out == (cfg is CFG)  # (CFG: its 2 q heads of 128 are one K step of W_o)
+    assert plan.fuse_mlp  # (one CTA in the interpreter: every slice of the MLP on it)
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)

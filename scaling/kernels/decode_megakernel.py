@@ -27,6 +27,9 @@ The step, per layer, as five phases (each waits until every CTA has finished the
            its head's attention, then its share of the row tiles of W_o's K step for that head)
   gate_up  y = W_gu h1 (the MLP norm's scale folded, its statistic applied by the next phase)
   down     h2 = h1 + W_down (silu(r g) * (r u))
+           (fuse_mlp: gate/up and down as one phase: the MLP's hidden units in slices of 64, one CTA
+           per slice, which computes all of its gate and up, the SwiGLU, and its product with W_down's
+           columns for the slice, reduce-added into h2; W_down stored slice-major, `down_slices`)
 then the head: logits = W_head h2, unscaled (the final norm's statistic is written beside them;
 the caller multiplies, which leaves argmax unchanged anyway).
 
@@ -117,6 +120,17 @@ class MegaPlan:
     # (`out_group` each); every CTA of a group computes its head's attention and multiplies it by
     # its share of the head's W_o columns, one K step of block_k = G H (the 1b at block_k 256)
     fuse_out: bool = False
+    # gate/up and down as one phase (one barrier fewer per layer): the MLP's hidden units in
+    # slices of 64, one CTA per slice, which computes the slice's gate and up over all of h1,
+    # its SwiGLU, and its product with W_down's 64 columns for the slice, reduce-added into h2
+    # (W_down stored slice-major, `down_slices`); for models with at most one slice per CTA
+    # (the 1b: 128 slices on 132 SMs)
+    fuse_mlp: bool = False
+
+    @property
+    def mlp_slices(self) -> int:
+        """(fuse_mlp) 64-wide slices of the MLP's hidden units, one per CTA (CTA c: c, c + C, ...)."""
+        return self.mlp // BLOCK_F
 
     @property
     def out_group(self) -> int:
@@ -163,7 +177,7 @@ class MegaPlan:
 
     @property
     def phases_per_layer(self) -> int:
-        return 4 if self.fuse_out else 5 + (self.attn_splits > 1)
+        return (4 if self.fuse_out else 5 + (self.attn_splits > 1)) - self.fuse_mlp
 
     @property
     def groups(self) -> int:  # q heads per KV head
@@ -225,17 +239,24 @@ class MegaPlan:
         n, k = self.gemvs()[name]
         return n // BLOCK_F * (k // self.block_k)
 
+    @property
+    def up_stages(self) -> int:
+        """Stages of the unfused down phase's up chunks (and norm_prefetch's second half); fuse_mlp
+        needs none (one is kept: a scratch shape)."""
+        return 1 if self.fuse_mlp and not self.norm_prefetch else self.x_stages
+
     def x_slots(self) -> int:
         """Operand slots a CTA holds at once: the K chunks its units of one phase touch, at most."""
-        return max(min(k // self.block_k, -(-self.units(name) // self.ctas) + 1)
-                   for name, (_, k) in self.gemvs().items())
+        n = max(min(k // self.block_k, -(-self.units(name) // self.ctas) + 1)
+                for name, (_, k) in self.gemvs().items())
+        return max(n, self.hidden // self.block_k) if self.fuse_mlp else n  # (fuse_mlp: all of h1)
 
     def smem_bytes(self, profile: bool = False) -> int:
         """Shared memory per CTA (an estimate with Mosaic's measured overhead); profile: with the
         on-device profiler's buffer."""
         bk, hd = self.block_k, self.head_dim
         return (self.x_slots() * ROWS * bk * 2  # operands (bf16)
-                + 2 * self.x_stages * bk * 4  # x (and the SwiGLU's up) stages, f32
+                + (self.x_stages + self.up_stages) * bk * 4  # x and the SwiGLU's up stages, f32
                 + self.stages * BLOCK_F * bk * 2  # the weight / cache ring
                 + (BLOCK_F * (1 + self.res_tiles) + bk) * 4  # a partial, its residuals, an attention output
                 + (self.groups + 2) * hd * 4 + (self.groups + 1) * 2 * hd * 4  # q/k/v, the rotations
@@ -273,6 +294,12 @@ class MegaPlan:
                              f"step of W_o: groups * head_dim = {self.groups * hd} == block_k = {bk}")
         if self.fuse_out and self.res_tiles > 32:
             raise ValueError(f"fuse_out: {self.res_tiles} residual tiles per CTA, at most 32: more CTAs")
+        if self.fuse_mlp and self.hidden // bk > self.x_stages:
+            raise ValueError(f"fuse_mlp holds all of h1 in the x stages: hidden / block_k = {self.hidden // bk} must "
+                             f"be <= x_stages = {self.x_stages}")
+        if self.fuse_mlp and bk // BLOCK_F > ROWS:
+            raise ValueError(f"fuse_mlp puts a down unit's {bk // BLOCK_F} row tiles in the operand's {ROWS} columns: "
+                             f"block_k must be <= {ROWS * BLOCK_F}, got {bk}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
             raise ValueError(f"out_skips_attn needs CTAs beyond the {self.attn_ctas} that run attention, got "
                              f"ctas={self.ctas}")
@@ -326,6 +353,26 @@ def unit_major(w, block_k: int):
     *lead, n, k = w.shape
     t = w.reshape(*lead, n // BLOCK_F, BLOCK_F, k // block_k, block_k)
     return jnp.swapaxes(t, -3, -2).reshape(*lead, n // BLOCK_F * (k // block_k), BLOCK_F, block_k)
+
+
+def down_slices(w, block_k: int):
+    """(fuse_mlp) W_down [..., D, F] as [..., F / 64 * D / block_k, 64, block_k]: unit
+    i * (D / block_k) + u holds the 64 columns of slice i for rows u block_k .. (u + 1) block_k, row
+    tile c of them in columns 64 c .. 64 c + 63 (one product puts the row tiles in the operand's
+    columns c: `MegaPlan.fuse_mlp`)."""
+    *lead, d, f = w.shape
+    t = w.reshape(*lead, d // block_k, block_k // BLOCK_F, BLOCK_F, f // BLOCK_F, BLOCK_F)  # [u, c, row, i, k]
+    t = jnp.swapaxes(jnp.moveaxis(t, -2, -5), -3, -2)  # [i, u, row, c, k]
+    return t.reshape(*lead, f // BLOCK_F * (d // block_k), BLOCK_F, block_k)
+
+
+def to_units(rows: dict, block_k: int, fuse_mlp: bool = False) -> dict:
+    """Row-major {qkv, out, gate_up, down: [L, N, K], head: [V, D]} as megakernel_step's
+    unit-major weights (fuse_mlp: W_down as `down_slices`)."""
+    units = {name: unit_major(w, block_k) for name, w in rows.items()}
+    if fuse_mlp:
+        units["down"] = down_slices(rows["down"], block_k)
+    return units
 
 
 def pack_cache(kv, ppr: int):
@@ -847,6 +894,66 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
+    def mlp(layer, r):
+        """(fuse_mlp) Slices c, c + C, ...: h1's chunks (all held in the x stages) give the slice's
+        gate and up (all K steps, two accumulators), the RMSNorm statistic (applied to both) and,
+        for the CTA of slice 0, the residual; then silu(gate) up, rounded to bf16, goes into the
+        operand's columns 0.. (column c in rows 64 c..), so each down unit's product holds its
+        row tiles in those columns; each unit's rows are reduce-added into h2."""
+        h1, h2 = plan.region("h1", layer), plan.region("h2", layer)
+        steps = plan.hidden // bk  # gate/up's K steps, and the down units of a slice
+        n_f = plan.mlp // BLOCK_F
+        col = iota((BLOCK_F, ROWS), 1)
+
+        def slice_(i, r):
+            for j in range(steps):
+                plgpu.copy_gmem_to_smem(buf.at[pl.ds(h1 + j * bk, bk)], stage.at[j], x_full.at[j])
+
+            def kstep(j, carry):  # gate and up tiles of K step j
+                ss, acc_g, acc_u, r = carry
+                plgpu.barrier_wait(x_full.at[j])
+                v = vec(stage.at[j])
+                to_operand(j, v)
+                plgpu.commit_smem()
+                for n in range(2):
+                    slot = lax.rem(r + n, plan.stages)
+                    plgpu.barrier_wait(w_full.at[slot])
+                    if n == 0:
+                        acc_g = product(acc_g, ring.at[slot], x_smem.at[j])
+                    else:
+                        acc_u = product(acc_u, ring.at[slot], x_smem.at[j])
+                    plgpu.barrier_arrive(free.at[slot])
+                return ss + v * v, acc_g, acc_u, r + 2
+
+            ss0 = cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1))
+            ss, acc_g, acc_u, r = lax.fori_loop(0, steps, kstep, (ss0, zero_acc(BLOCK_F), zero_acc(BLOCK_F), r))
+            scale = lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
+            gate, up = jnp.sum(acc_g, axis=1) * scale, jnp.sum(acc_u, axis=1) * scale
+            act = lax.broadcast_in_dim(gate / (1.0 + jnp.exp(-gate)) * up, (BLOCK_F, ROWS), [0])
+            x_smem.at[0].T[...] = jnp.concatenate([jnp.where(col == n, act, 0.0) for n in range(bk // BLOCK_F)],
+                                                  axis=0).astype(x_smem.dtype)
+            plgpu.commit_smem()
+            res_on = (i == 0).astype(jnp.float32)  # (slice 0 adds h1, still in the stages)
+
+            def down(u, r):  # rows u bk.. of h2: row tile n of them in column n
+                slot = lax.rem(r, plan.stages)
+                plgpu.barrier_wait(w_full.at[slot])
+                acc = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(u, 1)])
+                plgpu.barrier_arrive(free.at[slot])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read obuf
+                for n in range(bk // BLOCK_F):
+                    res = vec(stage.at[u, pl.ds(n * BLOCK_F, BLOCK_F)])
+                    obuf.at[pl.ds(n * BLOCK_F, BLOCK_F)][...] = jnp.sum(jnp.where(col == n, acc, 0.0), axis=1) + res * res_on
+                plgpu.commit_smem()  # (and every thread has read the stages before they are refilled)
+                reduce_add(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(h2 + u * bk, bk)])
+                return r + 1
+
+            return lax.fori_loop(0, steps, down, r)
+
+        r = lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
+        return r
+
     @pl.when(wg == 0)
     def _consumer():
         plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[0, pl.ds(0, 4)], misc.at[0])
@@ -907,6 +1014,12 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 with jax.named_scope("out"):
                     r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
             signal(sem + 1)
+            if plan.fuse_mlp:
+                wait(sem + 1, "mlp")
+                with jax.named_scope("mlp"):
+                    r = mlp(l, r)
+                signal(sem + 2)
+                return r
             wait(sem + 1, "gate_up")
             gu = plan.region("gate_up", l)
             with jax.named_scope("gate_up"):
@@ -972,10 +1085,27 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             body = fused_unit if plan.fuse_out else unit
             return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: body(c + i * ctas, r), r)
 
+        def mlp_slices(layer, r):  # (fuse_mlp) per slice: its gate and up tiles by K step, then its down units
+            steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
+
+            def slice_(i, r):
+                def kstep(j, r):
+                    r = fetch(wgu.at[layer, i * steps + j], r)
+                    return fetch(wgu.at[layer, (n_f + i) * steps + j], r)
+
+                r = lax.fori_loop(0, steps, kstep, r)
+                return lax.fori_loop(0, steps, lambda u, r: fetch(wd.at[layer, i * steps + u], r), r)
+
+            return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
+
         def layer(l, r):
             r = stream("qkv", l, r)
             r = heads(l, r)
-            for name in ("gate_up", "down") if plan.fuse_out else ("out", "gate_up", "down"):
+            if not plan.fuse_out:
+                r = stream("out", l, r)
+            if plan.fuse_mlp:
+                return mlp_slices(l, r)
+            for name in ("gate_up", "down"):
                 r = stream(name, l, r)
             return r
 
@@ -1025,7 +1155,7 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
     hd, P = plan.head_dim, plan.x_stages
     scratch = (
         plgpu.SMEM((plan.x_slots(), ROWS, bk), dtype, transforms=tiled),  # x operands
-        plgpu.SMEM((P, bk), jnp.float32), plgpu.SMEM((P, bk), jnp.float32),  # x stages, up stages
+        plgpu.SMEM((P, bk), jnp.float32), plgpu.SMEM((plan.up_stages, bk), jnp.float32),  # x stages, up stages
         plgpu.SMEM((plan.stages, BLOCK_F, bk), dtype, transforms=tiled),  # the weight / cache ring
         plgpu.SMEM((BLOCK_F,), jnp.float32),  # a partial
         plgpu.SMEM((BLOCK_F * plan.res_tiles,), jnp.float32),  # its residual (fuse_out: each row tile's)
@@ -1136,14 +1266,11 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
     return mm(rows["head"], h) * rms(h), cache
 
 
-@functools.partial(jax.jit, static_argnames="block_k")
-def prepare(rows: dict, block_k: int) -> dict:
+@functools.partial(jax.jit, static_argnames=("block_k", "fuse_mlp"))
+def prepare(rows: dict, block_k: int, fuse_mlp: bool = False) -> dict:
     """decode.prepare_weights(model, dtype, rows=True)'s output-major weights (norm scales folded)
     as megakernel_step's unit-major stacks (one jitted copy: no stacked intermediate stays alive)."""
-    stack = lambda key: jnp.stack([layer[key] for layer in rows["layers"]])  # noqa: E731
-    w = dict(qkv=stack("wqkv_xd"), out=stack("wo_dx"), gate_up=stack("wgu_xd"), down=stack("wdown_df"),
-             head=rows["head_xd"])
-    return {name: unit_major(v, block_k) for name, v in w.items()}
+    return to_units(row_weights(rows), block_k, fuse_mlp)
 
 
 def row_weights(rows: dict) -> dict:
