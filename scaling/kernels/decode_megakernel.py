@@ -126,6 +126,8 @@ class MegaPlan:
     # (W_down stored slice-major, `down_slices`); for models with at most one slice per CTA
     # (the 1b: 128 slices on 132 SMs)
     fuse_mlp: bool = False
+    # the grid barrier's signal as a relaxed reduction instead of a release (`relaxed_signal`)
+    relaxed_signal: bool = False
 
     @property
     def mlp_slices(self) -> int:
@@ -399,6 +401,29 @@ def rope_table(pos, inv_freq):
 # ------------------------------------------------------------------------------------ the kernel
 
 
+def relaxed_signal(sem_ref):
+    """Add 1 to a global semaphore with a relaxed reduction (`red.relaxed.gpu`), where
+    plgpu.semaphore_signal's is a release (`red.release.gpu`).
+
+    Why (docs/decoding.md, nineteenth session): the release's fence waits ~2 µs under the weight
+    stream, three times a layer, on the critical path. What it would order is already ordered:
+    every write a phase makes to global memory is a TMA store or reduce-add, and each CTA waits
+    for their completion (`cp.async.bulk.wait_group 0`, which returns once L2, the GPU's point of
+    coherence, has performed them) before it signals; every read after the barrier is a TMA load
+    from L2, after the waiter's acquire fence (plgpu.semaphore_wait's)."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _signal(ctx, sem):
+        del ctx
+        mgpu_utils.warpgroup_barrier()  # (as semaphore_signal: every thread of the warpgroup is done)
+        mgpu_utils.SemaphoreRef(mgpu.utils.memref_ptr(sem)).signal(1, relaxed=True, memory_scope="gpu")
+
+    _signal(sem_ref)
+
+
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
           obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
           ml_smem, *,
@@ -426,7 +451,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
 
     def signal(index):
-        if sync:
+        if sync and plan.relaxed_signal:
+            relaxed_signal(done.at[index])
+        elif sync:
             plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
 
     # register layouts (interpret mode has none)
@@ -773,7 +800,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                         t = jnp.where(col == i + g_heads * par, lax.broadcast_in_dim(q, (hd, ROWS), [0]), t)
                     tiles += [t.astype(x_smem.dtype), zero_t.astype(x_smem.dtype)]
                 x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0)
-                scale = norm_rsqrt(h_in, issued=True)
+                with jax.named_scope("p_norm"):
+                    scale = norm_rsqrt(h_in, issued=True)
                 k_new, v_new = k_rot * scale, vec(qkv_a.at[g_heads + 1]) * scale
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
                 kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
@@ -790,14 +818,15 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 # the new position: V in o's rows (H..2H-1, the even stream's), and its scores
                 # q_i . k, as the tensor cores see them (bf16), one sum for all columns; those
                 # that do not take it (odd positions, unused, not the last split) get NEG in row 0
-                k_b = lax.broadcast_in_dim(k_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
-                v_b = lax.broadcast_in_dim(v_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
-                v_col = jnp.concatenate([zero_t, v_b] + [zero_t] * (2 * ppr - 2), axis=0)
-                skip = g_heads if splits == 1 else g_heads * last.astype(jnp.int32)
-                s2 = tiles[0].astype(jnp.float32) * k_b
-                s_new = jnp.sum(jnp.where((iota((hd, ROWS), 0) == 0) & (col >= skip), NEG, s2 * scale),
-                                axis=0)
-                plgpu.commit_smem()
+                with jax.named_scope("p_snew"):
+                    k_b = lax.broadcast_in_dim(k_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
+                    v_b = lax.broadcast_in_dim(v_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
+                    v_col = jnp.concatenate([zero_t, v_b] + [zero_t] * (2 * ppr - 2), axis=0)
+                    skip = g_heads if splits == 1 else g_heads * last.astype(jnp.int32)
+                    s2 = tiles[0].astype(jnp.float32) * k_b
+                    s_new = jnp.sum(jnp.where((iota((hd, ROWS), 0) == 0) & (col >= skip), NEG, s2 * scale),
+                                    axis=0)
+                    plgpu.commit_smem()
 
             def block(blk, carry):  # positions [64 blk, 64 blk + 64) of those before pos
                 m, l, o, r = carry
@@ -926,7 +955,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 return ss + v * v, acc_g, acc_u, r + 2
 
             ss0 = cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1))
-            ss, acc_g, acc_u, r = lax.fori_loop(0, steps, kstep, (ss0, zero_acc(BLOCK_F), zero_acc(BLOCK_F), r))
+            with jax.named_scope("m_gate_up"):
+                ss, acc_g, acc_u, r = lax.fori_loop(0, steps, kstep, (ss0, zero_acc(BLOCK_F), zero_acc(BLOCK_F), r))
             scale = lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
             gate, up = jnp.sum(acc_g, axis=1) * scale, jnp.sum(acc_u, axis=1) * scale
             act = lax.broadcast_in_dim(gate / (1.0 + jnp.exp(-gate)) * up, (BLOCK_F, ROWS), [0])
@@ -948,7 +978,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 reduce_add(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(h2 + u * bk, bk)])
                 return r + 1
 
-            return lax.fori_loop(0, steps, down, r)
+            with jax.named_scope("m_down"):
+                return lax.fori_loop(0, steps, down, r)
 
         r = lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
