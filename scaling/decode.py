@@ -202,11 +202,15 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
             plan = dataclasses.replace(plan, fuse_mlp=True)
         except ValueError:
             pass
+    # Each phase's last 2 ring slots freed only after its signal, whose release fence otherwise
+    # waits for the TMA loads the producer issues into them (H200: the 1b 1.025x, the 7b 1.027x,
+    # the 1b at prompt 2048 1.04x; docs/benchmarks.md, nineteenth session)
+    plan = dataclasses.replace(plan, hold_slots=2)
     fused = dataclasses.replace(plan, fuse_out=True)
     candidates = (fused, plan) if splits == 1 else (dataclasses.replace(plan, attn_splits=splits), plan)
     for candidate, stages in itertools.product(candidates, (5, 4, 3) if plan.fuse_mlp else (plan.stages,)):
         try:
-            candidate = dataclasses.replace(candidate, stages=stages)
+            candidate = dataclasses.replace(candidate, stages=stages, hold_slots=min(candidate.hold_slots, stages))
             candidate.check()
             return candidate
         except ValueError:

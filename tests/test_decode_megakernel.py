@@ -85,7 +85,7 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
     plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k,
-                       **(dict(fuse_out=True, fuse_mlp=True) if fuse else dict(attn_splits=2)))
+                       **(dict(fuse_out=True, fuse_mlp=True, hold_slots=2) if fuse else dict(attn_splits=2, hold_slots=1)))
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
@@ -100,11 +100,12 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
 
 
 # pos 64: a tile holding one position; 100: a partly masked one. 3 splits of 2 tiles: one empty
-@pytest.mark.parametrize("pos,norm_prefetch,splits", [(64, False, 1), (100, True, 3)])
-def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefetch, splits):
+# (hold_slots: ring slots freed after the signal; a slot freed twice or never would hang the producer)
+@pytest.mark.parametrize("pos,norm_prefetch,splits,hold", [(64, False, 1, 0), (100, True, 3, 3)])
+def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefetch, splits, hold):
     """Logits and the whole cache (the new row at pos, the rest untouched) against the reference."""
     _, rows, plan, cache, x = setup
-    plan = dataclasses.replace(plan, norm_prefetch=norm_prefetch, attn_splits=splits)
+    plan = dataclasses.replace(plan, norm_prefetch=norm_prefetch, attn_splits=splits, hold_slots=hold)
     units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG))
     logits, buf, new_cache = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
@@ -196,7 +197,7 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
-                       fuse_mlp=fuse_mlp)
+                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0)
     plan.check()
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
@@ -283,7 +284,7 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr):
     plan = decode.megakernel_plan(cfg, MAX_LEN)
     assert plan.ppr == ppr  # (head_dim 64: paired positions by default)
     assert plan.fuse_out == (cfg is CFG)  # (CFG: its 2 q heads of 128 are one K step of W_o)
-    assert plan.fuse_mlp  # (one CTA in the interpreter: every slice of the MLP on it)
+    assert plan.fuse_mlp and plan.hold_slots == 2  # (one CTA in the interpreter: every slice of the MLP on it)
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)

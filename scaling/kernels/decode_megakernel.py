@@ -126,8 +126,11 @@ class MegaPlan:
     # (W_down stored slice-major, `down_slices`); for models with at most one slice per CTA
     # (the 1b: 128 slices on 132 SMs)
     fuse_mlp: bool = False
-    # the grid barrier's signal as a relaxed reduction instead of a release (`relaxed_signal`)
-    relaxed_signal: bool = False
+    # ring slots a CTA frees only after it signals the phase they end: the signal's release fence
+    # waits for the CTA's TMA loads in flight (the producer refills freed slots at once), ~1 µs
+    # more per barrier at 3-4 stages than at 2 (docs/decoding.md, nineteenth session); held, the
+    # loads are issued after the signal, while the CTA waits at the barrier
+    hold_slots: int = 0
 
     @property
     def mlp_slices(self) -> int:
@@ -302,6 +305,8 @@ class MegaPlan:
         if self.fuse_mlp and bk // BLOCK_F > ROWS:
             raise ValueError(f"fuse_mlp puts a down unit's {bk // BLOCK_F} row tiles in the operand's {ROWS} columns: "
                              f"block_k must be <= {ROWS * BLOCK_F}, got {bk}")
+        if not 0 <= self.hold_slots <= self.stages:
+            raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
             raise ValueError(f"out_skips_attn needs CTAs beyond the {self.attn_ctas} that run attention, got "
                              f"ctas={self.ctas}")
@@ -401,29 +406,6 @@ def rope_table(pos, inv_freq):
 # ------------------------------------------------------------------------------------ the kernel
 
 
-def relaxed_signal(sem_ref):
-    """Add 1 to a global semaphore with a relaxed reduction (`red.relaxed.gpu`), where
-    plgpu.semaphore_signal's is a release (`red.release.gpu`).
-
-    Why (docs/decoding.md, nineteenth session): the release's fence waits ~2 µs under the weight
-    stream, three times a layer, on the critical path. What it would order is already ordered:
-    every write a phase makes to global memory is a TMA store or reduce-add, and each CTA waits
-    for their completion (`cp.async.bulk.wait_group 0`, which returns once L2, the GPU's point of
-    coherence, has performed them) before it signals; every read after the barrier is a TMA load
-    from L2, after the waiter's acquire fence (plgpu.semaphore_wait's)."""
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def _signal(ctx, sem):
-        del ctx
-        mgpu_utils.warpgroup_barrier()  # (as semaphore_signal: every thread of the warpgroup is done)
-        mgpu_utils.SemaphoreRef(mgpu.utils.memref_ptr(sem)).signal(1, relaxed=True, memory_scope="gpu")
-
-    _signal(sem_ref)
-
-
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
           obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
           ml_smem, *,
@@ -451,10 +433,19 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
 
     def signal(index):
-        if sync and plan.relaxed_signal:
-            relaxed_signal(done.at[index])
-        elif sync:
+        if sync:  # (a release: a relaxed one races, docs/decoding.md, nineteenth session)
             plgpu.semaphore_signal(done.at[index], 1, memory_scope="gpu")
+
+    def release(r, m):
+        """Free the ring slots of the m units before count r (those a phase held: hold_slots)."""
+        @pl.loop(0, m)
+        def _(i):
+            plgpu.barrier_arrive(free.at[lax.rem(r - m + i, plan.stages)])
+
+    def free_unless(slot, held):
+        @pl.when(jnp.logical_not(held))
+        def _():
+            plgpu.barrier_arrive(free.at[slot])
 
     # register layouts (interpret mode has none)
     def vec(ref):
@@ -554,25 +545,29 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         plgpu.commit_smem()  # every thread has read the stages before the next phase refills them
         return lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
 
-    def statistic(base, sem, before):
-        """Signal phase `sem`, wait for it (the next phase is `before`), and return the RMSNorm
-        statistic of the region at base: read after the signal (in the time the CTA would wait
-        anyway; the last CTA to signal then starts the next phase that much later), or with
-        plan.norm_prefetch copied before the signal and summed after the wait."""
+    def statistic(base, sem, before, held):
+        """Signal phase `sem` (then free the held slots: held = (ring count, slots)), wait for it
+        (the next phase is `before`), and return the RMSNorm statistic of the region at base: read
+        after the signal (in the time the CTA would wait anyway; the last CTA to signal then starts
+        the next phase that much later), or with plan.norm_prefetch copied before the signal and
+        summed after the wait."""
         if plan.norm_prefetch:
             norm_prefetch(base)
             signal(sem)
+            release(*held)
             wait(sem, before)
             with jax.named_scope("norm"):
                 return norm_sum()
         signal(sem)
+        release(*held)
         with jax.named_scope("norm"):
             r = norm_rsqrt(base)
         wait(sem, before)
         return r
 
-    def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None):
-        """This CTA's units of one projection; r: the ring's running count (returned advanced).
+    def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None, hold=0):
+        """This CTA's units of one projection; r: the ring's running count. Returns it advanced,
+        and how many of the last units' slots it holds (hold at most; `release` frees them).
         x chunk j from buf[x_base + j bk] (with up_base: silu(s g) * (s u), g from x_base, u
         from up_base, s = scale); partials reduce-added at buf[y_base + row]; res_base: plus the
         residual buf[res_base + row], added by the CTA holding the tile's first K step."""
@@ -626,7 +621,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
                 plgpu.barrier_wait(w_full.at[slot])
                 acc = product(acc, ring.at[slot], x_smem.at[lax.rem(i, steps)])
-                plgpu.barrier_arrive(free.at[slot])
+                free_unless(slot, g + jj >= b - hold)
                 return acc
 
             acc = lax.fori_loop(0, n, step, zero_acc(BLOCK_F))
@@ -642,7 +637,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         _, r = lax.while_loop(lambda carry: carry[0] < b, segment, (a, r))
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
-        return r
+        return r, jnp.minimum(hold, b - a)
 
     def split_blocks(j, pos):
         """[lo, hi): the cache tiles (64 rows, plan.tile_positions positions) before pos that
@@ -653,7 +648,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     def attention(layer, r, h_in, pos):
         """Units c, c + C, ... of KV heads x splits (unit u: KV head u mod K, split u div K): see
         the module docstring. Each unit computes the RMSNorm statistic of h_in itself, while its
-        q/k/v loads land (a CTA without a unit needs none). Returns the ring count."""
+        q/k/v loads land (a CTA without a unit needs none). Returns the ring count and the slots
+        held (fuse_out: its last unit's last W_o tiles)."""
         base = plan.region("qkv", layer)
         n_q, n_kv = plan.heads, plan.kv_heads
         cs, sn = vec(rope_s.at[0]), vec(rope_s.at[1])
@@ -738,9 +734,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0).astype(x_smem.dtype)
             plgpu.commit_smem()
 
-        def fused_out(layer, kvh, member, r):
+        def fused_out(layer, kvh, member, r, last):
             """(fuse_out) fused_operand's operand times the member's row tiles of W_o's K step kvh,
-            each reduce-added into h1 (plus the residual: the group of KV head 0)."""
+            each reduce-added into h1 (plus the residual: the group of KV head 0); last: the CTA's
+            last unit, whose last hold_slots tiles' slots are held."""
             t_lo, t_hi = plan.out_tiles(member)
             h1 = plan.region("h1", layer)
 
@@ -748,7 +745,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 slot = lax.rem(r, plan.stages)
                 plgpu.barrier_wait(w_full.at[slot])
                 y = jnp.sum(product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(t, 1)]), axis=1)
-                plgpu.barrier_arrive(free.at[slot])
+                free_unless(slot, last & (t >= t_hi - plan.hold_slots))
                 plgpu.barrier_wait(res_full.at[t - t_lo])
                 y = y + vec(res.at[pl.ds((t - t_lo) * BLOCK_F, BLOCK_F)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read `part`
@@ -868,7 +865,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 with jax.named_scope("a_merge"):
                     fused_operand(m, l, o)
                 with jax.named_scope("a_out"):
-                    return fused_out(layer, kvh, member, r)
+                    return fused_out(layer, kvh, member, r, u + ctas >= n_kv * gs)
             if ppr == 2:
                 write_heads(layer, kvh, j, merge_streams(m, l, o))
                 return r
@@ -892,9 +889,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             return r
 
         units = n_kv * gs if fused else n_kv * splits
-        r = lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: unit(c + i * ctas, r), r)
+        n_mine = pl.cdiv(units - c, ctas)
+        r = lax.fori_loop(0, n_mine, lambda i, r: unit(c + i * ctas, r), r)
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        return r
+        if not fused:
+            return r, 0
+        t_lo, t_hi = plan.out_tiles(lax.rem(c + (n_mine - 1) * ctas, gs))  # (the last unit's W_o tiles, held)
+        return r, jnp.where(n_mine > 0, jnp.minimum(plan.hold_slots, t_hi - t_lo), 0)
 
     def combine(layer):
         """(attn_splits > 1) q heads c, c + C, ...: the splits' partials into the head's output,
@@ -928,7 +929,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         gate and up (all K steps, two accumulators), the RMSNorm statistic (applied to both) and,
         for the CTA of slice 0, the residual; then silu(gate) up, rounded to bf16, goes into the
         operand's columns 0.. (column c in rows 64 c..), so each down unit's product holds its
-        row tiles in those columns; each unit's rows are reduce-added into h2."""
+        row tiles in those columns; each unit's rows are reduce-added into h2. Returns the ring
+        count and the slots held."""
         h1, h2 = plan.region("h1", layer), plan.region("h2", layer)
         steps = plan.hidden // bk  # gate/up's K steps, and the down units of a slice
         n_f = plan.mlp // BLOCK_F
@@ -969,7 +971,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 slot = lax.rem(r, plan.stages)
                 plgpu.barrier_wait(w_full.at[slot])
                 acc = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(u, 1)])
-                plgpu.barrier_arrive(free.at[slot])
+                free_unless(slot, (i + ctas >= n_f) & (u >= steps - plan.hold_slots))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read obuf
                 for n in range(bk // BLOCK_F):
                     res = vec(stage.at[u, pl.ds(n * BLOCK_F, BLOCK_F)])
@@ -981,9 +983,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             with jax.named_scope("m_down"):
                 return lax.fori_loop(0, steps, down, r)
 
-        r = lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
+        mine = pl.cdiv(n_f - c, ctas)
+        r = lax.fori_loop(0, mine, lambda k, r: slice_(c + k * ctas, r), r)
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
-        return r
+        return r, jnp.where(mine > 0, min(plan.hold_slots, steps), 0)  # (the last slice's last down units, held)
 
     @pl.when(wg == 0)
     def _consumer():
@@ -1025,13 +1028,15 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 wait(sem - 1, "qkv")
 
             h_in = plan.region("in", l)
+            hold = plan.hold_slots
             with jax.named_scope("qkv"):
-                r = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l))
+                r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold)
             signal(sem)
+            release(r, m)  # (every signal is followed by freeing the slots its phase held)
             wait(sem, "attn")
             h1 = plan.region("h1", l)
             with jax.named_scope("attn"):  # (fuse_out: and the output projection)
-                r = attention(l, r, h_in, pos)
+                r, m = attention(l, r, h_in, pos)
             if not fused:
                 sem += 1
                 if splits > 1:
@@ -1043,30 +1048,33 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 signal(sem)
                 wait(sem, "out")
                 with jax.named_scope("out"):
-                    r = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in)
+                    r, m = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in, hold=hold)
             signal(sem + 1)
+            release(r, m)
             if plan.fuse_mlp:
                 wait(sem + 1, "mlp")
                 with jax.named_scope("mlp"):
-                    r = mlp(l, r)
+                    r, m = mlp(l, r)
                 signal(sem + 2)
+                release(r, m)
                 return r
             wait(sem + 1, "gate_up")
             gu = plan.region("gate_up", l)
             with jax.named_scope("gate_up"):
-                r = gemv("gate_up", l, r, x_base=h1, y_base=gu)
-            r_mlp = statistic(h1, sem + 2, "down")
+                r, m = gemv("gate_up", l, r, x_base=h1, y_base=gu, hold=hold)
+            r_mlp = statistic(h1, sem + 2, "down", (r, m))
             with jax.named_scope("down"):
-                r = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
-                         res_base=h1)
+                r, m = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
+                         res_base=h1, hold=hold)
             signal(sem + 3)
+            release(r, m)
             return r
 
         r = lax.fori_loop(0, plan.layers, layer, jnp.int32(0))
         wait(n_ph * plan.layers, "head")
         h_last = plan.region("in", plan.layers)
         with jax.named_scope("head"):
-            gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)
+            gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)  # (holds nothing: no signal follows)
 
         @pl.when(c == 0)
         def _():  # the final norm's statistic, for the caller to scale the logits by
