@@ -152,7 +152,9 @@ def phase_walls(trace: dict) -> dict[str, float]:
     """Where a profiled step's time goes (µs, medians over layers): each phase's wall time, from
     the last CTA to finish the phase before (the previous layer's down for q/k/v) to the last CTA
     to finish this one; also the median CTA's own time in each region (`cta_<name>`, its mean per
-    occurrence) and the longest CTA's attention."""
+    occurrence), each phase's signal (`signal_<name>`) and the longest CTA's attention.
+    (The walls compare CTAs' clocks, which drift apart by up to ~1 kcycle per layer on some SMs:
+    the `cta_` and `signal_` numbers, each within one CTA, are the firmer ones.)"""
     import numpy as np
 
     from bench_streamk_chain import regions
@@ -183,6 +185,13 @@ def phase_walls(trace: dict) -> dict[str, float]:
         t = table(name, present=name in ATTN_PARTS + MLP_PARTS)  # (an attention part: the CTAs that run a unit)
         if t.shape[1]:
             out[f"cta_{name}_us"] = float(np.median((t[:, :, 1] - t[:, :, 0]).mean(axis=1)))
+    # the signal after each phase: from the phase's end to the CTA's next wait (its release fence
+    # waits for the CTA's TMA loads in flight; MegaPlan.hold_slots)
+    tops = [[r for r in seq if r[0] in phases or r[0].startswith("wait_")] for seq in seqs]  # (not nested)
+    for name in phases:
+        gaps = [b[1] - a[2] for seq in tops for a, b in zip(seq, seq[1:]) if a[0] == name and b[0].startswith("wait_")]
+        if gaps:
+            out[f"signal_{name}_us"] = float(np.median(gaps))
     attn = table("attn")
     out["cta_attn_max_us"] = float((attn[:, :, 1] - attn[:, :, 0]).mean(axis=1).max())
     return out
