@@ -131,6 +131,10 @@ class MegaPlan:
     # more per barrier at 3-4 stages than at 2 (docs/decoding.md, nineteenth session); held, the
     # loads are issued after the signal, while the CTA waits at the barrier
     hold_slots: int = 0
+    # the attention norm's statistic computed by every CTA after it signals its q/k/v units, from
+    # all of h's chunks in the x stages (the gemv's own and the rest, loaded from the phase's start),
+    # instead of by each attention unit on its critical path; where the chunks fit the stages
+    norm_in_qkv: bool = False
 
     @property
     def mlp_slices(self) -> int:
@@ -305,6 +309,9 @@ class MegaPlan:
         if self.fuse_mlp and bk // BLOCK_F > ROWS:
             raise ValueError(f"fuse_mlp puts a down unit's {bk // BLOCK_F} row tiles in the operand's {ROWS} columns: "
                              f"block_k must be <= {ROWS * BLOCK_F}, got {bk}")
+        if self.norm_in_qkv and self.hidden // bk > self.x_stages:
+            raise ValueError(f"norm_in_qkv holds all of h in the x stages: hidden / block_k = {self.hidden // bk} must "
+                             f"be <= x_stages = {self.x_stages}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -565,12 +572,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         wait(sem, before)
         return r
 
-    def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None, hold=0):
+    def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None, hold=0, all_x=False):
         """This CTA's units of one projection; r: the ring's running count. Returns it advanced,
         and how many of the last units' slots it holds (hold at most; `release` frees them).
         x chunk j from buf[x_base + j bk] (with up_base: silu(s g) * (s u), g from x_base, u
         from up_base, s = scale); partials reduce-added at buf[y_base + row]; res_base: plus the
-        residual buf[res_base + row], added by the CTA holding the tile's first K step."""
+        residual buf[res_base + row], added by the CTA holding the tile's first K step. all_x: also
+        the chunks its units do not use, into the stages after its own (`held_norm` reads them)."""
         _, k = plan.gemvs()[name]
         steps = k // bk
         a, b = span(name)
@@ -587,6 +595,11 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         @pl.loop(0, jnp.minimum(n_x, P))
         def _(i):
             issue(i)
+
+        if all_x:  # stage i: chunk (a + i) mod steps, for every chunk (steps <= P: no refills)
+            @pl.loop(n_x, steps)
+            def _(i):
+                issue(i)
 
         def round_x(i):  # chunk i, at its first use, into operand slot i
             s = lax.rem(i, P)
@@ -639,16 +652,30 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
         return r, jnp.minimum(hold, b - a)
 
+    def held_norm(name):
+        """(norm_in_qkv) rsqrt(mean(h²) + eps) of gemv(name, all_x=True)'s x: every chunk in its
+        stage (those its units did not use, waited for here)."""
+        a, b = span(name)
+        n_x = jnp.minimum(b - a, plan.hidden // bk)
+        ss = cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1))
+        for i in range(plan.hidden // bk):
+            pl.when(i >= n_x)(functools.partial(lambda i: plgpu.barrier_wait(x_full.at[i]), i))
+            v = vec(stage.at[i])
+            ss = ss + v * v
+        plgpu.commit_smem()  # every thread has read the stages before they are refilled
+        return lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
+
     def split_blocks(j, pos):
         """[lo, hi): the cache tiles (64 rows, plan.tile_positions positions) before pos that
         split j of a KV head reads."""
         n = (pos + plan.tile_positions - 1) // plan.tile_positions
         return j * n // splits, (j + 1) * n // splits
 
-    def attention(layer, r, h_in, pos):
+    def attention(layer, r, h_in, pos, r_norm=None):
         """Units c, c + C, ... of KV heads x splits (unit u: KV head u mod K, split u div K): see
         the module docstring. Each unit computes the RMSNorm statistic of h_in itself, while its
-        q/k/v loads land (a CTA without a unit needs none). Returns the ring count and the slots
+        q/k/v loads land (a CTA without a unit needs none), or takes it (r_norm: norm_in_qkv).
+        Returns the ring count and the slots
         held (fuse_out: its last unit's last W_o tiles)."""
         base = plan.region("qkv", layer)
         n_q, n_kv = plan.heads, plan.kv_heads
@@ -778,7 +805,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                             k, src))
                 # the RMSNorm statistic r's loads: it is applied late (RoPE and the scores are
                 # linear in it), so only the new cache row waits for it, not the q operand
-                norm_issue(h_in)
+                if r_norm is None:
+                    norm_issue(h_in)
                 for i in range(len(srcs)):
                     plgpu.barrier_wait(a_full.at[i])
             with jax.named_scope("a_prep"):
@@ -798,7 +826,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                     tiles += [t.astype(x_smem.dtype), zero_t.astype(x_smem.dtype)]
                 x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0)
                 with jax.named_scope("p_norm"):
-                    scale = norm_rsqrt(h_in, issued=True)
+                    scale = norm_rsqrt(h_in, issued=True) if r_norm is None else r_norm
                 k_new, v_new = k_rot * scale, vec(qkv_a.at[g_heads + 1]) * scale
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
                 kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
@@ -1030,13 +1058,18 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             h_in = plan.region("in", l)
             hold = plan.hold_slots
             with jax.named_scope("qkv"):
-                r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold)
+                r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
+                            all_x=plan.norm_in_qkv)
             signal(sem)
             release(r, m)  # (every signal is followed by freeing the slots its phase held)
+            r_norm = None
+            if plan.norm_in_qkv:
+                with jax.named_scope("norm"):
+                    r_norm = held_norm("qkv")
             wait(sem, "attn")
             h1 = plan.region("h1", l)
             with jax.named_scope("attn"):  # (fuse_out: and the output projection)
-                r, m = attention(l, r, h_in, pos)
+                r, m = attention(l, r, h_in, pos, r_norm)
             if not fused:
                 sem += 1
                 if splits > 1:
