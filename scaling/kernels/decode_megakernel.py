@@ -135,6 +135,9 @@ class MegaPlan:
     # all of h's chunks in the x stages (the gemv's own and the rest, loaded from the phase's start),
     # instead of by each attention unit on its critical path; where the chunks fit the stages
     norm_in_qkv: bool = False
+    # (fuse_mlp) this many of a CTA's MLP units beyond its ring's depth prefetched into L2 (TMA
+    # prefetch) when its producer reaches the attention phase: HBM idles through q/k/v and attention
+    l2_prefetch: int = 0
 
     @property
     def mlp_slices(self) -> int:
@@ -312,6 +315,9 @@ class MegaPlan:
         if self.norm_in_qkv and self.hidden // bk > self.x_stages:
             raise ValueError(f"norm_in_qkv holds all of h in the x stages: hidden / block_k = {self.hidden // bk} must "
                              f"be <= x_stages = {self.x_stages}")
+        if self.l2_prefetch and not (self.fuse_mlp and 0 <= self.l2_prefetch <= 2 * (self.hidden // bk) - self.stages):
+            raise ValueError(f"l2_prefetch needs fuse_mlp and at most the slice's gate/up units beyond the ring: "
+                             f"0..{2 * (self.hidden // bk) - self.stages}, got {self.l2_prefetch}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -1170,8 +1176,19 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
             return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
 
+        def l2_prefetch(layer):  # (the slice's gate/up units at positions stages.. of its order: gate j, up j, ...)
+            steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
+
+            @pl.when(c < n_f)
+            def _():
+                for p in range(plan.stages, plan.stages + plan.l2_prefetch):
+                    row = c + (n_f if p % 2 else 0)
+                    plgpu.async_prefetch(wgu.at[layer, row * steps + p // 2])
+
         def layer(l, r):
             r = stream("qkv", l, r)
+            if plan.l2_prefetch:
+                l2_prefetch(l)
             r = heads(l, r)
             if not plan.fuse_out:
                 r = stream("out", l, r)
