@@ -138,8 +138,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "mlp": {"fuse_mlp": True},  # (gate/up and down as one phase)
             # (ring slots freed only after the signal: its fence then waits for fewer TMA loads)
             **{f"hold{n}": {"hold_slots": n} for n in (1, 2, 3, 4, 5)},
-            "qnorm": {"norm_in_qkv": True},
-            **{f"l2pf{n}": {"l2_prefetch": n} for n in (2, 4, 6, 8, 11)}}  # (the attention norm's statistic at the q/k/v phase's end)
+            "qnorm": {"norm_in_qkv": True}}  # (the attention norm's statistic at the q/k/v phase's end)
 
 
 def variant_fields(variant: str) -> dict:

@@ -127,22 +127,14 @@ class MegaPlan:
     # (the 1b: 128 slices on 132 SMs)
     fuse_mlp: bool = False
     # ring slots a CTA frees only after it signals the phase they end: the signal's release fence
-    # waits for the CTA's TMA loads in flight (the producer refills freed slots at once), ~1 µs
-    # more per barrier at 3-4 stages than at 2 (docs/decoding.md, nineteenth session); held, the
-    # loads are issued after the signal, while the CTA waits at the barrier
+    # waits for the CTA's TMA loads in flight (the producer refills freed slots at once): 1.7-2.4
+    # kcycles per signal at 2 stages, 2.9-3.7 at 3-4 (the 1b on the H200; docs/decoding.md,
+    # nineteenth session); held, those loads are issued after the signal, while the CTA waits
     hold_slots: int = 0
     # the attention norm's statistic computed by every CTA after it signals its q/k/v units, from
     # all of h's chunks in the x stages (the gemv's own and the rest, loaded from the phase's start),
     # instead of by each attention unit on its critical path; where the chunks fit the stages
     norm_in_qkv: bool = False
-    # (fuse_mlp) this many of a CTA's MLP units beyond its ring's depth prefetched into L2 (TMA
-    # prefetch) when its producer reaches the attention phase: HBM idles through q/k/v and attention
-    l2_prefetch: int = 0
-
-    @property
-    def mlp_slices(self) -> int:
-        """(fuse_mlp) 64-wide slices of the MLP's hidden units, one per CTA (CTA c: c, c + C, ...)."""
-        return self.mlp // BLOCK_F
 
     @property
     def out_group(self) -> int:
@@ -315,9 +307,6 @@ class MegaPlan:
         if self.norm_in_qkv and self.hidden // bk > self.x_stages:
             raise ValueError(f"norm_in_qkv holds all of h in the x stages: hidden / block_k = {self.hidden // bk} must "
                              f"be <= x_stages = {self.x_stages}")
-        if self.l2_prefetch and not (self.fuse_mlp and 0 <= self.l2_prefetch <= 2 * (self.hidden // bk) - self.stages):
-            raise ValueError(f"l2_prefetch needs fuse_mlp and at most the slice's gate/up units beyond the ring: "
-                             f"0..{2 * (self.hidden // bk) - self.stages}, got {self.l2_prefetch}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -1176,19 +1165,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
             return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
 
-        def l2_prefetch(layer):  # (the slice's gate/up units at positions stages.. of its order: gate j, up j, ...)
-            steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
-
-            @pl.when(c < n_f)
-            def _():
-                for p in range(plan.stages, plan.stages + plan.l2_prefetch):
-                    row = c + (n_f if p % 2 else 0)
-                    plgpu.async_prefetch(wgu.at[layer, row * steps + p // 2])
-
         def layer(l, r):
             r = stream("qkv", l, r)
-            if plan.l2_prefetch:
-                l2_prefetch(l)
             r = heads(l, r)
             if not plan.fuse_out:
                 r = stream("out", l, r)
