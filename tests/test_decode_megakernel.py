@@ -85,7 +85,7 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
     plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k,
-                       **(dict(fuse_out=True, fuse_mlp=True, hold_slots=2) if fuse else dict(attn_splits=2, hold_slots=1)))
+                       **(dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True) if fuse else dict(attn_splits=2, hold_slots=1)))
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
@@ -190,14 +190,15 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
 CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, mlp_dim=512)
 
 
-# (fuse_mlp: gate/up and down as one phase, W_down slice-major; its own test is the last case)
+# (the last case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots and
+# norm_in_qkv)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp", [(CFG, MAX_LEN, 100, False), (CFG3, 256, 1, False),
                                                       (CFG3, 256, 129, True)])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
-                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0)
+                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp)
     plan.check()
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
