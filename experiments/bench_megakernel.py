@@ -121,6 +121,45 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
 
 
 # (combine: only with attn_splits > 1; mlp: gate/up and down as one phase, fuse_mlp)
+def step_logits(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: int = 0):
+    """The logits of `steps` steps from position `start`, the tokens given (random, the same for
+    every plan: no greedy feedback, so plans that round differently still see the same inputs)."""
+    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
+    embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
+    cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(seed + 4), (steps,), 0, plan.vocab_rows)
+
+    def run(cache, units, embed):
+        def body(cache, i):
+            pos = jnp.int32(start) + i
+            logits, _, cache = mk.megakernel_step(embed[tokens[i]].astype(jnp.float32), mk.rope_table(pos, inv_freq),
+                                                  pos, units, cache, plan=plan)
+            return cache, logits
+
+        return jax.lax.scan(body, cache, jnp.arange(steps))[1]
+
+    return np.asarray(jax.jit(run, donate_argnums=0)(cache, units, embed))
+
+
+def race_check(plan: mk.MegaPlan, other: mk.MegaPlan, inv_freq, start: int, steps: int) -> dict:
+    """A plan whose synchronisation may race against one that computes the same and does not (e.g.
+    hold_slots against none), over `steps` steps: each step's logits relative to the other plan's,
+    beside the other plan run twice (the floor: f32 reduce-adds land in a different order every
+    run). A read of a partial activation shows as an outlier far above the floor (a relaxed
+    grid-barrier signal gave 14-36% against a floor of 1.4%; docs/decoding.md, nineteenth
+    session)."""
+    a1, a2 = step_logits(other, inv_freq, start, steps), step_logits(other, inv_freq, start, steps)
+    b1, b2 = step_logits(plan, inv_freq, start, steps), step_logits(plan, inv_freq, start, steps)
+
+    def rel(x, y):
+        return np.linalg.norm(x - y, axis=1) / np.linalg.norm(y, axis=1)
+
+    floor, diff = rel(a2, a1), np.concatenate([rel(b1, a1), rel(b2, a1)])
+    return {"steps": steps, "floor_max": float(floor.max()), "floor_median": float(np.median(floor)),
+            "max": float(diff.max()), "median": float(np.median(diff)),
+            "argmax_equal": float(np.mean(np.concatenate([b1.argmax(1) == a1.argmax(1), b2.argmax(1) == a1.argmax(1)])))}
+
+
 LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down", "mlp")
 # an attention unit's parts: q/k/v loaded, RoPE and the operands, the cache tiles, the new
 # position, (fuse_out) the streams merged and the output projection
@@ -240,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
     ap.add_argument("--bw-gib", type=float, default=4.0)
+    ap.add_argument("--race-steps", type=int, default=0, help="each variant with hold_slots: its logits over this many "
+                    "steps against the same plan without (race_check)")
     ap.add_argument("--profile", default="", help="also profile one step per model and variant into "
                     "DIR/<model>_<variant> (fewer x stages where the profiler's 16 KiB need them)")
     args = ap.parse_args(argv)
@@ -287,6 +328,14 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     res[f"check_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                     print(res[f"check_{variant}_error"], flush=True)
+            if args.race_steps and vplan.hold_slots:
+                try:
+                    res[f"race_{variant}"] = race_check(vplan, dataclasses.replace(vplan, hold_slots=0), inv_freq,
+                                                        args.start, args.race_steps)
+                    print(name, variant, "race check", res[f"race_{variant}"], flush=True)
+                except Exception as e:  # noqa: BLE001
+                    res[f"race_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    print(res[f"race_{variant}_error"], flush=True)
             try:
                 t = time_decode(vplan, inv_freq, args.start, args.steps, args.reps)
                 t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy

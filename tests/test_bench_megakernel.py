@@ -46,6 +46,8 @@ def test_phase_walls_on_a_known_trace():
     assert out["wall_gate_up_us"] == 20 and out["wall_down_us"] == 30 and out["wall_layer_us"] == 100
     assert out["cta_attn_us"] == 7.5 and out["cta_attn_max_us"] == 10
     assert out["cta_wait_attn_us"] == 2 and "cta_wait_out_us" not in out
+    # the signal after q/k/v: from its end (10 + i) to the CTA's wait (13), the norm between ignored
+    assert out["signal_qkv_us"] == 2.5 and "signal_attn_us" not in out
 
 
 def test_phase_walls_with_a_combine_phase():
