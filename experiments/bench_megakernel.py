@@ -157,7 +157,7 @@ def race_check(plan: mk.MegaPlan, other: mk.MegaPlan, inv_freq, start: int, step
     floor, diff = rel(a2, a1), np.concatenate([rel(b1, a1), rel(b2, a1)])
     return {"steps": steps, "floor_max": float(floor.max()), "floor_median": float(np.median(floor)),
             "max": float(diff.max()), "median": float(np.median(diff)),
-            "argmax_equal": float(np.mean(np.concatenate([b1.argmax(1) == a1.argmax(1), b2.argmax(1) == a1.argmax(1)])))}
+            "argmax_equal": float(np.mean(np.concatenate([b.argmax(1) == a1.argmax(1) for b in (b1, b2)])))}
 
 
 LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down", "mlp")

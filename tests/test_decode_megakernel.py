@@ -84,8 +84,9 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k,
-                       **(dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True) if fuse else dict(attn_splits=2, hold_slots=1)))
+    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True) if fuse
+               else dict(attn_splits=2, hold_slots=1))
+    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, **options)
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)

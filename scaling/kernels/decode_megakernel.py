@@ -998,7 +998,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read obuf
                 for n in range(bk // BLOCK_F):
                     res = vec(stage.at[u, pl.ds(n * BLOCK_F, BLOCK_F)])
-                    obuf.at[pl.ds(n * BLOCK_F, BLOCK_F)][...] = jnp.sum(jnp.where(col == n, acc, 0.0), axis=1) + res * res_on
+                    y = jnp.sum(jnp.where(col == n, acc, 0.0), axis=1)
+                    obuf.at[pl.ds(n * BLOCK_F, BLOCK_F)][...] = y + res * res_on
                 plgpu.commit_smem()  # (and every thread has read the stages before they are refilled)
                 reduce_add(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(h2 + u * bk, bk)])
                 return r + 1
