@@ -123,8 +123,8 @@ class MegaPlan:
     # gate/up and down as one phase (one barrier fewer per layer): the MLP's hidden units in
     # slices of 64, one CTA per slice, which computes the slice's gate and up over all of h1,
     # its SwiGLU, and its product with W_down's 64 columns for the slice, reduce-added into h2
-    # (W_down stored slice-major, `down_slices`); for models with at most one slice per CTA
-    # (the 1b: 128 slices on 132 SMs)
+    # (W_down stored slice-major, `down_slices`); for models whose slices spread evenly over the
+    # CTAs (the 1b: 128 slices on 132 SMs)
     fuse_mlp: bool = False
     # ring slots a CTA frees only after it signals the phase they end: the signal's release fence
     # waits for the CTA's TMA loads in flight (the producer refills freed slots at once): 1.7-2.4
@@ -670,8 +670,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         """Units c, c + C, ... of KV heads x splits (unit u: KV head u mod K, split u div K): see
         the module docstring. Each unit computes the RMSNorm statistic of h_in itself, while its
         q/k/v loads land (a CTA without a unit needs none), or takes it (r_norm: norm_in_qkv).
-        Returns the ring count and the slots
-        held (fuse_out: its last unit's last W_o tiles)."""
+        Returns the ring count and the slots held (fuse_out: its last unit's last W_o tiles)."""
         base = plan.region("qkv", layer)
         n_q, n_kv = plan.heads, plan.kv_heads
         cs, sn = vec(rope_s.at[0]), vec(rope_s.at[1])
