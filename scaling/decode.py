@@ -193,8 +193,8 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     # docs/benchmarks.md, eighteenth session)
     # gate/up and down as one phase where the MLP's 64-wide slices spread evenly over the CTAs (the
     # 1b: 128 on 132 SMs; not the 7b's 172), with a deeper weight ring (the 1b at prompt 128 on the
-    # H200: 1.05x, and stages 5 against 3 another 1.02-1.03x; docs/benchmarks.md, nineteenth
-    # session). It fixes W_down's layout, so it depends on the model only, not on max_len.
+    # H200: 1.05x; then 4 ring slots against 3 1.02x, 5 against 4 ~1.006x, each in its own run;
+    # docs/benchmarks.md, nineteenth session). It fixes W_down's layout, so it depends on the model only, not on max_len.
     slices = cfg.mlp_dim // decode_megakernel.BLOCK_F
     if -(-slices // ctas) * ctas <= 1.05 * slices:
         try:

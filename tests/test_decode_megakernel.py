@@ -261,6 +261,11 @@ def test_fused_mlp_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fuse_mlp holds all of h1 in the x stages: hidden / block_k = 8"):
         mk.plan_for(dataclasses.replace(CFG, hidden_size=2048, num_heads=16, num_kv_heads=8), 256, x_stages=4,
                     fuse_mlp=True).check()
+    with pytest.raises(ValueError, match="norm_in_qkv holds all of h in the x stages: hidden / block_k = 8"):
+        mk.plan_for(dataclasses.replace(CFG, hidden_size=2048, num_heads=16, num_kv_heads=8), 256, x_stages=4,
+                    norm_in_qkv=True).check()
+    with pytest.raises(ValueError, match="hold_slots must be 0..stages=3, got 4"):
+        mk.plan_for(CFG3, 256, x_stages=8, hold_slots=4).check()
     plan = mk.plan_for(CFG3, 256, x_stages=8, fuse_mlp=True)
     assert plan.up_stages == 1 and plan.x_slots() >= plan.hidden // plan.block_k
 
