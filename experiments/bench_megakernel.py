@@ -7,7 +7,8 @@ bandwidth measured in the same run.
 Per model (random bf16 weights of the preset's shape, a random cache): the kernel's logits and
 its new cache rows against `megakernel_reference` (f32 on the GPU) at a few positions, first on a
 2-layer model of the preset's width, then on the whole model; then `--steps` greedy steps per
-call (a lax.fori_loop: embedding row, RoPE table, the kernel, argmax; the cache donated), the
+call (a lax.fori_loop: the kernel, which reads the token's embedding row and RoPE row itself, then
+argmax; the cache donated), the
 median of `--reps` calls. Bytes per step = every weight but the embedding table + the K/V
 cache positions read (the mean over the timed steps). `--variants`: MegaPlan options, each timed
 in turn. `--profile DIR`: one step per model and variant under Mosaic GPU's on-device profiler,
@@ -92,11 +93,12 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
     cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
 
     def run(cache, token, units, embed):  # (weights as arguments: closed over, they become constants)
-        def body(i, carry):
+        rope_all = mk.rope_tables(plan.max_len, inv_freq)
+
+        def body(i, carry):  # (the kernel reads the token's embedding row and pos's RoPE row itself)
             cache, token = carry
             pos = jnp.int32(start) + i
-            x = embed[token].astype(jnp.float32)
-            logits, _, cache = mk.megakernel_step(x, mk.rope_table(pos, inv_freq), pos, units, cache, plan=plan)
+            logits, _, cache = mk.megakernel_token_step(token, pos, embed, rope_all, units, cache, plan=plan)
             return cache, jnp.argmax(logits).astype(jnp.int32)
 
         return jax.lax.fori_loop(0, steps, body, (cache, token))

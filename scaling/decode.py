@@ -222,11 +222,12 @@ def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig):
     """A batch-1 step by decode_megakernel: cache {"kv": plan.cache_shape} (megakernel_cache)."""
     kv = cache["kv"]
     plan = megakernel_plan(cfg, _cache_len(cache, cfg))
-    x = jnp.take(weights["embed_vd"], tokens_b[0], axis=0).astype(jnp.float32)
-    pos = write_b[0]
-    rope = decode_megakernel.rope_table(pos, layers.rope_frequencies(cfg))
-    logits, _, kv = decode_megakernel.megakernel_step(x, rope, pos, weights["units"], kv, plan=plan,
-                                                      interpret=jax.default_backend() != "gpu")
+    # (the kernel reads the token's embedding row and pos's RoPE row itself: no other kernel runs
+    # before it; the table of every position is loop-invariant, so XLA computes it once per chunk)
+    rope_all = decode_megakernel.rope_tables(plan.max_len, layers.rope_frequencies(cfg))
+    logits, _, kv = decode_megakernel.megakernel_token_step(tokens_b[0], write_b[0], weights["embed_vd"], rope_all,
+                                                            weights["units"], kv, plan=plan,
+                                                            interpret=jax.default_backend() != "gpu")
     return logits[None, : cfg.vocab_size], {"kv": kv}
 
 
@@ -555,23 +556,25 @@ class Sampling:
 def sample(logits_bv, keys_b, temperature, top_p, sampling: Sampling):
     """Next token [B] int32 and its log-prob under the model [B] f32."""
     logits_bv = logits_bv.astype(jnp.float32)
-    logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
-    if sampling.greedy:
+    if sampling.greedy:  # (no [B, V] log-softmax: the chosen token's log-prob from the row's max and sum)
         tok_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    else:
-        z = logits_bv / temperature
-        if sampling.top_k is not None:
-            kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
-            z = jnp.where(z < kth, -jnp.inf, z)
-        if sampling.use_top_p:
-            z_sorted = -jnp.sort(-z, axis=-1)  # descending
-            p_sorted = jax.nn.softmax(z_sorted, axis=-1)
-            # Keep a token while the mass before it is < top_p (the first is always kept).
-            keep = (jnp.cumsum(p_sorted, axis=-1) - p_sorted) < top_p
-            last = jnp.sum(keep, axis=-1, keepdims=True) - 1
-            thresh = jnp.take_along_axis(z_sorted, last, axis=-1)
-            z = jnp.where(z < thresh, -jnp.inf, z)
-        tok_b = jax.vmap(jax.random.categorical)(keys_b, z).astype(jnp.int32)
+        m_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
+        lse_b = jnp.log(jnp.sum(jnp.exp(logits_bv - m_b1), axis=-1))
+        return tok_b, (jnp.take_along_axis(logits_bv, tok_b[:, None], axis=-1) - m_b1)[:, 0] - lse_b
+    logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    z = logits_bv / temperature
+    if sampling.top_k is not None:
+        kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
+        z = jnp.where(z < kth, -jnp.inf, z)
+    if sampling.use_top_p:
+        z_sorted = -jnp.sort(-z, axis=-1)  # descending
+        p_sorted = jax.nn.softmax(z_sorted, axis=-1)
+        # Keep a token while the mass before it is < top_p (the first is always kept).
+        keep = (jnp.cumsum(p_sorted, axis=-1) - p_sorted) < top_p
+        last = jnp.sum(keep, axis=-1, keepdims=True) - 1
+        thresh = jnp.take_along_axis(z_sorted, last, axis=-1)
+        z = jnp.where(z < thresh, -jnp.inf, z)
+    tok_b = jax.vmap(jax.random.categorical)(keys_b, z).astype(jnp.int32)
     return tok_b, jnp.take_along_axis(logp_bv, tok_b[:, None], axis=-1)[:, 0]
 
 

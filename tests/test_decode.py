@@ -114,6 +114,18 @@ def test_sample_top_k_top_p_support():
     assert set(np.asarray(toks).tolist()) == {0, 1, 2}  # 0.5 + 0.3 < 0.85 <= 0.9
 
 
+def test_greedy_sample_log_prob_against_float64():
+    """Greedy's log-prob (from the row's max and sum, no [B, V] log-softmax) against float64, with
+    logits far from 0 (the max shift keeps exp finite)."""
+    logits = jax.random.normal(jax.random.key(1), (3, 1000)) * 4 + jnp.asarray([[0.0], [900.0], [-900.0]])
+    toks, lps = decode.sample(logits, None, jnp.float32(1.0), jnp.float32(1.0), decode.Sampling())
+    ref = np.asarray(logits, np.float64)
+    ref = ref - ref.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(toks), ref.argmax(-1))
+    np.testing.assert_allclose(np.asarray(lps), ref[np.arange(3), ref.argmax(-1)], atol=1e-5, rtol=0)
+
+
 def test_generate_api_and_errors(model, decoder, monkeypatch):
     toks, lps = decode.generate(model, PROMPTS[:1], 3, return_logprobs=True, max_len=MAX_LEN)
     assert len(toks[0]) == 3 and len(lps[0]) == 3

@@ -98,6 +98,12 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
         weights,
         bf16(*plan.cache_shape)).mlir_module()
     assert module.count("mosaic_gpu_v2") == 1
+    # the decoder's entry: the token's bf16 embedding row and pos's RoPE row read by the kernel
+    token_fn = jax.jit(lambda t, p, e, r, w, c: mk.megakernel_token_step(t, p, e, r, w, c, plan=plan))
+    module = export.export(token_fn, platforms=["cuda"])(
+        abstract((), jnp.int32), abstract((), jnp.int32), bf16(cfg.vocab_size, plan.hidden),
+        abstract((plan.max_len, 2, plan.head_dim), jnp.float32), weights, bf16(*plan.cache_shape)).mlir_module()
+    assert module.count("mosaic_gpu_v2") == 1
 
 
 # pos 64: a tile holding one position; 100: a partly masked one. 3 splits of 2 tiles: one empty
@@ -119,6 +125,32 @@ def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefe
     assert not np.array_equal(np.asarray(new_cache[:, pos]), np.asarray(cache[:, pos]))  # the row was written
     # the step's input is where MegaPlan says
     np.testing.assert_array_equal(np.asarray(buf[plan.x_off: plan.x_off + plan.hidden]), np.asarray(x))
+
+
+def test_token_step_reads_the_embedding_row_and_rope_row_itself(setup):
+    """megakernel_token_step (the decoder's: the kernel gathers the token's bf16 embedding row and
+    pos's RoPE row) against megakernel_step given them in f32: the same input region, the same
+    logits and cache; and the table of every position against rope_table at each."""
+    _, rows, plan, cache, _ = setup
+    token, pos = 11, 70
+    inv_freq = layers.rope_frequencies(CFG)
+    rope_all = mk.rope_tables(MAX_LEN, inv_freq)
+    for p in (0, 1, pos, MAX_LEN - 1):
+        np.testing.assert_allclose(rope_all[p], mk.rope_table(jnp.int32(p), inv_freq), rtol=1e-6, atol=1e-6)
+    units, embed = mk.prepare(rows, plan.block_k), rows["embed_vd"]
+    assert embed.dtype == jnp.bfloat16
+    got = jax.jit(lambda *a: mk.megakernel_token_step(*a, plan=plan, interpret=True))(
+        jnp.int32(token), jnp.int32(pos), embed, rope_all, units, cache)
+    want = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
+        embed[token].astype(jnp.float32), rope_all[pos], jnp.int32(pos), units, cache)
+    np.testing.assert_array_equal(np.asarray(got[1][plan.x_off: plan.x_off + plan.hidden]),
+                                  np.asarray(embed[token].astype(jnp.float32)))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="embed must be a bf16, f16 or f32"):
+        mk.megakernel_token_step(0, 0, embed.astype(jnp.int32), rope_all, units, cache, plan=plan)
+    with pytest.raises(ValueError, match=f"rope_all must be rope_tables\\({MAX_LEN}\\)"):
+        mk.megakernel_token_step(0, 0, embed, rope_all[:5], units, cache, plan=plan)
 
 
 # head_dim 64 at block_k 256: two positions per cache row (plan.ppr 2), 128 per attention tile;

@@ -267,6 +267,7 @@ class MegaPlan:
                 + 2 * hd * 4 + 2 * hd * 2  # the rope table, the new row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
+                + PAD * 4  # a chunk of the input's row (f32 at most)
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -410,7 +411,7 @@ def rope_table(pos, inv_freq):
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
           obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
-          ml_smem, *,
+          ml_smem, x_row, *,
           plan: MegaPlan, interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1013,10 +1014,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
     @pl.when(wg == 0)
     def _consumer():
+        # ids: [pos, the input's row of x_ref, rope_ref's row, 0] (x_ref: the embedding table, or one row)
         plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[0, pl.ds(0, 4)], misc.at[0])
-        plgpu.copy_gmem_to_smem(rope_ref, rope_s, misc.at[2])
         zeros[...] = cast(jnp.zeros((PAD,), jnp.float32), L.WG_STRIDED((PAD,), vec_size=2))
         plgpu.commit_smem()
+        plgpu.barrier_wait(misc.at[0])
+        token, rope_row = pos_s[0, 1], pos_s[0, 2]
+        plgpu.copy_gmem_to_smem(rope_ref.at[rope_row], rope_s, misc.at[2])
         x_chunks = plan.hidden // PAD
 
         @pl.loop(c, plan.total // PAD, step=ctas)
@@ -1026,10 +1030,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             @pl.when(inside)
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds((i - plan.x_off // PAD) * PAD, PAD)],
-                                        obuf.at[pl.ds(0, PAD)], misc.at[5])
+                plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((i - plan.x_off // PAD) * PAD, PAD)], x_row, misc.at[5])
                 plgpu.barrier_wait(misc.at[5])
-                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, PAD)], buf.at[pl.ds(i * PAD, PAD)])
+                if x_ref.dtype == jnp.float32:
+                    plgpu.copy_smem_to_gmem(x_row, buf.at[pl.ds(i * PAD, PAD)])
+                else:  # (a 16-bit table: its row in f32)
+                    strided = L.WG_STRIDED((PAD,), vec_size=2)
+                    row = x_row[...] if interpret else plgpu.load(x_row, layout=strided)
+                    obuf.at[pl.ds(0, PAD)][...] = cast(row.astype(jnp.float32), strided)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, PAD)], buf.at[pl.ds(i * PAD, PAD)])
 
             @pl.when(jnp.logical_not(inside))
             def _():
@@ -1037,7 +1047,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         signal(0)
-        plgpu.barrier_wait(misc.at[0])
         plgpu.barrier_wait(misc.at[2])
         pos = pos_s[0, 0]
         wait(0, "qkv")
@@ -1196,7 +1205,37 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
     profile_dir: record the consumer's regions (wait_<phase>, qkv, norm, attn, out, gate_up,
     down, head) with Mosaic GPU's on-device profiler
     and write them there as a Perfetto trace (16 KiB more shared memory). Returns (logits f32
-    [vocab_rows], the flat buffer, the cache)."""
+    [vocab_rows], the flat buffer, the cache). (`megakernel_token_step`: the same from a token id.)"""
+    if x.shape != (plan.hidden,) or x.dtype != jnp.float32:
+        raise ValueError(f"x must be float32 [{plan.hidden}] (batch 1), got {x.dtype} {x.shape}")
+    ids = jnp.stack([jnp.asarray(pos, jnp.int32), jnp.int32(0), jnp.int32(0), jnp.int32(0)])
+    return _launch(ids, x[None], rope.astype(jnp.float32)[None], weights, cache, plan=plan, interpret=interpret,
+                   profile_dir=profile_dir)
+
+
+def rope_tables(positions: int, inv_freq):
+    """rope_table of every position 0..positions-1: f32 [positions, 2, H]."""
+    return jax.vmap(lambda p: rope_table(p, inv_freq))(jnp.arange(positions, dtype=jnp.int32))
+
+
+def megakernel_token_step(token, pos, embed, rope_all, weights: dict, cache, *, plan: MegaPlan,
+                          interpret: bool = False, profile_dir: str = ""):
+    """megakernel_step from a token id: the kernel reads the token's row of the embedding table
+    embed (bf16, f16 or f32 [V, D]) and pos's row of rope_all (`rope_tables`, f32 [S, 2, H]) itself,
+    so a decode loop runs nothing else before the kernel. token, pos: int32 scalars."""
+    if embed.ndim != 2 or embed.shape[1] != plan.hidden or embed.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"embed must be a bf16, f16 or f32 [V, {plan.hidden}] table, got {embed.dtype} {embed.shape}")
+    if rope_all.shape != (plan.max_len, 2, plan.head_dim):
+        raise ValueError(f"rope_all must be rope_tables({plan.max_len}) [{plan.max_len}, 2, {plan.head_dim}], "
+                         f"got {rope_all.shape}")
+    pos = jnp.asarray(pos, jnp.int32)
+    ids = jnp.stack([pos, jnp.asarray(token, jnp.int32), pos, jnp.int32(0)])
+    return _launch(ids, embed, rope_all.astype(jnp.float32), weights, cache, plan=plan, interpret=interpret,
+                   profile_dir=profile_dir)
+
+
+def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, interpret: bool, profile_dir: str):
+    """The kernel on ids [pos, the row of x_table, the row of rope_rows, 0]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plan.check()
@@ -1208,8 +1247,6 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
     if cache.shape != plan.cache_shape:
         raise ValueError(f"cache must be {list(plan.cache_shape)} (pack_cache of [L, S, KV heads, 2H] with ppr="
                          f"{plan.ppr}), got {list(cache.shape)}")
-    if x.shape != (plan.hidden,) or x.dtype != jnp.float32:
-        raise ValueError(f"x must be float32 [{plan.hidden}] (batch 1), got {x.dtype} {x.shape}")
     bk = plan.block_k
     for name, (n, k) in plan.gemvs().items():
         lead = () if name == "head" else (plan.layers,)
@@ -1239,8 +1276,8 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
         plgpu.Barrier(num_barriers=plan.res_tiles),
         plgpu.SMEM((BLOCK_F, ROWS), jnp.float32),  # (fuse_out, ppr 2) the streams' m and l
+        plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
     )
-    pos4 = jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (4,))
     buf = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((plan.total,), jnp.float32),
@@ -1248,7 +1285,7 @@ def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, inter
         interpret=interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
         if profile_dir else None,
-    )(x, rope.astype(jnp.float32), pos4, weights["qkv"], weights["out"], weights["gate_up"], weights["down"],
+    )(x_table, rope_rows, ids, weights["qkv"], weights["out"], weights["gate_up"], weights["down"],
       weights["head"], ref)
     logits = buf[plan.logits_off: plan.logits_off + plan.vocab_rows] * buf[plan.r_off]
     return logits, buf, ref[...]
