@@ -122,6 +122,52 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
             "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times}
 
 
+def time_loop(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, seed: int = 0) -> dict:
+    """time_decode's greedy steps as one megakernel_loop launch per call (the argmax on the GPU);
+    and its tokens against time_decode's step-by-step chain from the same token (greedy on random
+    weights: a near-tie may flip where the f32 reduce-adds land in another order)."""
+    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
+    embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
+    cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
+    rope_all = mk.rope_tables(plan.max_len, inv_freq)
+
+    def run(cache, token, units, embed):
+        toks, _, _, cache = mk.megakernel_loop(token, jnp.int32(start), steps, embed, rope_all, units, cache,
+                                               plan=plan, vocab=plan.vocab_rows)
+        return cache, toks
+
+    def chain(cache, token, units, embed):
+        def body(i, carry):
+            cache, token, out = carry
+            logits, _, cache = mk.megakernel_token_step(token, jnp.int32(start) + i, embed, rope_all, units, cache,
+                                                        plan=plan)
+            token = jnp.argmax(logits).astype(jnp.int32)
+            return cache, token, out.at[i].set(token)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, token, jnp.zeros((steps,), jnp.int32)))[2]
+
+    want = np.asarray(jax.jit(chain)(cache, jnp.int32(1), units, embed))
+    run = jax.jit(run, donate_argnums=0)
+    t = time.perf_counter()
+    cache, toks = run(cache, jnp.int32(1), units, embed)
+    got = np.asarray(toks)
+    compile_s = time.perf_counter() - t
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        cache, toks = run(cache, jnp.int32(1), units, embed)
+        jax.block_until_ready(toks)
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times) / steps
+    wbytes = sum(int(v.nbytes) for v in units.values())
+    mean_len = start + (steps + 1) / 2
+    kvbytes = int(mean_len * plan.layers * plan.kv_heads * 2 * plan.head_dim * 2)
+    same = int(np.argmax(got != want)) if np.any(got != want) else steps
+    return {"step_ms": step_s * 1e3, "tok_s": 1 / step_s, "weight_bytes": wbytes, "kv_bytes": kvbytes,
+            "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times,
+            "tokens_as_chain": same, "first_tokens": got[:8].tolist(), "chain_first_tokens": want[:8].tolist()}
+
+
 # (combine: only with attn_splits > 1; mlp: gate/up and down as one phase, fuse_mlp)
 def step_logits(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: int = 0):
     """The logits of `steps` steps from position `start`, the tokens given (random, the same for
@@ -281,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
     ap.add_argument("--bw-gib", type=float, default=4.0)
+    ap.add_argument("--loop", action="store_true", help="also time each variant as one megakernel_loop launch per "
+                    "call (the greedy steps with the argmax on the GPU), beside the step-by-step loop")
     ap.add_argument("--race-steps", type=int, default=0, help="each variant with hold_slots: its logits over this many "
                     "steps against the same plan without (race_check)")
     ap.add_argument("--profile", default="", help="also profile one step per model and variant into "
@@ -348,6 +396,17 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 res[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                 print(res[f"{key}_error"], flush=True)
+            if args.loop:
+                try:
+                    t = time_loop(vplan, inv_freq, args.start, args.steps, args.reps)
+                    t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy
+                    res[f"loop_{variant}"] = t
+                    print(f"{name} {variant} loop: {t['step_ms']:.3f} ms/step, {t['tok_s']:.0f} tokens/s, "
+                          f"{t['pct_of_copy']:.1f}% of copy, tokens as the chain for {t['tokens_as_chain']} steps "
+                          f"(compile {t['compile_s']:.0f}s)", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    res[f"loop_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    print(res[f"loop_{variant}_error"], flush=True)
             if args.profile:  # every variant's own profile: where its time goes, beside its timing
                 pkey = "profile" if variant == "base" else f"profile_{variant}"
                 try:

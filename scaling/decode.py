@@ -619,6 +619,8 @@ def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_
 )
 def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, layer_impl=DecodeLayerImpl.xla,
                   blocks=None, tma=None):
+    if layer_impl == DecodeLayerImpl.megakernel and sampling.greedy and _loop_runs(cfg, _cache_len(state["cache"], cfg)):
+        return _megakernel_greedy_chunk(weights, state, params, cfg=cfg, n_steps=n_steps)
     seed_key = jax.random.wrap_key_data(params["key"])
 
     def step(state, _):
@@ -630,6 +632,46 @@ def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, 
 
     state, (toks, lps) = jax.lax.scan(step, state, None, length=n_steps)
     return state, toks.T, lps.T  # [B, n_steps]
+
+
+def _loop_runs(cfg: ModelConfig, max_len: int) -> bool:
+    """Whether megakernel_loop runs this model's plan (else greedy chunks go step by step)."""
+    try:
+        decode_megakernel.loop_check(megakernel_plan(cfg, max_len))
+        return True
+    except ValueError:
+        return False
+
+
+def _megakernel_greedy_chunk(weights, state, params, *, cfg, n_steps):
+    """_decode_chunk's greedy batch-1 steps as one launch of decode_megakernel.megakernel_loop
+    (the kernel picks each next token itself), then the chunk's book-keeping at once: the same
+    tokens, log-probs and state as n_steps of `sample` and `_advance`. Steps after the row
+    finishes run and are discarded, as in the step-by-step chunk."""
+    cache = state["cache"]
+    plan = megakernel_plan(cfg, _cache_len(cache, cfg))
+    rope_all = decode_megakernel.rope_tables(plan.max_len, layers.rope_frequencies(cfg))
+    pos0 = state["pos"][0]
+    toks, raw, r, kv = decode_megakernel.megakernel_loop(
+        state["token"][0], jnp.minimum(pos0, plan.max_len - 1), n_steps, weights["embed_vd"], rope_all,
+        weights["units"], cache["kv"], plan=plan, vocab=cfg.vocab_size, interpret=jax.default_backend() != "gpu")
+    logits = raw[:, : cfg.vocab_size] * r[:, None]  # [n, V]
+    m = jnp.max(logits, axis=-1)
+    lps = (jnp.take_along_axis(logits, toks[:, None], axis=-1)[:, 0] - m) - jnp.log(
+        jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    # _advance, step i of the chunk, for a row active since its start: count and pos one further
+    i = jnp.arange(1, n_steps + 1, dtype=jnp.int32)
+    is_stop = jnp.any(toks[:, None] == params["stop_ids"][None, :], axis=-1)
+    stop = is_stop | (state["count"][0] + i >= params["max_new"]) | (pos0 + i >= params["max_len"])
+    stopped_before = jnp.cumsum(stop) - stop > 0
+    active = ~state["done"][0] & ~stopped_before
+    n_active = jnp.sum(active).astype(jnp.int32)
+    new_state = dict(
+        state, cache={"kv": kv},
+        token=jnp.where(n_active > 0, toks[jnp.maximum(n_active - 1, 0)], state["token"][0])[None],
+        pos=(pos0 + n_active)[None], count=state["count"] + n_active,
+        done=state["done"] | jnp.any(active & stop))
+    return new_state, jnp.where(active, toks, -1)[None], jnp.where(active, lps, 0.0)[None]
 
 
 # ------------------------------------------------------------------------------ the API

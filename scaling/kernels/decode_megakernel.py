@@ -73,6 +73,7 @@ from scaling.kernels.flash_attention_mgpu import interpret_params
 ROWS = 8  # wgmma's N: batch 1 is column 0 of the activation operand (or heads 0..G-1 in attention)
 BLOCK_F = 64  # weight rows per unit (wgmma's M); also cache positions per attention tile
 PAD = 256  # regions of the flat buffer start at multiples of this many f32 (a TMA box's longest side)
+NO_ROW = 2.0**30  # (loop's argmax) no row: larger than every row number, exact in f32
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
 MOSAIC_OVERHEAD = 6144  # Mosaic's reduction scratch (2 KiB) and alignment (a 7b variant measured 5376 B)
 NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
@@ -267,7 +268,7 @@ class MegaPlan:
                 + 2 * hd * 4 + 2 * hd * 2  # the rope table, the new row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
-                + PAD * 4  # a chunk of the input's row (f32 at most)
+                + PAD * 4  # a chunk of the input's row (f32 at most; megakernel_loop: see loop_check)
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -324,6 +325,41 @@ class MegaPlan:
         if (need := self.smem_bytes()) > SMEM_BYTES:
             raise ValueError(f"needs {need} bytes of shared memory, more than {SMEM_BYTES}: fewer stages "
                              f"(stages={self.stages}, x_stages={self.x_stages}) or more CTAs")
+
+
+def loop_check(plan: MegaPlan) -> None:
+    """What megakernel_loop needs beyond the plan's own check: block_k = PAD (the input row's
+    chunks in the x stages), its input row's chunks in shared memory (bf16), and x stages for
+    the pick (loop_layout)."""
+    plan.check()
+    if plan.block_k != PAD:
+        raise ValueError(f"megakernel_loop needs block_k={PAD} (the input row's chunks in the x stages), "
+                         f"got {plan.block_k}")
+    need = plan.smem_bytes() - PAD * 4 + min(plan.x_stages, plan.hidden // PAD) * PAD * 2
+    if need > SMEM_BYTES:
+        raise ValueError(f"megakernel_loop needs {need} bytes of shared memory (the input row's chunks), more "
+                         f"than {SMEM_BYTES}")
+    loop_layout(plan, 1)
+
+
+def loop_layout(plan: MegaPlan, steps: int) -> dict:
+    """megakernel_loop's flat buffer: two copies of the step's buffer (plan.total each), then per
+    step its logits, the final norm's statistic r, its token (as f32), and each CTA's best logit
+    and row in 4-float slots (every CTA writes slots c, c + ctas, ...: the pick reads whole
+    chunks). Offsets in f32; "view": the length of a step's view from its copy's start."""
+    bk = plan.block_k
+    slots = -(-plan.ctas * 4 // bk) * bk // 4
+    if 2 * (slots * 4 // bk) > plan.x_stages:
+        raise ValueError(f"megakernel_loop: {plan.ctas} CTAs' best logits and rows need "
+                         f"{2 * (slots * 4 // bk)} x stages, the plan has x_stages={plan.x_stages}")
+    out, off = {"slots": slots}, 2 * plan.total
+    for name, stride in (("logits", _pad(plan.vocab_rows)), ("r", 16), ("token", 16), ("best", slots * 4),
+                         ("row", slots * 4)):
+        out[name], out[name + "_stride"] = off, stride
+        off += steps * stride
+    out["view"] = off
+    out["size"] = off + plan.total  # (the second copy's view reaches one copy past the end)
+    return out
 
 
 def cta_span(c, units: int, ctas: int, first: int = 0):
@@ -409,10 +445,10 @@ def rope_table(pos, inv_freq):
 # ------------------------------------------------------------------------------------ the kernel
 
 
-def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, stage, ustage, ring, part, res,
+def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_smem, stage, ustage, ring, part, res,
           obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
           ml_smem, x_row, *,
-          plan: MegaPlan, interpret: bool):
+          plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     L = plgpu.Layout
@@ -426,14 +462,25 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
     # then one per phase of every layer (n_ph per layer), in order
     sync = not interpret
     n_ph = plan.phases_per_layer
+    # steps > 0 (megakernel_loop): that many greedy steps in one launch, each on its own copy of
+    # the flat buffer (two, alternating: a step zeroes the other while nobody reads it); the
+    # phases address `vbuf()`, the current copy, and wait for the current step's count
+    loop = steps > 0
+    view, expect = [buf_all], [plan.ctas]
+
+    def vbuf():
+        return view[0]
+
     splits = plan.attn_splits
     fused, gs = plan.fuse_out, plan.out_group
-    done = pl.get_global(plgpu.SemaphoreType.REGULAR((1 + n_ph * plan.layers,))) if sync else None
+    head_sem = 1 + n_ph * plan.layers  # (loop) the head's logits are written: the next token can be picked
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((head_sem + loop,))) if sync else None
 
-    def wait(index, before: str = ""):  # before: the phase it opens (the profile's region name)
-        if sync:
+    def wait(index, before: str = "", count=None):  # before: the phase it opens (the profile's region name)
+        if sync:  # (count: the signals to wait for, by default every CTA's of the current step)
             with jax.named_scope(f"wait_{before}" if before else "wait"):
-                plgpu.semaphore_wait(done.at[index], ctas, decrement=False, memory_scope="gpu")
+                plgpu.semaphore_wait(done.at[index], expect[0] if count is None else count, decrement=False,
+                                     memory_scope="gpu")
 
     def signal(index):
         if sync:  # (a release: a relaxed one races, docs/decoding.md, nineteenth session)
@@ -492,6 +539,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
 
     def span(name):
+        if loop and name == "head":  # whole row tiles: a CTA's logits are final, and so is its argmax
+            a, b = cta_span(c, plan.vocab_rows // BLOCK_F, ctas)
+            return a * (plan.hidden // bk), b * (plan.hidden // bk)
         return cta_span(c, plan.units(name), ctas, plan.out_first_cta if name == "out" else 0)
 
     # ---------------------------------------------------------------- the consumer's phases
@@ -500,7 +550,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         """norm_rsqrt's first loads (as many chunks as the x stages hold), to be finished later."""
         @pl.loop(0, min(P, plan.hidden // bk))
         def _(i):
-            plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + i * bk, bk)], stage.at[i], x_full.at[i])
+            plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(base + i * bk, bk)], stage.at[i], x_full.at[i])
 
     def norm_rsqrt(base, issued=False):
         """rsqrt(mean(h²) + eps) of the hidden-wide region at base, through the x stages
@@ -508,7 +558,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         n = plan.hidden // bk
 
         def issue(i):
-            plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + i * bk, bk)], stage.at[lax.rem(i, P)],
+            plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(base + i * bk, bk)], stage.at[lax.rem(i, P)],
                                     x_full.at[lax.rem(i, P)])
 
         if not issued:
@@ -535,7 +585,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         before the CTA signals its phase: the copies land while it waits at the barrier."""
         for i in range(plan.hidden // bk):
             dst, bar = (stage, x_full) if i < P else (ustage, u_full)
-            plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + i * bk, bk)], dst.at[i % P], bar.at[i % P])
+            plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(base + i * bk, bk)], dst.at[i % P], bar.at[i % P])
 
     def norm_sum():
         """rsqrt(mean(h²) + eps) of what norm_prefetch copied."""
@@ -568,13 +618,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         wait(sem, before)
         return r
 
-    def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None, hold=0, all_x=False):
+    def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None, hold=0, all_x=False,
+             pick=False):
         """This CTA's units of one projection; r: the ring's running count. Returns it advanced,
         and how many of the last units' slots it holds (hold at most; `release` frees them).
         x chunk j from buf[x_base + j bk] (with up_base: silu(s g) * (s u), g from x_base, u
         from up_base, s = scale); partials reduce-added at buf[y_base + row]; res_base: plus the
         residual buf[res_base + row], added by the CTA holding the tile's first K step. all_x: also
-        the chunks its units do not use, into the stages after its own (`held_norm` reads them)."""
+        the chunks its units do not use, into the stages after its own (`held_norm` reads them).
+        pick (whole row tiles, loop's head): each tile stored, not added, and the largest of its
+        rows below `vocab` kept: also returns that value and its row (f32; the first on ties)."""
         _, k = plan.gemvs()[name]
         steps = k // bk
         a, b = span(name)
@@ -582,10 +635,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         def issue(i):  # x chunk i (= K step (a + i) mod steps) into stage i mod P
             j = lax.rem(a + i, steps)
-            plgpu.copy_gmem_to_smem(buf.at[pl.ds(x_base + j * bk, bk)], stage.at[lax.rem(i, P)],
+            plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(x_base + j * bk, bk)], stage.at[lax.rem(i, P)],
                                     x_full.at[lax.rem(i, P)])
             if up_base is not None:
-                plgpu.copy_gmem_to_smem(buf.at[pl.ds(up_base + j * bk, bk)], ustage.at[lax.rem(i, P)],
+                plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(up_base + j * bk, bk)], ustage.at[lax.rem(i, P)],
                                         u_full.at[lax.rem(i, P)])
 
         @pl.loop(0, jnp.minimum(n_x, P))
@@ -613,12 +666,12 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 issue(i + P)
 
         def segment(carry):
-            g, r = carry
+            g, r, best, best_row = carry
             t, j0 = g // steps, lax.rem(g, steps)
             n = jnp.minimum(steps - j0, b - g)
             if res_base is not None:  # the residual tile, or (not the tile's first K step) zeros
                 src = jnp.where(j0 == 0, res_base + t * BLOCK_F, plan.zero_off)
-                plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)], res.at[pl.ds(0, BLOCK_F)], misc.at[3])
+                plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, BLOCK_F)], res.at[pl.ds(0, BLOCK_F)], misc.at[3])
 
             def step(jj, acc):
                 slot = lax.rem(r + jj, plan.stages)
@@ -641,11 +694,25 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 y = y + vec(res.at[pl.ds(0, BLOCK_F)])
             part[...] = y
             plgpu.commit_smem()
-            reduce_add(part, buf.at[pl.ds(y_base + t * BLOCK_F, BLOCK_F)])
-            return g + n, r + n
+            if pick:  # (per element of y's layout: no reduction across threads until the phase's end)
+                plgpu.copy_smem_to_gmem(part, vbuf().at[pl.ds(y_base + t * BLOCK_F, BLOCK_F)])
+                # (row numbers in y's layout: column 0 of a [64, 8] iota, summed over the columns)
+                rows = jnp.sum(jnp.where(iota((BLOCK_F, ROWS), 1) == 0, iota((BLOCK_F, ROWS), 0), 0), axis=1)
+                rows = (rows + t * BLOCK_F).astype(jnp.float32)
+                y = jnp.where(rows < float(vocab), y, -jnp.inf)
+                better = y > best  # (tiles in increasing order: the first row wins a tie)
+                best, best_row = jnp.where(better, y, best), jnp.where(better, rows, best_row)
+            else:
+                reduce_add(part, vbuf().at[pl.ds(y_base + t * BLOCK_F, BLOCK_F)])
+            return g + n, r + n, best, best_row
 
-        _, r = lax.while_loop(lambda carry: carry[0] < b, segment, (a, r))
+        vec0 = cast(jnp.zeros((BLOCK_F,), jnp.float32), L.WGMMA.reduce(1))
+        _, r, best, best_row = lax.while_loop(lambda carry: carry[0] < b, segment,
+                                              (a, r, vec0 - jnp.inf, vec0 + NO_ROW))
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
+        if pick:
+            top = jnp.max(best)
+            return r, jnp.minimum(hold, b - a), top, jnp.min(jnp.where(best == top, best_row, NO_ROW))
         return r, jnp.minimum(hold, b - a)
 
     def held_norm(name):
@@ -714,13 +781,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                     obuf.at[pl.ds(0, hd)][...] = o_i * (1.0 / total)
                     plgpu.commit_smem()
                     dst = plan.region("attn", layer) + (kvh * g_heads + i) * hd
-                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, hd)], buf.at[pl.ds(dst, hd)])
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, hd)], vbuf().at[pl.ds(dst, hd)])
                 else:
                     for n_, v in enumerate((zero_h + top, zero_h + total, o_i, zero_h)):
                         obuf.at[pl.ds(n_ * hd, hd)][...] = v
                     plgpu.commit_smem()
                     dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
-                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(dst, bk)])
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], vbuf().at[pl.ds(dst, bk)])
 
         def fused_operand(m, l, o):
             """(fuse_out) The G heads' outputs as the output projection's operand: head i's rows
@@ -773,7 +840,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read `part`
                 part[...] = y
                 plgpu.commit_smem()
-                reduce_add(part, buf.at[pl.ds(h1 + t * BLOCK_F, BLOCK_F)])
+                reduce_add(part, vbuf().at[pl.ds(h1 + t * BLOCK_F, BLOCK_F)])
                 return r + 1
 
             return lax.fori_loop(t_lo, t_hi, tile, r)
@@ -789,13 +856,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
                 srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
                 for i, src in enumerate(srcs):
-                    plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
+                    plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
                 if fused:  # the residual tiles fused_out adds (or zeros: the other KV heads' groups), meanwhile
                     t_lo, t_hi = plan.out_tiles(member)
                     for k in range(plan.res_tiles):
                         src = jnp.where(kvh == 0, plan.region("in", layer) + (t_lo + k) * BLOCK_F, plan.zero_off)
                         pl.when(t_lo + k < t_hi)(functools.partial(
-                            lambda k, src: plgpu.copy_gmem_to_smem(buf.at[pl.ds(src, BLOCK_F)],
+                            lambda k, src: plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, BLOCK_F)],
                                                                    res.at[pl.ds(k * BLOCK_F, BLOCK_F)], res_full.at[k]),
                             k, src))
                 # the RMSNorm statistic r's loads: it is applied late (RoPE and the scores are
@@ -905,10 +972,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                 plgpu.commit_smem()
                 if splits == 1:
                     dst = plan.region("attn", layer) + (kvh * g_heads + i) * hd
-                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(hd, hd)], buf.at[pl.ds(dst, hd)])
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(hd, hd)], vbuf().at[pl.ds(dst, hd)])
                 else:
                     dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
-                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(dst, bk)])
+                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], vbuf().at[pl.ds(dst, bk)])
             return r
 
         units = n_kv * gs if fused else n_kv * splits
@@ -928,7 +995,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         @pl.loop(c, n_q, step=ctas)
         def _(n):
             for s_ in range(splits):
-                plgpu.copy_gmem_to_smem(buf.at[pl.ds(base + (s_ * n_q + n) * bk, bk)], stage.at[s_], x_full.at[s_])
+                plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(base + (s_ * n_q + n) * bk, bk)], stage.at[s_], x_full.at[s_])
             ms, ls = [], []
             l_at, o_at = (hd // 2, hd) if plan.ppr == 1 else (hd, 2 * hd)  # (the partial's layout)
             for s_ in range(splits):
@@ -943,7 +1010,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             obuf.at[pl.ds(0, hd)][...] = o * (1.0 / total)
             plgpu.commit_smem()  # (and every thread has read the stages before they are refilled)
-            plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, hd)], buf.at[pl.ds(plan.region("attn", layer) + n * hd, hd)])
+            plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, hd)], vbuf().at[pl.ds(plan.region("attn", layer) + n * hd, hd)])
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
@@ -961,7 +1028,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
         def slice_(i, r):
             for j in range(steps):
-                plgpu.copy_gmem_to_smem(buf.at[pl.ds(h1 + j * bk, bk)], stage.at[j], x_full.at[j])
+                plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(h1 + j * bk, bk)], stage.at[j], x_full.at[j])
 
             def kstep(j, carry):  # gate and up tiles of K step j
                 ss, acc_g, acc_u, r = carry
@@ -1001,7 +1068,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
                     y = jnp.sum(jnp.where(col == n, acc, 0.0), axis=1)
                     obuf.at[pl.ds(n * BLOCK_F, BLOCK_F)][...] = y + res * res_on
                 plgpu.commit_smem()  # (and every thread has read the stages before they are refilled)
-                reduce_add(obuf.at[pl.ds(0, bk)], buf.at[pl.ds(h2 + u * bk, bk)])
+                reduce_add(obuf.at[pl.ds(0, bk)], vbuf().at[pl.ds(h2 + u * bk, bk)])
                 return r + 1
 
             with jax.named_scope("m_down"):
@@ -1012,6 +1079,26 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
         return r, jnp.where(mine > 0, min(plan.hold_slots, steps), 0)  # (the last slice's last down units, held)
 
+    T = plan.total
+    tails = loop_layout(plan, steps) if loop else {}
+
+    def tail(name, s):  # (loop) offset of step s's entry of a tail region, within the current view
+        return tails[name] + s * tails[name + "_stride"] - cur[0]
+
+    cur = [0]  # (loop) the current buffer's offset in buf_all
+
+    def use_buffer(s):
+        cur[0] = lax.rem(s, 2) * T
+        view[0] = buf_all.at[pl.ds(cur[0], tails["view"])]
+        expect[0] = ctas * (s + 1)
+
+    def store_scalar(v, dst):
+        """v (an f32 scalar) into the 16 floats at dst (a region of the view) from obuf."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        obuf.at[pl.ds(0, bk)][...] = cast(jnp.ones((bk,), jnp.float32), L.WGMMA.reduce(1)) * v
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, 16)], vbuf().at[pl.ds(dst, 16)])
+
     @pl.when(wg == 0)
     def _consumer():
         # ids: [pos, the input's row of x_ref, rope_ref's row, 0] (x_ref: the embedding table, or one row)
@@ -1019,114 +1106,223 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
         zeros[...] = cast(jnp.zeros((PAD,), jnp.float32), L.WG_STRIDED((PAD,), vec_size=2))
         plgpu.commit_smem()
         plgpu.barrier_wait(misc.at[0])
-        token, rope_row = pos_s[0, 1], pos_s[0, 2]
-        plgpu.copy_gmem_to_smem(rope_ref.at[rope_row], rope_s, misc.at[2])
+        pos0, token0, rope_row = pos_s[0, 0], pos_s[0, 1], pos_s[0, 2]
         x_chunks = plan.hidden // PAD
 
-        @pl.loop(c, plan.total // PAD, step=ctas)
-        def _init(i):  # the step's input into its region, every other region zeroed
-            inside = (i >= plan.x_off // PAD) & (i < plan.x_off // PAD + x_chunks)
+        def init(token, first):
+            """The step's input (the token's row) into the current buffer; zeros into the rest of
+            it (the first step) or (loop) the other buffer, which the next step uses. A CTA's share."""
+            @pl.loop(c, T // PAD, step=ctas)
+            def _init(i):
+                inside = (i >= plan.x_off // PAD) & (i < plan.x_off // PAD + x_chunks)
 
-            @pl.when(inside)
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((i - plan.x_off // PAD) * PAD, PAD)], x_row, misc.at[5])
-                plgpu.barrier_wait(misc.at[5])
-                if x_ref.dtype == jnp.float32:
-                    plgpu.copy_smem_to_gmem(x_row, buf.at[pl.ds(i * PAD, PAD)])
-                else:  # (a 16-bit table: its row in f32)
-                    strided = L.WG_STRIDED((PAD,), vec_size=2)
-                    row = x_row[...] if interpret else plgpu.load(x_row, layout=strided)
-                    obuf.at[pl.ds(0, PAD)][...] = cast(row.astype(jnp.float32), strided)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, PAD)], buf.at[pl.ds(i * PAD, PAD)])
+                @pl.when(inside)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((i - plan.x_off // PAD) * PAD, PAD)], x_row.at[0],
+                                            misc.at[5])
+                    plgpu.barrier_wait(misc.at[5])
+                    if x_ref.dtype == jnp.float32:
+                        plgpu.copy_smem_to_gmem(x_row.at[0], vbuf().at[pl.ds(i * PAD, PAD)])
+                    else:  # (a 16-bit table: its row in f32)
+                        strided = L.WG_STRIDED((PAD,), vec_size=2)
+                        row = x_row.at[0][...] if interpret else plgpu.load(x_row.at[0], layout=strided)
+                        obuf.at[pl.ds(0, PAD)][...] = cast(row.astype(jnp.float32), strided)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, PAD)], vbuf().at[pl.ds(i * PAD, PAD)])
 
-            @pl.when(jnp.logical_not(inside))
-            def _():
-                plgpu.copy_smem_to_gmem(zeros, buf.at[pl.ds(i * PAD, PAD)])
+                if first:
+                    @pl.when(jnp.logical_not(inside))
+                    def _():
+                        plgpu.copy_smem_to_gmem(zeros, vbuf().at[pl.ds(i * PAD, PAD)])
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        signal(0)
-        plgpu.barrier_wait(misc.at[2])
-        pos = pos_s[0, 0]
-        wait(0, "qkv")
+            if loop:
+                zero_other()
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+            signal(0)
+
+        def zero_other():
+            """(loop) Zeros into the CTA's share of the other buffer, which the next step uses (nobody
+            reads it now: every CTA has passed the previous step's head)."""
+            @pl.loop(c, T // PAD, step=ctas)
+            def _(i):
+                plgpu.copy_smem_to_gmem(zeros, buf_all.at[pl.ds(T - cur[0] + i * PAD, PAD)])
+
+        def own_input(token):
+            """(loop, after the first step) The whole input region written by every CTA itself (the
+            same values: no barrier needed before it reads them): the token's row, f32."""
+            strided = L.WG_STRIDED((PAD,), vec_size=2)
+            for r0 in range(0, x_chunks, P):
+                n = min(P, x_chunks - r0)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the stages' previous stores have read them)
+                for i in range(n):
+                    plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((r0 + i) * PAD, PAD)], x_row.at[i], x_full.at[i])
+                for i in range(n):
+                    plgpu.barrier_wait(x_full.at[i])
+                    row = x_row.at[i][...] if interpret else plgpu.load(x_row.at[i], layout=strided)
+                    stage.at[i][...] = cast(row.astype(jnp.float32), strided)
+                plgpu.commit_smem()
+                for i in range(n):
+                    plgpu.copy_smem_to_gmem(stage.at[i], vbuf().at[pl.ds(plan.x_off + (r0 + i) * PAD, PAD)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # (written, before this CTA reads them back)
 
         # (named scopes: the regions of the on-device profile, `profile_dir`; no code without it)
-        def layer(l, r):
-            sem = 1 + n_ph * l  # this layer's phases signal sem, sem + 1, ...
+        def layers_and_head(r, pos, s):
+            """The step's layers, then its head. Returns r (and, loop, the CTA's best logit and row)."""
+            def layer(l, r):
+                sem = 1 + n_ph * l  # this layer's phases signal sem, sem + 1, ...
 
-            @pl.when(l > 0)
-            def _():
-                wait(sem - 1, "qkv")
+                @pl.when(l > 0)
+                def _():
+                    wait(sem - 1, "qkv")
 
-            h_in = plan.region("in", l)
-            hold = plan.hold_slots
-            with jax.named_scope("qkv"):
-                r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
-                            all_x=plan.norm_in_qkv)
-            signal(sem)
-            release(r, m)  # (every signal is followed by freeing the slots its phase held)
-            r_norm = None
-            if plan.norm_in_qkv:
-                with jax.named_scope("norm"):
-                    r_norm = held_norm("qkv")
-            wait(sem, "attn")
-            h1 = plan.region("h1", l)
-            with jax.named_scope("attn"):  # (fuse_out: and the output projection)
-                r, m = attention(l, r, h_in, pos, r_norm)
-            if not fused:
-                sem += 1
-                if splits > 1:
-                    signal(sem)
-                    wait(sem, "combine")
-                    with jax.named_scope("combine"):
-                        combine(l)
-                    sem += 1
+                h_in = plan.region("in", l)
+                hold = plan.hold_slots
+                with jax.named_scope("qkv"):
+                    r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
+                                all_x=plan.norm_in_qkv)
                 signal(sem)
-                wait(sem, "out")
-                with jax.named_scope("out"):
-                    r, m = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in, hold=hold)
-            signal(sem + 1)
-            release(r, m)
-            if plan.fuse_mlp:
-                wait(sem + 1, "mlp")
-                with jax.named_scope("mlp"):
-                    r, m = mlp(l, r)
-                signal(sem + 2)
+                release(r, m)  # (every signal is followed by freeing the slots its phase held)
+                r_norm = None
+                if plan.norm_in_qkv:
+                    with jax.named_scope("norm"):
+                        r_norm = held_norm("qkv")
+                wait(sem, "attn")
+                h1 = plan.region("h1", l)
+                with jax.named_scope("attn"):  # (fuse_out: and the output projection)
+                    r, m = attention(l, r, h_in, pos, r_norm)
+                if not fused:
+                    sem += 1
+                    if splits > 1:
+                        signal(sem)
+                        wait(sem, "combine")
+                        with jax.named_scope("combine"):
+                            combine(l)
+                        sem += 1
+                    signal(sem)
+                    wait(sem, "out")
+                    with jax.named_scope("out"):
+                        r, m = gemv("out", l, r, x_base=plan.region("attn", l), y_base=h1, res_base=h_in,
+                                    hold=hold)
+                signal(sem + 1)
+                release(r, m)
+                if plan.fuse_mlp:
+                    wait(sem + 1, "mlp")
+                    with jax.named_scope("mlp"):
+                        r, m = mlp(l, r)
+                    signal(sem + 2)
+                    release(r, m)
+                    return r
+                wait(sem + 1, "gate_up")
+                gu = plan.region("gate_up", l)
+                with jax.named_scope("gate_up"):
+                    r, m = gemv("gate_up", l, r, x_base=h1, y_base=gu, hold=hold)
+                r_mlp = statistic(h1, sem + 2, "down", (r, m))
+                with jax.named_scope("down"):
+                    r, m = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp,
+                                y_base=plan.region("h2", l), res_base=h1, hold=hold)
+                signal(sem + 3)
                 release(r, m)
                 return r
-            wait(sem + 1, "gate_up")
-            gu = plan.region("gate_up", l)
-            with jax.named_scope("gate_up"):
-                r, m = gemv("gate_up", l, r, x_base=h1, y_base=gu, hold=hold)
-            r_mlp = statistic(h1, sem + 2, "down", (r, m))
-            with jax.named_scope("down"):
-                r, m = gemv("down", l, r, x_base=gu, up_base=gu + plan.mlp, scale=r_mlp, y_base=plan.region("h2", l),
-                         res_base=h1, hold=hold)
-            signal(sem + 3)
-            release(r, m)
+
+            r = lax.fori_loop(0, plan.layers, layer, r)
+            wait(n_ph * plan.layers, "head")
+            h_last = plan.region("in", plan.layers)
+            if not loop:
+                with jax.named_scope("head"):
+                    gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)  # (holds nothing: no signal follows)
+
+                @pl.when(c == 0)
+                def _():  # the final norm's statistic, for the caller to scale the logits by
+                    store_scalar(norm_rsqrt(h_last), plan.r_off)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+                return r
+            with jax.named_scope("head"):
+                r, _, best, best_row = gemv("head", 0, r, x_base=h_last, y_base=tail("logits", s), pick=True)
+            # the CTA's best logit and its row into its slots (and the spare slots c + ctas, ...: the
+            # pick reads whole chunks, and a copy of a candidate changes nothing)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            ones = cast(jnp.ones((bk,), jnp.float32), L.WGMMA.reduce(1))
+            obuf.at[pl.ds(0, bk)][...] = ones * best
+            stage.at[0][...] = ones * best_row
+            plgpu.commit_smem()
+
+            @pl.loop(c, tails["slots"], step=ctas)
+            def _(k):
+                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, 4)], vbuf().at[pl.ds(tail("best", s) + 4 * k, 4)])
+                plgpu.copy_smem_to_gmem(stage.at[0, pl.ds(0, 4)], vbuf().at[pl.ds(tail("row", s) + 4 * k, 4)])
+
+            @pl.when(c == 0)
+            def _():  # (before the signal: the next step zeroes this buffer once every CTA has signalled)
+                store_scalar(norm_rsqrt(h_last), tail("r", s))
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+            signal(head_sem)
             return r
 
-        r = lax.fori_loop(0, plan.layers, layer, jnp.int32(0))
-        wait(n_ph * plan.layers, "head")
-        h_last = plan.region("in", plan.layers)
-        with jax.named_scope("head"):
-            gemv("head", 0, r, x_base=h_last, y_base=plan.logits_off)  # (holds nothing: no signal follows)
+        if not loop:
+            plgpu.copy_gmem_to_smem(rope_ref.at[rope_row], rope_s, misc.at[2])
+            init(token0, first=True)
+            plgpu.barrier_wait(misc.at[2])
+            wait(0, "qkv")
+            layers_and_head(jnp.int32(0), pos0, 0)
+            return
+
+        def pick(s):
+            """(loop) The token step s chose: the largest of its CTAs' best logits (the first row on
+            ties), once every CTA has written its slots."""
+            wait(head_sem, "pick", count=ctas * (s + 1))
+            n = tails["slots"] * 4 // bk
+            for i in range(2 * n):  # the best logits in stages 0..n-1, their rows in n..2n-1
+                src = tail("best", s) if i < n else tail("row", s)
+                plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src + (i % n) * bk, bk)], stage.at[i], x_full.at[i])
+            vals = []
+            for i in range(2 * n):
+                plgpu.barrier_wait(x_full.at[i])
+                vals.append(vec(stage.at[i]))
+            plgpu.commit_smem()
+            best, row = vals[0], vals[n]  # (per element first, then one reduction across threads)
+            for v, w in zip(vals[1:n], vals[n + 1:]):
+                row = jnp.where(v > best, w, jnp.where(v == best, jnp.minimum(w, row), row))
+                best = jnp.maximum(v, best)
+            top = jnp.max(best)
+            return jnp.min(jnp.where(best == top, row, NO_ROW)).astype(jnp.int32)
+
+        def step(s, carry, first=False):
+            r, token = carry
+            use_buffer(s)
+            pos = jnp.minimum(pos0 + s, plan.max_len - 1)
+            plgpu.copy_gmem_to_smem(rope_ref.at[pos], rope_s, misc.at[2])
+            if first:
+                init(token, first)
+                wait(0, "qkv")
+            else:  # (the other buffer was zeroed, and this one's input region is written, by every CTA)
+                zero_other()
+                token = pick(s - 1)
+
+                @pl.when(c == 0)
+                def _():
+                    store_scalar(token.astype(jnp.float32), tail("token", s - 1))
+
+                own_input(token)
+            plgpu.barrier_wait(misc.at[2])
+            return layers_and_head(r, pos, s), token
+
+        carry = step(jnp.int32(0), (jnp.int32(0), token0), first=True)
+        carry = lax.fori_loop(1, steps, step, carry)
+        use_buffer(jnp.int32(steps))  # (the last step's pick and token: one buffer on)
 
         @pl.when(c == 0)
-        def _():  # the final norm's statistic, for the caller to scale the logits by
-            r_final = norm_rsqrt(h_last)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            obuf.at[pl.ds(0, bk)][...] = cast(jnp.ones((bk,), jnp.float32), L.WGMMA.reduce(1)) * r_final
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, 16)], buf.at[pl.ds(plan.r_off, 16)])
+        def _():
+            store_scalar(pick(steps - 1).astype(jnp.float32), tail("token", steps - 1))
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
     @pl.when(wg == 1)
     def _producer():  # the CTA's weight and cache tiles in the consumer's order
         plgpu.copy_gmem_to_smem(pos_ref, pos_s.at[1, pl.ds(0, 4)], misc.at[1])
         plgpu.barrier_wait(misc.at[1])
-        pos = pos_s[1, 0]
+        pos0 = pos_s[1, 0]
 
         def fetch(src, r):
             slot = lax.rem(r, plan.stages)
@@ -1143,7 +1339,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
             a, b = span(name)
             return lax.fori_loop(a, b, lambda g, r: fetch(w.at[g] if name == "head" else w.at[layer, g], r), r)
 
-        def heads(layer, r):
+        def heads(layer, r, pos):
             def unit(u, r):  # its split's tiles of the positions before pos (this step's row comes in registers)
                 kvh, j = lax.rem(u, plan.kv_heads), u // plan.kv_heads
                 lo, hi = split_blocks(j, pos)
@@ -1174,19 +1370,24 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf, x_smem, s
 
             return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
 
-        def layer(l, r):
-            r = stream("qkv", l, r)
-            r = heads(l, r)
-            if not plan.fuse_out:
-                r = stream("out", l, r)
-            if plan.fuse_mlp:
-                return mlp_slices(l, r)
-            for name in ("gate_up", "down"):
-                r = stream(name, l, r)
-            return r
+        def step(s, r):
+            pos = jnp.minimum(pos0 + s, plan.max_len - 1) if loop else pos0
 
-        r = lax.fori_loop(0, plan.layers, layer, jnp.int32(0))
-        r = stream("head", 0, r)
+            def layer(l, r):
+                r = stream("qkv", l, r)
+                r = heads(l, r, pos)
+                if not plan.fuse_out:
+                    r = stream("out", l, r)
+                if plan.fuse_mlp:
+                    return mlp_slices(l, r)
+                for name in ("gate_up", "down"):
+                    r = stream(name, l, r)
+                return r
+
+            r = lax.fori_loop(0, plan.layers, layer, r)
+            return stream("head", 0, r)
+
+        r = lax.fori_loop(0, max(steps, 1), step, jnp.int32(0))
 
         @pl.loop(0, plan.stages)
         def _drain(i):  # the last releases
@@ -1234,8 +1435,43 @@ def megakernel_token_step(token, pos, embed, rope_all, weights: dict, cache, *, 
                    profile_dir=profile_dir)
 
 
-def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, interpret: bool, profile_dir: str):
-    """The kernel on ids [pos, the row of x_table, the row of rope_rows, 0]."""
+def megakernel_loop(token, pos, steps: int, embed, rope_all, weights: dict, cache, *, plan: MegaPlan, vocab: int,
+                    interpret: bool = False):
+    """`steps` greedy decode steps in one launch, from token at position pos: each step's argmax
+    over the logits of rows < vocab (the first on ties) is the next step's token, picked on the
+    GPU (every CTA's best logit of its whole row tiles, then the best of those). No kernel
+    boundary, and nothing else runs between steps. Positions past the cache's end write its last
+    row (as the decoder clamps them). embed, rope_all, weights, cache: as megakernel_token_step.
+    Returns (tokens int32 [steps], the raw logits f32 [steps, vocab_rows], the final norm's
+    statistic r f32 [steps] (the logits are raw * r), the cache)."""
+    if not 1 <= steps <= 4096:
+        raise ValueError(f"steps must be 1..4096, got {steps}")
+    if not 1 <= vocab <= plan.vocab_rows:
+        raise ValueError(f"vocab must be 1..vocab_rows={plan.vocab_rows}, got {vocab}")
+    if embed.ndim != 2 or embed.shape[1] != plan.hidden or embed.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"embed must be a bf16, f16 or f32 [V, {plan.hidden}] table, got {embed.dtype} {embed.shape}")
+    if rope_all.shape != (plan.max_len, 2, plan.head_dim):
+        raise ValueError(f"rope_all must be rope_tables({plan.max_len}) [{plan.max_len}, 2, {plan.head_dim}], "
+                         f"got {rope_all.shape}")
+    if embed.dtype == jnp.float32:
+        raise ValueError("megakernel_loop takes a 16-bit embedding table (bf16 or f16), got float32")
+    loop_check(plan)
+    lay = loop_layout(plan, steps)
+    pos = jnp.asarray(pos, jnp.int32)
+    ids = jnp.stack([pos, jnp.asarray(token, jnp.int32), pos, jnp.int32(0)])
+    buf, cache = _launch(ids, embed, rope_all.astype(jnp.float32), weights, cache, plan=plan, interpret=interpret,
+                         profile_dir="", steps=steps, vocab=vocab)
+
+    def part(name, n):
+        return buf[lay[name]: lay[name] + steps * lay[name + "_stride"]].reshape(steps, -1)[:, :n]
+
+    return part("token", 1)[:, 0].astype(jnp.int32), part("logits", plan.vocab_rows), part("r", 1)[:, 0], cache
+
+
+def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, interpret: bool, profile_dir: str,
+            steps: int = 0, vocab: int = 0):
+    """The kernel on ids [pos, the row of x_table, the row of rope_rows, 0]: one step (returns
+    (logits, the flat buffer, the cache)), or (steps > 0) megakernel_loop's (the flat buffer, the cache)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plan.check()
@@ -1276,17 +1512,19 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
         plgpu.Barrier(num_barriers=plan.res_tiles),
         plgpu.SMEM((BLOCK_F, ROWS), jnp.float32),  # (fuse_out, ppr 2) the streams' m and l
-        plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
+        plgpu.SMEM((min(plan.x_stages, plan.hidden // PAD) if steps else 1, PAD), x_table.dtype),  # the input's row
     )
     buf = plgpu.kernel(
-        functools.partial(_body, plan=plan, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((plan.total,), jnp.float32),
+        functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
+        out_type=jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
         scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
         if profile_dir else None,
     )(x_table, rope_rows, ids, weights["qkv"], weights["out"], weights["gate_up"], weights["down"],
       weights["head"], ref)
+    if steps:
+        return buf, ref[...]
     logits = buf[plan.logits_off: plan.logits_off + plan.vocab_rows] * buf[plan.r_off]
     return logits, buf, ref[...]
 
