@@ -619,7 +619,8 @@ def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_
 )
 def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, layer_impl=DecodeLayerImpl.xla,
                   blocks=None, tma=None):
-    if layer_impl == DecodeLayerImpl.megakernel and sampling.greedy and _loop_runs(cfg, _cache_len(state["cache"], cfg)):
+    loop = layer_impl == DecodeLayerImpl.megakernel and sampling.greedy
+    if loop and _loop_runs(cfg, _cache_len(state["cache"], cfg)):  # (one launch for the chunk)
         return _megakernel_greedy_chunk(weights, state, params, cfg=cfg, n_steps=n_steps)
     seed_key = jax.random.wrap_key_data(params["key"])
 
