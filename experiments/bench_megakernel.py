@@ -169,13 +169,15 @@ def time_loop(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, se
 
 
 # (combine: only with attn_splits > 1; mlp: gate/up and down as one phase, fuse_mlp)
-def step_logits(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: int = 0):
-    """The logits of `steps` steps from position `start`, the tokens given (random, the same for
-    every plan: no greedy feedback, so plans that round differently still see the same inputs)."""
+def step_logits(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: int = 0, tokens=None):
+    """The logits of `steps` steps from position `start`, the tokens given (by default random, the
+    same for every plan: no greedy feedback, so plans that round differently still see the same
+    inputs)."""
     units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
     embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
     cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
-    tokens = jax.random.randint(jax.random.key(seed + 4), (steps,), 0, plan.vocab_rows)
+    if tokens is None:
+        tokens = jax.random.randint(jax.random.key(seed + 4), (steps,), 0, plan.vocab_rows)
 
     def run(cache, units, embed):
         def body(cache, i):
@@ -206,6 +208,31 @@ def race_check(plan: mk.MegaPlan, other: mk.MegaPlan, inv_freq, start: int, step
     return {"steps": steps, "floor_max": float(floor.max()), "floor_median": float(np.median(floor)),
             "max": float(diff.max()), "median": float(np.median(diff)),
             "argmax_equal": float(np.mean(np.concatenate([b.argmax(1) == a1.argmax(1) for b in (b1, b2)])))}
+
+
+def loop_race_check(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: int = 0) -> dict:
+    """megakernel_loop's synchronisation between steps (the head's signal, the pick, the two
+    buffers) over `steps` greedy steps: each step's logits (raw x r) against the step-by-step
+    kernel fed the loop's own tokens, beside two step-by-step runs (the floor), and how often the
+    loop's token is that run's argmax. A read of a partial or stale activation shows as an outlier
+    far above the floor."""
+    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
+    embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
+    cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
+    run = jax.jit(lambda c: mk.megakernel_loop(1, start, steps, embed, mk.rope_tables(plan.max_len, inv_freq), units,
+                                               c, plan=plan, vocab=plan.vocab_rows), donate_argnums=0)
+    toks, raw, r, _ = run(cache)
+    got = np.asarray(raw * r[:, None])
+    inputs = jnp.concatenate([jnp.ones((1,), jnp.int32), toks[:-1]])
+    a1, a2 = (step_logits(plan, inv_freq, start, steps, seed, tokens=inputs) for _ in range(2))
+
+    def rel(x, y):
+        return np.linalg.norm(x - y, axis=1) / np.linalg.norm(y, axis=1)
+
+    floor, diff = rel(a2, a1), rel(got, a1)
+    return {"steps": steps, "floor_max": float(floor.max()), "floor_median": float(np.median(floor)),
+            "max": float(diff.max()), "median": float(np.median(diff)),
+            "tokens_are_argmax": float(np.mean(np.asarray(toks) == a1.argmax(1)))}
 
 
 LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down", "mlp")
@@ -329,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-gib", type=float, default=4.0)
     ap.add_argument("--loop", action="store_true", help="also time each variant as one megakernel_loop launch per "
                     "call (the greedy steps with the argmax on the GPU), beside the step-by-step loop")
+    ap.add_argument("--loop-race-steps", type=int, default=0, help="each variant: megakernel_loop over this many "
+                    "steps against the step-by-step kernel fed its tokens (loop_race_check)")
     ap.add_argument("--race-steps", type=int, default=0, help="each variant with hold_slots: its logits over this many "
                     "steps against the same plan without (race_check)")
     ap.add_argument("--profile", default="", help="also profile one step per model and variant into "
@@ -336,9 +365,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if unknown := {p for v in args.variants.split(",") for p in v.split("+")} - set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(unknown)}; allowed {list(VARIANTS)}")
-    if args.start + args.steps > args.max_len or args.max_len % 128:
-        ap.error(f"--max-len must be a multiple of 128 holding --start + --steps = {args.start + args.steps} "
-                 f"positions, got {args.max_len}")
+    longest = max(args.steps, args.race_steps, args.loop_race_steps)
+    if args.start + longest > args.max_len or args.max_len % 128:
+        ap.error(f"--max-len must be a multiple of 128 holding --start + the most steps (--steps, --race-steps, "
+                 f"--loop-race-steps) = {args.start + longest} positions, got {args.max_len}")
     dev = jax.devices()[0]
     versions = {"jax": jax.__version__, "device": dev.device_kind, "sms": getattr(dev, "core_count", None)}
     print(versions, flush=True)
@@ -396,6 +426,13 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 res[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                 print(res[f"{key}_error"], flush=True)
+            if args.loop_race_steps:
+                try:
+                    res[f"loop_race_{variant}"] = loop_race_check(vplan, inv_freq, args.start, args.loop_race_steps)
+                    print(name, variant, "loop race check", res[f"loop_race_{variant}"], flush=True)
+                except Exception as e:  # noqa: BLE001
+                    res[f"loop_race_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    print(res[f"loop_race_{variant}_error"], flush=True)
             if args.loop:
                 try:
                     t = time_loop(vplan, inv_freq, args.start, args.steps, args.reps)

@@ -153,30 +153,44 @@ def test_token_step_reads_the_embedding_row_and_rope_row_itself(setup):
         mk.megakernel_token_step(0, 0, embed, rope_all[:5], units, cache, plan=plan)
 
 
-def test_loop_picks_each_token_as_the_step_by_step_chain(setup):
+# the default plan (one position per cache row); and the 1b's kind at 2048 positions: paired
+# positions, the fused MLP (its reduce-adds land on partials), 3 attention splits, held slots
+@pytest.mark.parametrize("kind", ["default", "pairs_mlp_splits"])
+def test_loop_picks_each_token_as_the_step_by_step_chain(setup, kind):
     """megakernel_loop (greedy steps in one launch, the argmax on the GPU) against
     megakernel_token_step run step by step, each fed the previous step's argmax (np): the same
-    tokens, raw logits x r equal to the step's logits, the same cache. Its vocab (200 of the head's
-    256 rows) keeps the padding rows' zero logits out of the argmax."""
+    tokens, raw logits x r equal to the step's logits, the same cache, over 3 steps (the third
+    reuses the first one's buffer). Its vocab (200 of the head's 256 rows) keeps the padding rows'
+    zero logits out of the argmax."""
     _, rows, plan, cache, _ = setup
-    assert plan.vocab_rows == 256 and CFG.vocab_size == 200
-    rope_all = mk.rope_tables(MAX_LEN, layers.rope_frequencies(CFG))
-    units, embed = mk.prepare(rows, plan.block_k), rows["embed_vd"]
+    cfg, pos, max_len = CFG, 63, MAX_LEN
+    if kind != "default":
+        cfg, pos, max_len = CFG2, 129, MAX_LEN2
+        rows = decode.prepare_weights(build_model(dataclasses.replace(CFG2, param_dtype=DType.bfloat16), seed=5),
+                                      jnp.bfloat16, rows=True)
+        plan = mk.plan_for(CFG2, max_len, vocab_rows=256, ctas=1, x_stages=8, block_k=256, attn_splits=3,
+                           fuse_mlp=True, hold_slots=2)
+        cache = mk.pack_cache((jax.random.normal(jax.random.key(6), (2, max_len, 2, 128)) * 0.5).astype(jnp.bfloat16),
+                              2)
+    assert plan.vocab_rows == 256 and cfg.vocab_size == 200
+    rope_all = mk.rope_tables(max_len, layers.rope_frequencies(cfg))
+    units, embed = mk.prepare(rows, plan.block_k, plan.fuse_mlp), rows["embed_vd"]
     toks, raw, r, got_cache = jax.jit(lambda *a: mk.megakernel_loop(a[0], a[1], 3, *a[2:], plan=plan, vocab=200,
                                                                     interpret=True))(
-        jnp.int32(7), jnp.int32(63), embed, rope_all, units, cache)
+        jnp.int32(7), jnp.int32(pos), embed, rope_all, units, cache)
     step = jax.jit(lambda *a: mk.megakernel_token_step(*a, plan=plan, interpret=True))
     tok, want_cache = 7, cache
     for s in range(3):
-        logits, _, want_cache = step(jnp.int32(tok), jnp.int32(63 + s), embed, rope_all, units, want_cache)
+        logits, _, want_cache = step(jnp.int32(tok), jnp.int32(pos + s), embed, rope_all, units, want_cache)
         tok = int(np.argmax(np.asarray(logits)[:200]))
         assert int(toks[s]) == tok
         np.testing.assert_allclose(np.asarray(raw[s] * r[s]), np.asarray(logits), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
-    with pytest.raises(ValueError, match="vocab must be 1..vocab_rows=256"):
-        mk.megakernel_loop(0, 0, 2, embed, rope_all, units, cache, plan=plan, vocab=300)
-    with pytest.raises(ValueError, match="steps must be 1..4096"):
-        mk.megakernel_loop(0, 0, 0, embed, rope_all, units, cache, plan=plan, vocab=200)
+    if kind == "default":
+        with pytest.raises(ValueError, match="vocab must be 1..vocab_rows=256"):
+            mk.megakernel_loop(0, 0, 2, embed, rope_all, units, cache, plan=plan, vocab=300)
+        with pytest.raises(ValueError, match="steps must be 1..4096"):
+            mk.megakernel_loop(0, 0, 0, embed, rope_all, units, cache, plan=plan, vocab=200)
 
 
 # head_dim 64 at block_k 256: two positions per cache row (plan.ppr 2), 128 per attention tile;
@@ -374,19 +388,17 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr):
 def test_decoder_megakernel_greedy_chunk_keeps_the_step_book_keeping():
     """Greedy chunks run as one megakernel_loop launch with their book-keeping done at once; top-1
     sampling takes the step-by-step path (megakernel_token_step, `sample`, `_advance`) on the same
-    kernel math. Both must give the same tokens and log-probs, with a stop token inside a chunk and
-    max_new_tokens not a multiple of the chunk."""
+    kernel math. Greedy with a stop token inside a chunk must give that path's tokens up to the
+    stop and their log-probs (max_new_tokens not a multiple of the chunk)."""
     model = build_model(dataclasses.replace(CFG, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
-    dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=3)
+    dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
-    free = dec.generate(prompts, 7)
-    stop = free.tokens[0][4]  # (the fifth new token: the second chunk's second step)
-    first = free.tokens[0].index(stop)
-    greedy = dec.generate(prompts, 7, stop_tokens=[stop])
-    stepwise = dec.generate(prompts, 7, stop_tokens=[stop], temperature=1.0, top_k=1)
-    assert greedy.tokens == stepwise.tokens == [free.tokens[0][: first + 1]]
-    np.testing.assert_allclose(greedy.logprobs[0], stepwise.logprobs[0], atol=1e-5)
-    np.testing.assert_allclose(free.logprobs[0][: first + 1], greedy.logprobs[0], atol=1e-5)
+    stepwise = dec.generate(prompts, 5, temperature=1.0, top_k=1)  # (no stop: every step's token)
+    stop = stepwise.tokens[0][3]  # (the fourth new token: the prefill's, then the second chunk's first step)
+    first = stepwise.tokens[0].index(stop)
+    greedy = dec.generate(prompts, 5, stop_tokens=[stop])
+    assert greedy.tokens == [stepwise.tokens[0][: first + 1]]
+    np.testing.assert_allclose(greedy.logprobs[0], stepwise.logprobs[0][: first + 1], atol=1e-5)
 
 
 def test_decoder_megakernel_refuses_a_model_it_cannot_run():

@@ -268,7 +268,7 @@ class MegaPlan:
                 + 2 * hd * 4 + 2 * hd * 2  # the rope table, the new row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
-                + PAD * 4  # a chunk of the input's row (f32 at most; megakernel_loop: see loop_check)
+                + PAD * 4 + 64  # a chunk of the input's row (f32 at most; megakernel_loop: see loop_check), 16 f32
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -328,17 +328,9 @@ class MegaPlan:
 
 
 def loop_check(plan: MegaPlan) -> None:
-    """What megakernel_loop needs beyond the plan's own check: block_k = PAD (the input row's
-    chunks in the x stages), its input row's chunks in shared memory (bf16), and x stages for
-    the pick (loop_layout)."""
+    """What megakernel_loop needs beyond the plan's own check: x stages for the pick
+    (loop_layout)."""
     plan.check()
-    if plan.block_k != PAD:
-        raise ValueError(f"megakernel_loop needs block_k={PAD} (the input row's chunks in the x stages), "
-                         f"got {plan.block_k}")
-    need = plan.smem_bytes() - PAD * 4 + min(plan.x_stages, plan.hidden // PAD) * PAD * 2
-    if need > SMEM_BYTES:
-        raise ValueError(f"megakernel_loop needs {need} bytes of shared memory (the input row's chunks), more "
-                         f"than {SMEM_BYTES}")
     loop_layout(plan, 1)
 
 
@@ -447,7 +439,7 @@ def rope_table(pos, inv_freq):
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_smem, stage, ustage, ring, part, res,
           obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
-          ml_smem, x_row, *,
+          ml_smem, x_row, rmw, *,
           plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -530,7 +522,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
 
     def reduce_add(src, dst):
         if interpret:  # no TMA reduction in the interpreter: read, add, write (one CTA: no race)
-            old = zeros.at[pl.ds(0, src.shape[0])]
+            old = rmw.at[pl.ds(0, src.shape[0])]  # (its own scratch: `zeros` must stay zeros)
             plgpu.copy_gmem_to_smem(dst, old, misc.at[5])
             plgpu.barrier_wait(misc.at[5])
             src[...] = src[...] + old[...]
@@ -1136,35 +1128,32 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                     def _():
                         plgpu.copy_smem_to_gmem(zeros, vbuf().at[pl.ds(i * PAD, PAD)])
 
-            if loop:
-                zero_other()
+            if loop and first:
+                zero_other("all")
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
             signal(0)
 
-        def zero_other():
-            """(loop) Zeros into the CTA's share of the other buffer, which the next step uses (nobody
-            reads it now: every CTA has passed the previous step's head)."""
-            @pl.loop(c, T // PAD, step=ctas)
-            def _(i):
-                plgpu.copy_smem_to_gmem(zeros, buf_all.at[pl.ds(T - cur[0] + i * PAD, PAD)])
+        parts_at, parts_n = (plan.region("parts", 0) - plan.layer0) // PAD, _pad(splits * plan.heads * bk) // PAD
+        last_in = plan.region("in", plan.layers) // PAD  # (the last h: the head's input)
+        last_in_chunks = _pad(plan.hidden) // PAD
 
-        def own_input(token):
-            """(loop, after the first step) The whole input region written by every CTA itself (the
-            same values: no barrier needed before it reads them): the token's row, f32."""
-            strided = L.WG_STRIDED((PAD,), vec_size=2)
-            for r0 in range(0, x_chunks, P):
-                n = min(P, x_chunks - r0)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the stages' previous stores have read them)
-                for i in range(n):
-                    plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((r0 + i) * PAD, PAD)], x_row.at[i], x_full.at[i])
-                for i in range(n):
-                    plgpu.barrier_wait(x_full.at[i])
-                    row = x_row.at[i][...] if interpret else plgpu.load(x_row.at[i], layout=strided)
-                    stage.at[i][...] = cast(row.astype(jnp.float32), strided)
-                plgpu.commit_smem()
-                for i in range(n):
-                    plgpu.copy_smem_to_gmem(stage.at[i], vbuf().at[pl.ds(plan.x_off + (r0 + i) * PAD, PAD)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # (written, before this CTA reads them back)
+        def zero_other(part):
+            """(loop) Zeros into the CTA's share of the other buffer, the previous step's, which the
+            next step uses. part "all" (the first step); "early": all but the last h, which the
+            previous step's head may still read on a slower CTA (every CTA has passed that step's
+            last layer); "last_h": the rest, once every CTA has signalled its head."""
+            lo, hi = (last_in, last_in + last_in_chunks) if part == "last_h" else (0, T // PAD)
+
+            @pl.loop(lo + c, hi, step=ctas)
+            def _(i):
+                skip = (part == "early") & (i >= last_in) & (i < last_in + last_in_chunks)
+                if splits > 1:  # (the splits' partials: every unit writes all of its own each step)
+                    k = lax.rem(i - plan.layer0 // PAD, plan.stride // PAD) - parts_at
+                    skip = skip | ((i >= plan.layer0 // PAD) & (i < plan.logits_off // PAD) & (k >= 0) & (k < parts_n))
+
+                @pl.when(jnp.logical_not(skip))
+                def _():
+                    plgpu.copy_smem_to_gmem(zeros, buf_all.at[pl.ds(T - cur[0] + i * PAD, PAD)])
 
         # (named scopes: the regions of the on-device profile, `profile_dir`; no code without it)
         def layers_and_head(r, pos, s):
@@ -1294,19 +1283,18 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             use_buffer(s)
             pos = jnp.minimum(pos0 + s, plan.max_len - 1)
             plgpu.copy_gmem_to_smem(rope_ref.at[pos], rope_s, misc.at[2])
-            if first:
-                init(token, first)
-                wait(0, "qkv")
-            else:  # (the other buffer was zeroed, and this one's input region is written, by every CTA)
-                zero_other()
+            if not first:  # (most of the other buffer zeroed first: that does not wait for the token)
+                zero_other("early")
                 token = pick(s - 1)
+                zero_other("last_h")
 
                 @pl.when(c == 0)
                 def _():
                     store_scalar(token.astype(jnp.float32), tail("token", s - 1))
 
-                own_input(token)
+            init(token, first)
             plgpu.barrier_wait(misc.at[2])
+            wait(0, "qkv")
             return layers_and_head(r, pos, s), token
 
         carry = step(jnp.int32(0), (jnp.int32(0), token0), first=True)
@@ -1453,8 +1441,6 @@ def megakernel_loop(token, pos, steps: int, embed, rope_all, weights: dict, cach
     if rope_all.shape != (plan.max_len, 2, plan.head_dim):
         raise ValueError(f"rope_all must be rope_tables({plan.max_len}) [{plan.max_len}, 2, {plan.head_dim}], "
                          f"got {rope_all.shape}")
-    if embed.dtype == jnp.float32:
-        raise ValueError("megakernel_loop takes a 16-bit embedding table (bf16 or f16), got float32")
     loop_check(plan)
     lay = loop_layout(plan, steps)
     pos = jnp.asarray(pos, jnp.int32)
@@ -1512,7 +1498,8 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
         plgpu.Barrier(num_barriers=plan.res_tiles),
         plgpu.SMEM((BLOCK_F, ROWS), jnp.float32),  # (fuse_out, ppr 2) the streams' m and l
-        plgpu.SMEM((min(plan.x_stages, plan.hidden // PAD) if steps else 1, PAD), x_table.dtype),  # the input's row
+        plgpu.SMEM((1, PAD), x_table.dtype),  # a chunk of the input's row
+        plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
     )
     buf = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
