@@ -87,10 +87,36 @@ def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: 
     return out
 
 
-def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, seed: int = 0) -> dict:
+def random_inputs(plan: mk.MegaPlan, seed: int = 0):
+    """(unit-major weights, a bf16 embedding table, a bf16 cache) of the plan's shapes."""
     units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
     embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
     cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
+    return units, embed, cache
+
+
+def timed_steps(call, plan: mk.MegaPlan, units, start: int, steps: int, reps: int) -> dict:
+    """The median of `reps` calls of call() (the first one compiles; each runs `steps` steps and
+    returns an array to wait for) per step, and the bytes a step reads: every weight but the
+    embedding table, and the K/V cache at the mean position of the steps."""
+    t = time.perf_counter()
+    jax.block_until_ready(call())
+    compile_s = time.perf_counter() - t
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times) / steps
+    wbytes = sum(int(v.nbytes) for v in units.values())
+    mean_len = start + (steps + 1) / 2
+    kvbytes = int(mean_len * plan.layers * plan.kv_heads * 2 * plan.head_dim * 2)
+    return {"step_ms": step_s * 1e3, "tok_s": 1 / step_s, "weight_bytes": wbytes, "kv_bytes": kvbytes,
+            "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times}
+
+
+def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, seed: int = 0) -> dict:
+    units, embed, cache = random_inputs(plan, seed)
 
     def run(cache, token, units, embed):  # (weights as arguments: closed over, they become constants)
         rope_all = mk.rope_tables(plan.max_len, inv_freq)
@@ -104,31 +130,20 @@ def time_decode(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, 
         return jax.lax.fori_loop(0, steps, body, (cache, token))
 
     run = jax.jit(run, donate_argnums=0)
-    t = time.perf_counter()
-    cache, tok = run(cache, jnp.int32(1), units, embed)
-    jax.block_until_ready(tok)
-    compile_s = time.perf_counter() - t
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        cache, tok = run(cache, tok, units, embed)
-        jax.block_until_ready(tok)
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times) / steps
-    wbytes = sum(int(v.nbytes) for v in units.values())
-    mean_len = start + (steps + 1) / 2
-    kvbytes = int(mean_len * plan.layers * plan.kv_heads * 2 * plan.head_dim * 2)
-    return {"step_ms": step_s * 1e3, "tok_s": 1 / step_s, "weight_bytes": wbytes, "kv_bytes": kvbytes,
-            "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times}
+    state = {"cache": cache, "tok": jnp.int32(1)}
+
+    def call():
+        state["cache"], state["tok"] = run(state["cache"], state["tok"], units, embed)
+        return state["tok"]
+
+    return timed_steps(call, plan, units, start, steps, reps)
 
 
 def time_loop(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, seed: int = 0) -> dict:
     """time_decode's greedy steps as one megakernel_loop launch per call (the argmax on the GPU);
     and its tokens against time_decode's step-by-step chain from the same token (greedy on random
     weights: a near-tie may flip where the f32 reduce-adds land in another order)."""
-    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
-    embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
-    cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
+    units, embed, cache = random_inputs(plan, seed)
     rope_all = mk.rope_tables(plan.max_len, inv_freq)
 
     def run(cache, token, units, embed):
@@ -148,24 +163,18 @@ def time_loop(plan: mk.MegaPlan, inv_freq, start: int, steps: int, reps: int, se
 
     want = np.asarray(jax.jit(chain)(cache, jnp.int32(1), units, embed))
     run = jax.jit(run, donate_argnums=0)
-    t = time.perf_counter()
-    cache, toks = run(cache, jnp.int32(1), units, embed)
-    got = np.asarray(toks)
-    compile_s = time.perf_counter() - t
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        cache, toks = run(cache, jnp.int32(1), units, embed)
-        jax.block_until_ready(toks)
-        times.append(time.perf_counter() - t)
-    step_s = statistics.median(times) / steps
-    wbytes = sum(int(v.nbytes) for v in units.values())
-    mean_len = start + (steps + 1) / 2
-    kvbytes = int(mean_len * plan.layers * plan.kv_heads * 2 * plan.head_dim * 2)
+    state = {"cache": cache}
+    outs = []
+
+    def call():
+        state["cache"], toks = run(state["cache"], jnp.int32(1), units, embed)
+        outs.append(toks)
+        return toks
+
+    out = timed_steps(call, plan, units, start, steps, reps)
+    got = np.asarray(outs[0])  # (the first call's: from the same token and cache as the chain)
     same = int(np.argmax(got != want)) if np.any(got != want) else steps
-    return {"step_ms": step_s * 1e3, "tok_s": 1 / step_s, "weight_bytes": wbytes, "kv_bytes": kvbytes,
-            "achieved_Bps": (wbytes + kvbytes) / step_s, "compile_s": compile_s, "times_s": times,
-            "tokens_as_chain": same, "first_tokens": got[:8].tolist(), "chain_first_tokens": want[:8].tolist()}
+    return {**out, "tokens_as_chain": same, "first_tokens": got[:8].tolist(), "chain_first_tokens": want[:8].tolist()}
 
 
 # (combine: only with attn_splits > 1; mlp: gate/up and down as one phase, fuse_mlp)
@@ -173,9 +182,7 @@ def step_logits(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: int =
     """The logits of `steps` steps from position `start`, the tokens given (by default random, the
     same for every plan: no greedy feedback, so plans that round differently still see the same
     inputs)."""
-    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
-    embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
-    cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
+    units, embed, cache = random_inputs(plan, seed)
     if tokens is None:
         tokens = jax.random.randint(jax.random.key(seed + 4), (steps,), 0, plan.vocab_rows)
 
@@ -216,9 +223,7 @@ def loop_race_check(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: i
     kernel fed the loop's own tokens, beside two step-by-step runs (the floor), and how often the
     loop's token is that run's argmax. A read of a partial or stale activation shows as an outlier
     far above the floor."""
-    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
-    embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
-    cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
+    units, embed, cache = random_inputs(plan, seed)
     run = jax.jit(lambda c: mk.megakernel_loop(1, start, steps, embed, mk.rope_tables(plan.max_len, inv_freq), units,
                                                c, plan=plan, vocab=plan.vocab_rows), donate_argnums=0)
     toks, raw, r, _ = run(cache)
@@ -426,24 +431,24 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 res[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                 print(res[f"{key}_error"], flush=True)
+            def attempt(key, measure):  # (a failure is recorded, and the next measurement runs)
+                try:
+                    res[key] = measure()
+                    print(name, variant, key, res[key] if "loop_race" in key else {
+                        k: v for k, v in res[key].items() if k != "times_s"}, flush=True)
+                except Exception as e:  # noqa: BLE001
+                    res[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                    print(res[f"{key}_error"], flush=True)
+
             if args.loop_race_steps:
-                try:
-                    res[f"loop_race_{variant}"] = loop_race_check(vplan, inv_freq, args.start, args.loop_race_steps)
-                    print(name, variant, "loop race check", res[f"loop_race_{variant}"], flush=True)
-                except Exception as e:  # noqa: BLE001
-                    res[f"loop_race_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-                    print(res[f"loop_race_{variant}_error"], flush=True)
+                attempt(f"loop_race_{variant}", lambda: loop_race_check(vplan, inv_freq, args.start,
+                                                                         args.loop_race_steps))
             if args.loop:
-                try:
+                def loop_timing():
                     t = time_loop(vplan, inv_freq, args.start, args.steps, args.reps)
-                    t["pct_of_copy"] = 100 * t["achieved_Bps"] / copy
-                    res[f"loop_{variant}"] = t
-                    print(f"{name} {variant} loop: {t['step_ms']:.3f} ms/step, {t['tok_s']:.0f} tokens/s, "
-                          f"{t['pct_of_copy']:.1f}% of copy, tokens as the chain for {t['tokens_as_chain']} steps "
-                          f"(compile {t['compile_s']:.0f}s)", flush=True)
-                except Exception as e:  # noqa: BLE001
-                    res[f"loop_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
-                    print(res[f"loop_{variant}_error"], flush=True)
+                    return dict(t, pct_of_copy=100 * t["achieved_Bps"] / copy)
+
+                attempt(f"loop_{variant}", loop_timing)
             if args.profile:  # every variant's own profile: where its time goes, beside its timing
                 pkey = "profile" if variant == "base" else f"profile_{variant}"
                 try:
