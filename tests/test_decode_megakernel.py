@@ -98,6 +98,8 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
         weights,
         bf16(*plan.cache_shape)).mlir_module()
     assert module.count("mosaic_gpu_v2") == 1
+    if not fuse:
+        return
     # the decoder's entry: the token's bf16 embedding row and pos's RoPE row read by the kernel
     token_fn = jax.jit(lambda t, p, e, r, w, c: mk.megakernel_token_step(t, p, e, r, w, c, plan=plan))
     module = export.export(token_fn, platforms=["cuda"])(
@@ -385,20 +387,35 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr):
     np.testing.assert_allclose(got.logprobs[0][:k], want.logprobs[0][:k], atol=3e-2)
 
 
-def test_decoder_megakernel_greedy_chunk_keeps_the_step_book_keeping():
-    """Greedy chunks run as one megakernel_loop launch with their book-keeping done at once; top-1
-    sampling takes the step-by-step path (megakernel_token_step, `sample`, `_advance`) on the same
-    kernel math. Greedy with a stop token inside a chunk must give that path's tokens up to the
-    stop and their log-probs (max_new_tokens not a multiple of the chunk)."""
-    model = build_model(dataclasses.replace(CFG, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
-    dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2)
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
-    stepwise = dec.generate(prompts, 5, temperature=1.0, top_k=1)  # (no stop: every step's token)
-    stop = stepwise.tokens[0][3]  # (the fourth new token: the prefill's, then the second chunk's first step)
-    first = stepwise.tokens[0].index(stop)
-    greedy = dec.generate(prompts, 5, stop_tokens=[stop])
-    assert greedy.tokens == [stepwise.tokens[0][: first + 1]]
-    np.testing.assert_allclose(greedy.logprobs[0], stepwise.logprobs[0][: first + 1], atol=1e-5)
+@pytest.mark.parametrize("count,pos,done,stop_at", [(0, 20, False, 2), (3, 20, False, None), (0, 124, False, None),
+                                                 (0, 20, True, None), (5, 20, False, 0)])
+def test_greedy_chunk_book_keeping_matches_advance_step_by_step(monkeypatch, count, pos, done, stop_at):
+    """_megakernel_greedy_chunk's book-keeping at once against `sample` and `_advance` step by step
+    on the same logits (megakernel_loop replaced by fixed logits: its own test is above): a stop
+    token inside the chunk, max_new_tokens reached, the cache's end (max_len 128), a row already
+    done, and a stop at the first step."""
+    n, vocab = 5, CFG.vocab_size
+    raw = jax.random.normal(jax.random.key(2), (n, 256)) * 3
+    r = jnp.linspace(0.5, 1.5, n)
+    toks = jnp.argmax(raw[:, :vocab], axis=-1).astype(jnp.int32)
+    stop = int(toks[stop_at]) if stop_at is not None else -7
+    monkeypatch.setattr(mk, "megakernel_loop", lambda *a, **k: (toks, raw, r, a[6]))
+    params = {"stop_ids": jnp.asarray([stop, -5]), "max_new": jnp.int32(8), "max_len": jnp.int32(128)}
+    state = {"cache": {"kv": jnp.zeros(decode.megakernel_plan(CFG, MAX_LEN).cache_shape, jnp.bfloat16)},
+             "token": jnp.asarray([9]), "pos": jnp.asarray([pos]), "count": jnp.asarray([count]),
+             "done": jnp.asarray([done])}
+    weights = {"embed_vd": jnp.zeros((vocab, CFG.hidden_size), jnp.bfloat16), "units": None}
+    got_state, got_toks, got_lps = decode._megakernel_greedy_chunk(weights, state, params, cfg=CFG, n_steps=n)
+    want_state, want_toks, want_lps = dict(state), [], []
+    for i in range(n):
+        tok, lp = decode.sample((raw[i, :vocab] * r[i])[None], None, 1.0, 1.0, decode.Sampling())
+        want_state, tok, lp = decode._advance(want_state, tok, lp, params)
+        want_toks.append(int(tok[0]))
+        want_lps.append(float(lp[0]))
+    assert got_toks[0].tolist() == want_toks
+    np.testing.assert_allclose(np.asarray(got_lps[0]), want_lps, atol=1e-5)
+    for key in ("token", "pos", "count", "done"):
+        assert got_state[key].tolist() == want_state[key].tolist(), key
 
 
 def test_decoder_megakernel_refuses_a_model_it_cannot_run():
