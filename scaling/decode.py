@@ -553,14 +553,19 @@ class Sampling:
     use_top_p: bool = False
 
 
+def _chosen_logprob(logits_bv, tok_b):
+    """log_softmax(logits)[tok] per row, from the row's max and sum (no [B, V] log-softmax)."""
+    m_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
+    lse_b = jnp.log(jnp.sum(jnp.exp(logits_bv - m_b1), axis=-1))
+    return (jnp.take_along_axis(logits_bv, tok_b[:, None], axis=-1) - m_b1)[:, 0] - lse_b
+
+
 def sample(logits_bv, keys_b, temperature, top_p, sampling: Sampling):
     """Next token [B] int32 and its log-prob under the model [B] f32."""
     logits_bv = logits_bv.astype(jnp.float32)
-    if sampling.greedy:  # (no [B, V] log-softmax: the chosen token's log-prob from the row's max and sum)
+    if sampling.greedy:
         tok_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-        m_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
-        lse_b = jnp.log(jnp.sum(jnp.exp(logits_bv - m_b1), axis=-1))
-        return tok_b, (jnp.take_along_axis(logits_bv, tok_b[:, None], axis=-1) - m_b1)[:, 0] - lse_b
+        return tok_b, _chosen_logprob(logits_bv, tok_b)
     logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     z = logits_bv / temperature
     if sampling.top_k is not None:
@@ -656,10 +661,7 @@ def _megakernel_greedy_chunk(weights, state, params, *, cfg, n_steps):
     toks, raw, r, kv = decode_megakernel.megakernel_loop(
         state["token"][0], jnp.minimum(pos0, plan.max_len - 1), n_steps, weights["embed_vd"], rope_all,
         weights["units"], cache["kv"], plan=plan, vocab=cfg.vocab_size, interpret=jax.default_backend() != "gpu")
-    logits = raw[:, : cfg.vocab_size] * r[:, None]  # [n, V]
-    m = jnp.max(logits, axis=-1)
-    lps = (jnp.take_along_axis(logits, toks[:, None], axis=-1)[:, 0] - m) - jnp.log(
-        jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    lps = _chosen_logprob(raw[:, : cfg.vocab_size] * r[:, None], toks)  # (the n steps as rows)
     # _advance, step i of the chunk, for a row active since its start: count and pos one further
     i = jnp.arange(1, n_steps + 1, dtype=jnp.int32)
     is_stop = jnp.any(toks[:, None] == params["stop_ids"][None, :], axis=-1)
