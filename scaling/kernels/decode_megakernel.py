@@ -268,7 +268,7 @@ class MegaPlan:
                 + 2 * hd * 4 + 2 * hd * 2  # the rope table, the new row
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
-                + PAD * 4 + 64  # a chunk of the input's row (f32 at most; megakernel_loop: see loop_check), 16 f32
+                + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -1111,14 +1111,14 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 @pl.when(inside)
                 def _():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((i - plan.x_off // PAD) * PAD, PAD)], x_row.at[0],
+                    plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((i - plan.x_off // PAD) * PAD, PAD)], x_row,
                                             misc.at[5])
                     plgpu.barrier_wait(misc.at[5])
                     if x_ref.dtype == jnp.float32:
-                        plgpu.copy_smem_to_gmem(x_row.at[0], vbuf().at[pl.ds(i * PAD, PAD)])
+                        plgpu.copy_smem_to_gmem(x_row, vbuf().at[pl.ds(i * PAD, PAD)])
                     else:  # (a 16-bit table: its row in f32)
                         strided = L.WG_STRIDED((PAD,), vec_size=2)
-                        row = x_row.at[0][...] if interpret else plgpu.load(x_row.at[0], layout=strided)
+                        row = x_row[...] if interpret else plgpu.load(x_row, layout=strided)
                         obuf.at[pl.ds(0, PAD)][...] = cast(row.astype(jnp.float32), strided)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, PAD)], vbuf().at[pl.ds(i * PAD, PAD)])
@@ -1498,7 +1498,7 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
         plgpu.Barrier(num_barriers=plan.res_tiles),
         plgpu.SMEM((BLOCK_F, ROWS), jnp.float32),  # (fuse_out, ppr 2) the streams' m and l
-        plgpu.SMEM((1, PAD), x_table.dtype),  # a chunk of the input's row
+        plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
         plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
     )
     buf = plgpu.kernel(
