@@ -29,14 +29,16 @@ def corpus_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data-cache"))
 
 
-# Files by their measured time on 2 CPU cores, heaviest first (`pytest --durations`, thirteenth
-# session). `./scripts/run test` hands whole files to the two workers (`--dist loadfile`) in
-# collection order (`--no-loadscope-reorder`), each taking the next file when it finishes:
-# longest-first keeps the last file to start short, so the workers end close together.
-HEAVY_FIRST = ("test_flash_attention_mgpu_bwd.py", "test_decode_gemv.py", "test_remat.py", "test_checkpoint.py",
-               "test_sweep.py", "test_decode.py", "test_train.py", "test_sharding.py", "test_flash_attention_mgpu.py",
-               "test_bench_train.py", "test_multihost.py", "test_chunked_loss.py", "test_model.py",
-               "test_profile_summary.py", "test_scaling_laws.py", "test_decode_tma.py")
+# Files by their measured time on 2 CPU cores, heaviest first (`pytest --durations` or
+# --junitxml, twenty-first session). `./scripts/run test` hands whole files to the two workers
+# (`--dist loadfile`) in collection order (`--no-loadscope-reorder`), each taking the next file when
+# it finishes: longest-first keeps the last file to start short, so the workers end close together
+# (a heavy file left out of this list runs last, and the suite waits for it: 14 min against ~12).
+HEAVY_FIRST = ("test_decode_megakernel.py", "test_flash_attention_mgpu_bwd.py", "test_decode_gemv.py",
+               "test_remat.py", "test_checkpoint.py", "test_decode.py", "test_sweep.py", "test_sharding.py",
+               "test_flash_attention_mgpu.py", "test_train.py", "test_bench_streamk_chain.py", "test_multihost.py",
+               "test_chunked_loss.py", "test_scaling_laws.py", "test_gpu_lowering.py", "test_model.py",
+               "test_decode_tma.py", "test_bench_train.py", "test_flash_attention.py", "test_profile_summary.py")
 
 
 def pytest_collection_modifyitems(config, items):
