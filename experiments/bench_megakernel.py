@@ -54,7 +54,7 @@ CHECK_POSITIONS = (0, 1, 63, 64, 129, 200)
 
 def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: bool = True) -> list[dict]:
     rows = random_weights(plan, seed)
-    units = mk.to_units(rows, plan)
+    units = mk.to_units(rows, plan.block_k, plan.fuse_mlp)
     k1, k2 = jax.random.split(jax.random.key(seed + 1))
     cache = (jax.random.normal(k1, (plan.layers, plan.max_len, plan.kv_heads, 2 * plan.head_dim)) * 0.5
              ).astype(jnp.bfloat16)
@@ -89,7 +89,7 @@ def check(plan: mk.MegaPlan, positions, inv_freq, seed: int = 0, cpu_reference: 
 
 def random_inputs(plan: mk.MegaPlan, seed: int = 0):
     """(unit-major weights, a bf16 embedding table, a bf16 cache) of the plan's shapes."""
-    units = mk.to_units(random_weights(plan, seed), plan)
+    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
     embed = (jax.random.normal(jax.random.key(seed + 2), (plan.vocab_rows, plan.hidden)) * 0.02).astype(jnp.bfloat16)
     cache = (jax.random.normal(jax.random.key(seed + 3), plan.cache_shape) * 0.5).astype(jnp.bfloat16)
     return units, embed, cache
@@ -257,8 +257,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "mlp": {"fuse_mlp": True},  # (gate/up and down as one phase)
             # (ring slots freed only after the signal: its fence then waits for fewer TMA loads)
             **{f"hold{n}": {"hold_slots": n} for n in (1, 2, 3, 4, 5)},
-            "qnorm": {"norm_in_qkv": True},  # (the attention norm's statistic at the q/k/v phase's end)
-            "qgroups": {"qkv_groups": True}}  # (a KV head's q/k/v by its group of CTAs: a group barrier, not a grid one)
+            "qnorm": {"norm_in_qkv": True}}  # (the attention norm's statistic at the q/k/v phase's end)
 
 
 def variant_fields(variant: str) -> dict:
@@ -336,7 +335,7 @@ def profile_plan(plan: mk.MegaPlan) -> mk.MegaPlan:
 
 def profile_step(plan: mk.MegaPlan, inv_freq, pos: int, out_dir: str, seed: int = 0) -> dict:
     """One profiled step (random weights and cache): phase_walls of its trace."""
-    units = mk.to_units(random_weights(plan, seed), plan)
+    units = mk.to_units(random_weights(plan, seed), plan.block_k, plan.fuse_mlp)
     cache = jnp.zeros(plan.cache_shape, jnp.bfloat16)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan, profile_dir=out_dir))

@@ -782,7 +782,7 @@ class Decoder:
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
         if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
             plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN)
-            self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, plan),
+            self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, plan.block_k, plan.fuse_mlp),
                                        "embed_vd": self.weights["embed_vd"]}
 
     def _step_layers(self, batch: int) -> DecodeLayerImpl:

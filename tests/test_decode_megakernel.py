@@ -66,7 +66,7 @@ def test_plan_refuses_what_it_cannot_run():
 
 def test_lowers_for_hopper_with_several_ctas(setup):
     _, rows, plan, cache, x = setup
-    units = mk.prepare(rows, plan)
+    units = mk.prepare(rows, plan.block_k)
     for prefetch, splits, skip in ((False, 1, True), (True, 3, False)):
         p4 = dataclasses.replace(plan, ctas=4, norm_prefetch=prefetch, attn_splits=splits, out_skips_attn=skip)
         fn = jax.jit(lambda x, r, p, w, c, p4=p4: mk.megakernel_step(x, r, p, w, c, plan=p4))
@@ -80,12 +80,11 @@ def test_lowers_for_hopper_with_several_ctas(setup):
 def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fuse):
     """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128 or 256 with paired
     positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head), with
-    norm_prefetch and attn_splits (or fuse_out, fuse_mlp and qkv_groups) on, as abstract shapes (nothing
-    allocated)."""
+    norm_prefetch and attn_splits (or fuse_out and fuse_mlp) on, as abstract shapes (nothing allocated)."""
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, qkv_groups=True) if fuse
+    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True) if fuse
                else dict(attn_splits=2, hold_slots=1))
     plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, **options)
     plan.check()
@@ -116,7 +115,7 @@ def test_one_cta_step_matches_reference_in_interpret_mode(setup, pos, norm_prefe
     """Logits and the whole cache (the new row at pos, the rest untouched) against the reference."""
     _, rows, plan, cache, x = setup
     plan = dataclasses.replace(plan, norm_prefetch=norm_prefetch, attn_splits=splits, hold_slots=hold)
-    units, ref_w = mk.prepare(rows, plan), mk.row_weights(rows)
+    units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG))
     logits, buf, new_cache = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
         x, rope, jnp.int32(pos), units, cache)
@@ -140,7 +139,7 @@ def test_token_step_reads_the_embedding_row_and_rope_row_itself(setup):
     rope_all = mk.rope_tables(MAX_LEN, inv_freq)
     for p in (0, 1, pos, MAX_LEN - 1):
         np.testing.assert_allclose(rope_all[p], mk.rope_table(jnp.int32(p), inv_freq), rtol=1e-6, atol=1e-6)
-    units, embed = mk.prepare(rows, plan), rows["embed_vd"]
+    units, embed = mk.prepare(rows, plan.block_k), rows["embed_vd"]
     assert embed.dtype == jnp.bfloat16
     got = jax.jit(lambda *a: mk.megakernel_token_step(*a, plan=plan, interpret=True))(
         jnp.int32(token), jnp.int32(pos), embed, rope_all, units, cache)
@@ -177,7 +176,7 @@ def test_loop_picks_each_token_as_the_step_by_step_chain(setup, kind):
                               2)
     assert plan.vocab_rows == 256 and cfg.vocab_size == 200
     rope_all = mk.rope_tables(max_len, layers.rope_frequencies(cfg))
-    units, embed = mk.prepare(rows, plan), rows["embed_vd"]
+    units, embed = mk.prepare(rows, plan.block_k, plan.fuse_mlp), rows["embed_vd"]
     toks, raw, r, got_cache = jax.jit(lambda *a: mk.megakernel_loop(a[0], a[1], 3, *a[2:], plan=plan, vocab=200,
                                                                     interpret=True))(
         jnp.int32(7), jnp.int32(pos), embed, rope_all, units, cache)
@@ -245,7 +244,7 @@ def test_pack_cache_pairs_positions():
 def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, splits):
     rows, plan, cache, x = setup_pairs
     plan = dataclasses.replace(plan, attn_splits=splits)
-    units, ref_w = mk.prepare(rows, plan), mk.row_weights(rows)
+    units, ref_w = mk.prepare(rows, plan.block_k), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG2))
     logits, _, packed = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
         x, rope, jnp.int32(pos), units, mk.pack_cache(cache, 2))
@@ -266,22 +265,21 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
 CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, mlp_dim=512)
 
 
-# (the second case: qkv_groups, each KV head's q/k/v units on its group's CTAs; the last: fuse_mlp,
-# gate/up and down as one phase with W_down slice-major, with hold_slots and norm_in_qkv)
+# (the last case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots and
+# norm_in_qkv)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp", [(CFG, MAX_LEN, 100, False), (CFG3, 256, 1, False),
                                                       (CFG3, 256, 129, True)])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
-                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp,
-                       qkv_groups=cfg is CFG3 and not fuse_mlp)
+                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp)
     plan.check()
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
              * 0.5).astype(jnp.bfloat16)
     x = rows["embed_vd"][7].astype(jnp.float32)
-    units, ref_w = mk.prepare(rows, plan), mk.row_weights(rows)
+    units, ref_w = mk.prepare(rows, plan.block_k, fuse_mlp), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(cfg))
     logits, _, packed = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
         x, rope, jnp.int32(pos), units, mk.pack_cache(cache, plan.ppr))
@@ -302,20 +300,9 @@ def test_fused_groups_cover_every_output_row_tile_once(ctas, kv_heads):
     assert tiles == list(range(plan.hidden // mk.BLOCK_F))
     assert plan.out_group == max(1, ctas // kv_heads)
     assert plan.res_tiles == max(b - a for a, b in map(plan.out_tiles, range(plan.out_group)))
-    # qkv_groups: the groups' q/k/v spans cover every unit once, KV head k's within its rows
-    spans = [plan.qkv_span(u) for u in range(kv_heads * plan.out_group)]
-    assert [g for a, b in spans for g in range(a, b)] == list(range(plan.units("qkv")))
-    steps = plan.hidden // plan.block_k
-    order = plan.qkv_order()
-    for u, (a, b) in enumerate(spans):
-        kvh, g = u // plan.out_group, plan.groups
-        heads = {int(order[t * mk.BLOCK_F]) // plan.head_dim for t in range(a // steps, -(-b // steps))}
-        assert heads <= {kvh * g + i for i in range(g)} | {plan.heads + kvh, plan.heads + kv_heads + kvh}
 
 
 def test_fused_output_projection_refuses_what_it_cannot_run():
-    with pytest.raises(ValueError, match="qkv_groups needs fuse_out"):
-        mk.plan_for(CFG3, 256, x_stages=8, qkv_groups=True).check()
     with pytest.raises(ValueError, match="fuse_out needs attn_splits=1"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, attn_splits=2).check()
     with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):

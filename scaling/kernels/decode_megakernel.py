@@ -136,10 +136,6 @@ class MegaPlan:
     # all of h's chunks in the x stages (the gemv's own and the rest, loaded from the phase's start),
     # instead of by each attention unit on its critical path; where the chunks fit the stages
     norm_in_qkv: bool = False
-    # (fuse_out) each KV head's group of CTAs (`out_group`) computes that head's q/k/v units (its
-    # rows are contiguous: `qkv_order`), and its attention waits for its group's signals only,
-    # not for a grid barrier: the slowest of a group's CTAs instead of the slowest of all
-    qkv_groups: bool = False
 
     @property
     def out_group(self) -> int:
@@ -151,18 +147,6 @@ class MegaPlan:
         """(fuse_out) [a, b): the row tiles of W_o that member m of a KV head's group takes."""
         t, n = self.hidden // BLOCK_F, self.out_group
         return member * t // n, (member + 1) * t // n
-
-    @property
-    def qkv_group_units(self) -> int:
-        """(qkv_groups) q/k/v units per KV head: its q heads', k's and v's row tiles, every K step."""
-        return (self.groups + 2) * self.head_dim // BLOCK_F * (self.hidden // self.block_k)
-
-    def qkv_span(self, u):
-        """(qkv_groups) [a, b): the q/k/v units of unit u = (KV head u // out_group, member
-        u mod out_group), the member's share of its head's contiguous units (`qkv_order`)."""
-        n, gs = self.qkv_group_units, self.out_group
-        kvh, m = u // gs, u % gs
-        return kvh * n + m * n // gs, kvh * n + (m + 1) * n // gs
 
     @property
     def res_tiles(self) -> int:
@@ -208,22 +192,8 @@ class MegaPlan:
     def qkv_rows(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
-    def qkv_order(self):
-        """The kernel's q/k/v rows, grouped by KV head: for each, its q heads, its k, its v (so a
-        KV head's units are contiguous, `qkv_groups`); entry i: the row of [q heads | k heads | v
-        heads] (the model's order) that row i holds."""
-        import numpy as np
-
-        hd, g, nq, nkv = self.head_dim, self.groups, self.heads, self.kv_heads
-        heads = [[kvh * g + i for i in range(g)] + [nq + kvh, nq + nkv + kvh] for kvh in range(nkv)]
-        return np.concatenate([np.arange(h * hd, (h + 1) * hd) for group in heads for h in group])
-
-    def qkv_at(self, kvh, i):
-        """Offset of KV head kvh's q head i (i = groups: its k; groups + 1: its v) in the q/k/v region."""
-        return (kvh * (self.groups + 2) + i) * self.head_dim
-
     # flat buffer: [r_final, then zeros | h_in | layer 0 | layer 1 | ... | logits]; per layer
-    # [qkv | parts (attn_splits > 1) | attn | h1 | gate_up | h2], so layer l's input is the region
+    # [qkv | parts (attn_splits > 1) | attn | h1 | gate_up (not with fuse_mlp) | h2], so layer l's input is the region
     # just before its block
     r_off = 0
     zero_off = 64  # 64 zeros (the residual of a partial that is not a tile's first K step)
@@ -235,8 +205,9 @@ class MegaPlan:
     def _layer_regions(self) -> dict[str, int]:
         off, regions = 0, {}
         parts = self.attn_splits * self.heads * self.block_k if self.attn_splits > 1 else 0
+        gate_up = 0 if self.fuse_mlp else 2 * self.mlp  # (fuse_mlp keeps gate/up in registers: nothing to zero)
         for name, n in (("qkv", self.qkv_rows), ("parts", parts), ("attn", self.heads * self.head_dim),
-                        ("h1", self.hidden), ("gate_up", 2 * self.mlp), ("h2", self.hidden)):
+                        ("h1", self.hidden), ("gate_up", gate_up), ("h2", self.hidden)):
             regions[name] = off
             off += _pad(n)
         regions["stride"] = off
@@ -328,8 +299,6 @@ class MegaPlan:
         if self.fuse_out and (self.attn_splits > 1 or self.out_skips_attn or self.groups * hd != bk):
             raise ValueError(f"fuse_out needs attn_splits=1, out_skips_attn off and a KV head's q heads to be one K "
                              f"step of W_o: groups * head_dim = {self.groups * hd} == block_k = {bk}")
-        if self.qkv_groups and (not self.fuse_out or self.norm_in_qkv):
-            raise ValueError("qkv_groups needs fuse_out (its groups of CTAs) and norm_in_qkv off")
         if self.fuse_out and self.res_tiles > 32:
             raise ValueError(f"fuse_out: {self.res_tiles} residual tiles per CTA, at most 32: more CTAs")
         if self.fuse_mlp and self.hidden // bk > self.x_stages:
@@ -436,14 +405,12 @@ def down_slices(w, block_k: int):
     return t.reshape(*lead, f // BLOCK_F * (d // block_k), BLOCK_F, block_k)
 
 
-def to_units(rows: dict, plan: MegaPlan) -> dict:
+def to_units(rows: dict, block_k: int, fuse_mlp: bool = False) -> dict:
     """Row-major {qkv, out, gate_up, down: [L, N, K], head: [V, D]} as megakernel_step's
-    unit-major weights for plan: W_qkv's rows grouped by KV head (`MegaPlan.qkv_order`), W_down
-    as `down_slices` with fuse_mlp."""
-    rows = dict(rows, qkv=rows["qkv"][..., plan.qkv_order(), :])
-    units = {name: unit_major(w, plan.block_k) for name, w in rows.items()}
-    if plan.fuse_mlp:
-        units["down"] = down_slices(rows["down"], plan.block_k)
+    unit-major weights (fuse_mlp: W_down as `down_slices`)."""
+    units = {name: unit_major(w, block_k) for name, w in rows.items()}
+    if fuse_mlp:
+        units["down"] = down_slices(rows["down"], block_k)
     return units
 
 
@@ -500,11 +467,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
     splits = plan.attn_splits
     fused, gs = plan.fuse_out, plan.out_group
     head_sem = 1 + n_ph * plan.layers  # (loop) the head's logits are written: the next token can be picked
-    n_sems = head_sem + 1 + (plan.layers * plan.kv_heads if plan.qkv_groups else 0)
-    done = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sems,))) if sync else None
-
-    def group_sem(layer, kvh):  # (qkv_groups) KV head kvh's q/k/v units of a layer are written
-        return head_sem + 1 + layer * plan.kv_heads + kvh
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((head_sem + loop,))) if sync else None
 
     def wait(index, before: str = "", count=None):  # before: the phase it opens (the profile's region name)
         if sync:  # (count: the signals to wait for, by default every CTA's of the current step)
@@ -649,7 +612,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         return r
 
     def gemv(name, layer, r, *, x_base, y_base, res_base=None, up_base=None, scale=None, hold=0, all_x=False,
-             pick=False, units=None):
+             pick=False):
         """This CTA's units of one projection; r: the ring's running count. Returns it advanced,
         and how many of the last units' slots it holds (hold at most; `release` frees them).
         x chunk j from buf[x_base + j bk] (with up_base: silu(s g) * (s u), g from x_base, u
@@ -657,11 +620,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         residual buf[res_base + row], added by the CTA holding the tile's first K step. all_x: also
         the chunks its units do not use, into the stages after its own (`held_norm` reads them).
         pick (whole row tiles, loop's head): each tile stored, not added, and the largest of its
-        rows below `vocab` kept: also returns that value and its row (f32; the first on ties).
-        units: [a, b), instead of the CTA's span of the phase."""
+        rows below `vocab` kept: also returns that value and its row (f32; the first on ties)."""
         _, k = plan.gemvs()[name]
         steps = k // bk
-        a, b = span(name) if units is None else units
+        a, b = span(name)
         n_x = jnp.minimum(b - a, steps)
 
         def issue(i):  # x chunk i (= K step (a + i) mod steps) into stage i mod P
@@ -884,14 +846,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 kvh, j = lax.rem(u, n_kv), u // n_kv
                 last = j == splits - 1  # the split that adds the new position and writes its row
             with jax.named_scope("a_qkv"):
-                srcs = [base + plan.qkv_at(kvh, i) for i in range(g_heads + 2)]  # q heads, k, v
-
-                def load_qkv():
-                    for i, src in enumerate(srcs):
-                        plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
-
-                if not plan.qkv_groups:
-                    load_qkv()
+                srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
+                srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
+                for i, src in enumerate(srcs):
+                    plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
                 if fused:  # the residual tiles fused_out adds (or zeros: the other KV heads' groups), meanwhile
                     t_lo, t_hi = plan.out_tiles(member)
                     for k in range(plan.res_tiles):
@@ -904,9 +862,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 # linear in it), so only the new cache row waits for it, not the q operand
                 if r_norm is None:
                     norm_issue(h_in)
-                if plan.qkv_groups:  # (h_in's loads above need no wait; q/k/v need their group's signals)
-                    wait(group_sem(layer, kvh), "attn", count=expect[0] // ctas * gs)
-                    load_qkv()
                 for i in range(len(srcs)):
                     plgpu.barrier_wait(a_full.at[i])
             with jax.named_scope("a_prep"):
@@ -1213,28 +1168,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
 
                 h_in = plan.region("in", l)
                 hold = plan.hold_slots
+                with jax.named_scope("qkv"):
+                    r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
+                                all_x=plan.norm_in_qkv)
+                signal(sem)
+                release(r, m)  # (every signal is followed by freeing the slots its phase held)
                 r_norm = None
-                if plan.qkv_groups:  # (each group's units, signalled to its own semaphore; no grid barrier)
-                    def group_qkv(i, r):
-                        u = c + i * ctas
-                        r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
-                                    units=plan.qkv_span(u))
-                        signal(group_sem(l, u // gs))
-                        release(r, m)
-                        return r
-
-                    with jax.named_scope("qkv"):
-                        r = lax.fori_loop(0, pl.cdiv(plan.kv_heads * gs - c, ctas), group_qkv, r)
-                else:
-                    with jax.named_scope("qkv"):
-                        r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
-                                    all_x=plan.norm_in_qkv)
-                    signal(sem)
-                    release(r, m)  # (every signal is followed by freeing the slots its phase held)
-                    if plan.norm_in_qkv:
-                        with jax.named_scope("norm"):
-                            r_norm = held_norm("qkv")
-                    wait(sem, "attn")
+                if plan.norm_in_qkv:
+                    with jax.named_scope("norm"):
+                        r_norm = held_norm("qkv")
+                wait(sem, "attn")
                 h1 = plan.region("h1", l)
                 with jax.named_scope("attn"):  # (fuse_out: and the output projection)
                     r, m = attention(l, r, h_in, pos, r_norm)
@@ -1380,16 +1323,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             plgpu.copy_gmem_to_smem(src, ring.at[slot], w_full.at[slot])
             return r + 1
 
-        def stream(name, layer, r, units=None):
+        def stream(name, layer, r):
             w = weights[name]
-            a, b = span(name) if units is None else units
+            a, b = span(name)
             return lax.fori_loop(a, b, lambda g, r: fetch(w.at[g] if name == "head" else w.at[layer, g], r), r)
-
-        def stream_qkv(layer, r):
-            if not plan.qkv_groups:
-                return stream("qkv", layer, r)
-            return lax.fori_loop(0, pl.cdiv(plan.kv_heads * plan.out_group - c, ctas),
-                                 lambda i, r: stream("qkv", layer, r, plan.qkv_span(c + i * ctas)), r)
 
         def heads(layer, r, pos):
             def unit(u, r):  # its split's tiles of the positions before pos (this step's row comes in registers)
@@ -1426,7 +1363,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             pos = jnp.minimum(pos0 + s, plan.max_len - 1) if loop else pos0
 
             def layer(l, r):
-                r = stream_qkv(l, r)
+                r = stream("qkv", l, r)
                 r = heads(l, r, pos)
                 if not plan.fuse_out:
                     r = stream("out", l, r)
@@ -1659,12 +1596,11 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
     return mm(rows["head"], h) * rms(h), cache
 
 
-@functools.partial(jax.jit, static_argnames=("plan",))
-def prepare(rows: dict, plan: MegaPlan) -> dict:
+@functools.partial(jax.jit, static_argnames=("block_k", "fuse_mlp"))
+def prepare(rows: dict, block_k: int, fuse_mlp: bool = False) -> dict:
     """decode.prepare_weights(model, dtype, rows=True)'s output-major weights (norm scales folded)
-    as megakernel_step's unit-major stacks for plan (its block_k, fuse_mlp and head grouping; one
-    jitted copy: no stacked intermediate stays alive)."""
-    return to_units(row_weights(rows), plan)
+    as megakernel_step's unit-major stacks (one jitted copy: no stacked intermediate stays alive)."""
+    return to_units(row_weights(rows), block_k, fuse_mlp)
 
 
 def row_weights(rows: dict) -> dict:
