@@ -224,9 +224,12 @@ def loop_race_check(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: i
     loop's token is that run's argmax. A read of a partial or stale activation shows as an outlier
     far above the floor."""
     units, embed, cache = random_inputs(plan, seed)
-    run = jax.jit(lambda c: mk.megakernel_loop(1, start, steps, embed, mk.rope_tables(plan.max_len, inv_freq), units,
-                                               c, plan=plan, vocab=plan.vocab_rows), donate_argnums=0)
-    toks, raw, r, _ = run(cache)
+    # (the weights as arguments: closed over, they become constants of the program, and the
+    # llama2_7b's 13.5 GB of them crashed the compiler, twentieth and twenty-first sessions)
+    run = jax.jit(lambda c, units, embed: mk.megakernel_loop(1, start, steps, embed,
+                                                             mk.rope_tables(plan.max_len, inv_freq), units, c,
+                                                             plan=plan, vocab=plan.vocab_rows), donate_argnums=0)
+    toks, raw, r, _ = run(cache, units, embed)
     got = np.asarray(raw * r[:, None])
     inputs = jnp.concatenate([jnp.ones((1,), jnp.int32), toks[:-1]])
     a1, a2 = (step_logits(plan, inv_freq, start, steps, seed, tokens=inputs) for _ in range(2))
