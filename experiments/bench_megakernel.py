@@ -254,13 +254,14 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "splits4": {"attn_splits": 4}, "splits8": {"attn_splits": 8},
             "pairs": {"block_k": 256},  # (head_dim 64: two positions per cache row, MegaPlan.ppr)
             "k128": {"block_k": 128},  # (head_dim 64: one position per cache row, the default before pairs)
-            "stages4": {"stages": 4}, "stages5": {"stages": 5},
+            "stages4": {"stages": 4}, "stages5": {"stages": 5}, "stages6": {"stages": 6},
             "out_skips_attn": {"out_skips_attn": True},
             "fuse": {"fuse_out": True},  # (attention and the output projection as one phase)
             "mlp": {"fuse_mlp": True},  # (gate/up and down as one phase)
             # (ring slots freed only after the signal: its fence then waits for fewer TMA loads)
             **{f"hold{n}": {"hold_slots": n} for n in (1, 2, 3, 4, 5)},
-            "qnorm": {"norm_in_qkv": True}}  # (the attention norm's statistic at the q/k/v phase's end)
+            "qnorm": {"norm_in_qkv": True},  # (the attention norm's statistic at the q/k/v phase's end)
+            "oneop": {"one_operand": True}}  # (one operand slot, each unit's chunk rounded into it: room for a ring slot)
 
 
 def variant_fields(variant: str) -> dict:

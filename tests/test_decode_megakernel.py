@@ -84,7 +84,7 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True) if fuse
+    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True, one_operand=True) if fuse
                else dict(attn_splits=2, hold_slots=1))
     plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, **options)
     plan.check()
@@ -156,7 +156,8 @@ def test_token_step_reads_the_embedding_row_and_rope_row_itself(setup):
 
 
 # the default plan (one position per cache row); and the 1b's kind at 2048 positions: paired
-# positions, the fused MLP (its reduce-adds land on partials), 3 attention splits, held slots
+# positions, the fused MLP (its reduce-adds land on partials), 3 attention splits, held slots, one
+# operand slot (the head's whole tiles reuse their chunks from the x stages)
 @pytest.mark.parametrize("kind", ["default", "pairs_mlp_splits"])
 def test_loop_picks_each_token_as_the_step_by_step_chain(setup, kind):
     """megakernel_loop (greedy steps in one launch, the argmax on the GPU) against
@@ -171,7 +172,7 @@ def test_loop_picks_each_token_as_the_step_by_step_chain(setup, kind):
         rows = decode.prepare_weights(build_model(dataclasses.replace(CFG2, param_dtype=DType.bfloat16), seed=5),
                                       jnp.bfloat16, rows=True)
         plan = mk.plan_for(CFG2, max_len, vocab_rows=256, ctas=1, x_stages=8, block_k=256, attn_splits=3,
-                           fuse_mlp=True, hold_slots=2)
+                           fuse_mlp=True, hold_slots=2, one_operand=True)
         cache = mk.pack_cache((jax.random.normal(jax.random.key(6), (2, max_len, 2, 128)) * 0.5).astype(jnp.bfloat16),
                               2)
     assert plan.vocab_rows == 256 and cfg.vocab_size == 200
@@ -265,15 +266,15 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
 CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, mlp_dim=512)
 
 
-# (the last case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots and
-# norm_in_qkv)
+# (the last case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots,
+# norm_in_qkv and one operand slot)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp", [(CFG, MAX_LEN, 100, False), (CFG3, 256, 1, False),
                                                       (CFG3, 256, 129, True)])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
-                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp)
+                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp)
     plan.check()
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
@@ -338,6 +339,8 @@ def test_fused_mlp_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="norm_in_qkv holds all of h in the x stages: hidden / block_k = 8"):
         mk.plan_for(dataclasses.replace(CFG, hidden_size=2048, num_heads=16, num_kv_heads=8), 256, x_stages=4,
                     norm_in_qkv=True).check()
+    with pytest.raises(ValueError, match="one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp"):
+        mk.plan_for(CFG3, 256, x_stages=8, one_operand=True).check()
     with pytest.raises(ValueError, match="hold_slots must be 0..stages=3, got 4"):
         mk.plan_for(CFG3, 256, x_stages=8, hold_slots=4).check()
     plan = mk.plan_for(CFG3, 256, x_stages=8, fuse_mlp=True)

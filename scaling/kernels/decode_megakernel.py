@@ -136,6 +136,11 @@ class MegaPlan:
     # all of h's chunks in the x stages (the gemv's own and the rest, loaded from the phase's start),
     # instead of by each attention unit on its critical path; where the chunks fit the stages
     norm_in_qkv: bool = False
+    # one operand slot: every unit rounds its x chunk from the x stages into it just before its
+    # product, instead of each chunk's operand kept from its first use (9 slots of 4 KiB for the
+    # 1b): the shared memory of one more ring slot. Needs every x the GEMVs read to fit the x
+    # stages whole (K / block_k <= x_stages; the MLP fused, whose down projection's K does not)
+    one_operand: bool = False
 
     @property
     def out_group(self) -> int:
@@ -253,6 +258,8 @@ class MegaPlan:
 
     def x_slots(self) -> int:
         """Operand slots a CTA holds at once: the K chunks its units of one phase touch, at most."""
+        if self.one_operand:
+            return 1
         n = max(min(k // self.block_k, -(-self.units(name) // self.ctas) + 1)
                 for name, (_, k) in self.gemvs().items())
         return max(n, self.hidden // self.block_k) if self.fuse_mlp else n  # (fuse_mlp: all of h1)
@@ -310,6 +317,9 @@ class MegaPlan:
         if self.norm_in_qkv and self.hidden // bk > self.x_stages:
             raise ValueError(f"norm_in_qkv holds all of h in the x stages: hidden / block_k = {self.hidden // bk} must "
                              f"be <= x_stages = {self.x_stages}")
+        if self.one_operand and (not self.fuse_mlp or self.hidden // bk > self.x_stages):
+            raise ValueError(f"one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp and "
+                             f"hidden / block_k = {self.hidden // bk} <= x_stages = {self.x_stages}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -670,12 +680,17 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 slot = lax.rem(r + jj, plan.stages)
                 i = g + jj - a
 
-                @pl.when(i < n_x)
-                def _():
-                    round_x(i)
+                if plan.one_operand:  # (every chunk stays in its stage: steps <= P, no refills)
+                    pl.when(i < n_x)(lambda: plgpu.barrier_wait(x_full.at[i]))  # (its first use)
+                    to_operand(0, vec(stage.at[lax.rem(i, steps)]))
+                    plgpu.commit_smem()
+                else:
+                    @pl.when(i < n_x)
+                    def _():
+                        round_x(i)
 
                 plgpu.barrier_wait(w_full.at[slot])
-                acc = product(acc, ring.at[slot], x_smem.at[lax.rem(i, steps)])
+                acc = product(acc, ring.at[slot], x_smem.at[lax.rem(i, 1 if plan.one_operand else steps)])
                 free_unless(slot, g + jj >= b - hold)
                 return acc
 
@@ -1027,15 +1042,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 ss, acc_g, acc_u, r = carry
                 plgpu.barrier_wait(x_full.at[j])
                 v = vec(stage.at[j])
-                to_operand(j, v)
+                o = lax.rem(j, plan.x_slots())  # (one_operand: the products before have read it)
+                to_operand(o, v)
                 plgpu.commit_smem()
                 for n in range(2):
                     slot = lax.rem(r + n, plan.stages)
                     plgpu.barrier_wait(w_full.at[slot])
                     if n == 0:
-                        acc_g = product(acc_g, ring.at[slot], x_smem.at[j])
+                        acc_g = product(acc_g, ring.at[slot], x_smem.at[o])
                     else:
-                        acc_u = product(acc_u, ring.at[slot], x_smem.at[j])
+                        acc_u = product(acc_u, ring.at[slot], x_smem.at[o])
                     plgpu.barrier_arrive(free.at[slot])
                 return ss + v * v, acc_g, acc_u, r + 2
 
