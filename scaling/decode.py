@@ -208,9 +208,14 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     plan = dataclasses.replace(plan, hold_slots=2)
     fused = dataclasses.replace(plan, fuse_out=True)
     candidates = (fused, plan) if splits == 1 else (dataclasses.replace(plan, attn_splits=splits), plan)
-    for candidate, stages in itertools.product(candidates, (5, 4, 3) if plan.fuse_mlp else (plan.stages,)):
+    # With the MLP fused, one operand slot makes room for a sixth ring slot (the 1b at prompt 128 on
+    # the H200: 1.017-1.028x in two runs; one operand alone at 5 slots level; docs/benchmarks.md,
+    # twenty-first session); else the deepest ring that fits
+    rings = ((6, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),)
+    for candidate, (stages, one_operand) in itertools.product(candidates, rings):
         try:
-            candidate = dataclasses.replace(candidate, stages=stages, hold_slots=min(candidate.hold_slots, stages))
+            candidate = dataclasses.replace(candidate, stages=stages, hold_slots=min(candidate.hold_slots, stages),
+                                            one_operand=one_operand)
             candidate.check()
             return candidate
         except ValueError:
