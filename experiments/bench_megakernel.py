@@ -261,7 +261,8 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (ring slots freed only after the signal: its fence then waits for fewer TMA loads)
             **{f"hold{n}": {"hold_slots": n} for n in (1, 2, 3, 4, 5)},
             "qnorm": {"norm_in_qkv": True},  # (the attention norm's statistic at the q/k/v phase's end)
-            "oneop": {"one_operand": True}}  # (one operand slot, each unit's chunk rounded into it: room for a ring slot)
+            # (one operand slot, each unit's chunk rounded into it: room for a sixth ring slot on the 1b)
+            "oneop": {"one_operand": True}}
 
 
 def variant_fields(variant: str) -> dict:

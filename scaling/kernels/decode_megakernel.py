@@ -41,13 +41,14 @@ share holds a tile's first K step also adds the residual. A producer warpgroup s
 weight tile (and, in the attention phase, every cache tile) of the CTA's whole step through a
 TMA ring and never waits at a grid barrier, only for ring slots. x chunks (f32, from the flat
 activation buffer) arrive by TMA into a small ring of stages and are rounded to bf16 into column 0
-of the wgmma operand just before their first product (`lazy_x`).
+of the wgmma operand just before their first product (`lazy_x`; with `one_operand`, before every
+product, into one slot, which leaves the shared memory for a deeper ring).
 
 Activations live in one flat f32 buffer the kernel returns (`MegaPlan` gives the offsets):
 the final norm's statistic, the step's input h, then per layer q/k/v, the attention output, h1,
-gate/up and h2, then the logits. Every region except the input is zeroed by the kernel at its
-start; each is written in one phase and only read after, so the statistics' reads can run while
-a CTA waits at a barrier.
+gate/up (not with fuse_mlp) and h2, then the logits. Every region except the input is zeroed by
+the kernel at its start; each is written in one phase and only read after, so the statistics'
+reads can run while a CTA waits at a barrier.
 
 Interpret mode (CPU tests): Pallas' GPU interpreter with one CTA (which then runs every unit in
 order; the global semaphores have no interpret mode and are left out), the wgmma replaced by a dot
