@@ -341,6 +341,9 @@ def test_fused_mlp_refuses_what_it_cannot_run():
                     norm_in_qkv=True).check()
     with pytest.raises(ValueError, match="one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp"):
         mk.plan_for(CFG3, 256, x_stages=8, one_operand=True).check()
+    with pytest.raises(ValueError, match="the GEMVs' K / block_k = 10 <= x_stages = 8"):  # (W_o's K: 40 heads of 64)
+        mk.plan_for(dataclasses.replace(CFG3, hidden_size=256, num_heads=40, num_kv_heads=10, head_dim=64), 256,
+                    x_stages=8, fuse_mlp=True, one_operand=True).check()
     with pytest.raises(ValueError, match="hold_slots must be 0..stages=3, got 4"):
         mk.plan_for(CFG3, 256, x_stages=8, hold_slots=4).check()
     plan = mk.plan_for(CFG3, 256, x_stages=8, fuse_mlp=True)

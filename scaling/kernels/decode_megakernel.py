@@ -318,9 +318,10 @@ class MegaPlan:
         if self.norm_in_qkv and self.hidden // bk > self.x_stages:
             raise ValueError(f"norm_in_qkv holds all of h in the x stages: hidden / block_k = {self.hidden // bk} must "
                              f"be <= x_stages = {self.x_stages}")
-        if self.one_operand and (not self.fuse_mlp or self.hidden // bk > self.x_stages):
-            raise ValueError(f"one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp and "
-                             f"hidden / block_k = {self.hidden // bk} <= x_stages = {self.x_stages}")
+        k_most = max(self.hidden, 0 if self.fuse_out else self.heads * self.head_dim)  # (the GEMVs' K, fused MLP)
+        if self.one_operand and (not self.fuse_mlp or k_most // bk > self.x_stages):
+            raise ValueError(f"one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp and the "
+                             f"GEMVs' K / block_k = {k_most // bk} <= x_stages = {self.x_stages}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
