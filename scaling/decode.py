@@ -124,7 +124,8 @@ class DecodeLayerImpl(str, enum.Enum):
     megakernel = "megakernel"
 
 
-def layer_blocks(cfg: ModelConfig, batch: int, blocks: decode_gemv.LayerBlocks | None = None) -> decode_gemv.LayerBlocks:
+def layer_blocks(cfg: ModelConfig, batch: int,
+                 blocks: decode_gemv.LayerBlocks | None = None) -> decode_gemv.LayerBlocks:
     """The Pallas layer kernels' tiles for a step of `batch` rows: the given ones, else the defaults."""
     return blocks or decode_gemv.default_blocks(batch, cfg.resolved_head_dim, hidden=cfg.hidden_size)
 
@@ -194,7 +195,8 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     # gate/up and down as one phase where the MLP's 64-wide slices spread evenly over the CTAs (the
     # 1b: 128 on 132 SMs; not the 7b's 172), with a deeper weight ring (the 1b at prompt 128 on the
     # H200: 1.05x; then 4 ring slots against 3 1.02x, 5 against 4 ~1.006x, each in its own run;
-    # docs/benchmarks.md, nineteenth session). It fixes W_down's layout, so it depends on the model only, not on max_len.
+    # docs/benchmarks.md, nineteenth session). It fixes W_down's layout, so it depends on the model
+    # only, not on max_len.
     slices = cfg.mlp_dim // decode_megakernel.BLOCK_F
     if -(-slices // ctas) * ctas <= 1.05 * slices:
         try:
@@ -302,7 +304,8 @@ def prepare_weights(model: Transformer, dtype, *, rows: bool = False) -> dict:
         for i in range(L):
             a, m = blocks["attn"], blocks["mlp"]
             wqkv = jnp.concatenate(
-                [a["q_dnh"][i].reshape(d, n * h), a["k_dkh"][i].reshape(d, k * h), a["v_dkh"][i].reshape(d, k * h)], axis=1
+                [a["q_dnh"][i].reshape(d, n * h), a["k_dkh"][i].reshape(d, k * h), a["v_dkh"][i].reshape(d, k * h)],
+                axis=1,
             )
             wgu = jnp.concatenate([m["gate_df"][i], m["up_df"][i]], axis=1)
             if rows:
@@ -526,7 +529,8 @@ def _pallas_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, attn_im
                 attn = DECODE_ATTENTION[attn_impl](q, ck, cv, write_b + 1)  # [B, N, H]
         attn = attn.reshape(b, -1)
         if "out" in tma_projections:  # attention's rows padded too (XLA; it can fuse the pad into the combine)
-            x = decode_tma.matmul_residual_tma(jnp.pad(attn, ((0, decode_tma.ROWS - b), (0, 0))), w["wo_dx"], x, **tma_kw)
+            padded = jnp.pad(attn, ((0, decode_tma.ROWS - b), (0, 0)))
+            x = decode_tma.matmul_residual_tma(padded, w["wo_dx"], x, **tma_kw)
         else:
             x = decode_gemv.matmul_residual(attn, w["wo_dx"], x, blocks=blocks.out, rows=b)
         if tma:  # the down kernel reads the batch rows of h8
@@ -635,8 +639,8 @@ def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, 
     seed_key = jax.random.wrap_key_data(params["key"])
 
     def step(state, _):
-        logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg, attn_impl=attn_impl,
-                                      layer_impl=layer_impl, blocks=blocks, tma=tma)
+        logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg,
+                                      attn_impl=attn_impl, layer_impl=layer_impl, blocks=blocks, tma=tma)
         tok, lp = sample(logits, _row_keys(seed_key, state["count"]), params["temperature"], params["top_p"], sampling)
         state, tok, lp = _advance(dict(state, cache=cache), tok, lp, params)
         return state, (tok, lp)
@@ -743,7 +747,8 @@ class Decoder:
         self.max_batch = max_batch
         self.max_len = max_len
         self.attn_impl = resolve_decode_impl(attention, self.cfg)
-        if self.attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.pallas_combined, DecodeAttentionImpl.fused):
+        if self.attn_impl in (DecodeAttentionImpl.pallas, DecodeAttentionImpl.pallas_combined,
+                              DecodeAttentionImpl.fused):
             prime_lowering()
         # The prefill's attention core; `auto` is resolved per prompt length (attention.resolve_impl).
         self.core_impl = model.attention_cfg.impl
@@ -768,8 +773,8 @@ class Decoder:
         # megakernel: batch-1 steps by decode_megakernel, the others as auto
         self.megakernel = self.layer_impl == DecodeLayerImpl.megakernel
         if self.megakernel and jnp.dtype(self.dtype).itemsize != 2:
-            raise ValueError(f"layers='megakernel' runs 16-bit models (its tensor-core tiles), got {jnp.dtype(self.dtype)}; "
-                             "use layers='auto'")
+            raise ValueError(f"layers='megakernel' runs 16-bit models (its tensor-core tiles), got "
+                             f"{jnp.dtype(self.dtype)}; use layers='auto'")
         if self.megakernel:
             self.layer_impl = DecodeLayerImpl.auto
         if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):
@@ -815,7 +820,8 @@ class Decoder:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if self.max_batch is not None and len(prompts) > self.max_batch:
-            raise ValueError(f"{len(prompts)} prompts exceed the batch this decoder was built for (max_batch={self.max_batch})")
+            raise ValueError(f"{len(prompts)} prompts exceed the batch this decoder was built for "
+                             f"(max_batch={self.max_batch})")
         longest = 0
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -857,7 +863,8 @@ class Decoder:
         timing: dict | None = None,
     ) -> Iterator[list[tuple[int, list[int], list[float]]]]:
         """Yields, as they are produced, lists of (row, new tokens, their log-probs)."""
-        max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p, max_len if max_len is not None else self.max_len)
+        max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p,
+                              max_len if max_len is not None else self.max_len)
         cfg = self.cfg
         n_rows = len(prompts)
         b = self.bucket(n_rows)
