@@ -318,7 +318,8 @@ class MegaPlan:
         if self.norm_in_qkv and self.hidden // bk > self.x_stages:
             raise ValueError(f"norm_in_qkv holds all of h in the x stages: hidden / block_k = {self.hidden // bk} must "
                              f"be <= x_stages = {self.x_stages}")
-        k_most = max(self.hidden, 0 if self.fuse_out else self.heads * self.head_dim)  # (the GEMVs' K, fused MLP)
+        # (the K of every GEMV phase it runs: h for q/k/v and the head; unfused, W_o's attention output)
+        k_most = max(self.hidden, 0 if self.fuse_out else self.heads * self.head_dim)
         if self.one_operand and (not self.fuse_mlp or k_most // bk > self.x_stages):
             raise ValueError(f"one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp and the "
                              f"GEMVs' K / block_k = {k_most // bk} <= x_stages = {self.x_stages}")
@@ -1044,7 +1045,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 ss, acc_g, acc_u, r = carry
                 plgpu.barrier_wait(x_full.at[j])
                 v = vec(stage.at[j])
-                o = lax.rem(j, plan.x_slots())  # (one_operand: the products before have read it)
+                o = lax.rem(j, 1 if plan.one_operand else steps)  # (one_operand: the products before have read it)
                 to_operand(o, v)
                 plgpu.commit_smem()
                 for n in range(2):
