@@ -262,7 +262,9 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             **{f"hold{n}": {"hold_slots": n} for n in (1, 2, 3, 4, 5)},
             "qnorm": {"norm_in_qkv": True},  # (the attention norm's statistic at the q/k/v phase's end)
             # (one operand slot, each unit's chunk rounded into it: room for a sixth ring slot on the 1b)
-            "oneop": {"one_operand": True}}
+            "oneop": {"one_operand": True},
+            # (each slice's down units rotated, so the CTAs' reduce-adds spread over h2's chunks)
+            "rot": {"down_rotate": True}}
 
 
 def variant_fields(variant: str) -> dict:

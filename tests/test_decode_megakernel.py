@@ -267,14 +267,15 @@ CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, ml
 
 
 # (the last case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots,
-# norm_in_qkv and one operand slot)
+# norm_in_qkv, one operand slot and the down units rotated per slice)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp", [(CFG, MAX_LEN, 100, False), (CFG3, 256, 1, False),
                                                       (CFG3, 256, 129, True)])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
-                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp)
+                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
+                       down_rotate=fuse_mlp)
     plan.check()
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
@@ -344,6 +345,8 @@ def test_fused_mlp_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="the GEMVs' K / block_k = 10 <= x_stages = 8"):  # (W_o's K: 40 heads of 64)
         mk.plan_for(dataclasses.replace(CFG3, hidden_size=256, num_heads=40, num_kv_heads=10, head_dim=64), 256,
                     x_stages=8, fuse_mlp=True, one_operand=True).check()
+    with pytest.raises(ValueError, match="down_rotate orders the fused MLP's down units: it needs fuse_mlp"):
+        mk.plan_for(CFG3, 256, x_stages=8, down_rotate=True).check()
     with pytest.raises(ValueError, match="hold_slots must be 0..stages=3, got 4"):
         mk.plan_for(CFG3, 256, x_stages=8, hold_slots=4).check()
     plan = mk.plan_for(CFG3, 256, x_stages=8, fuse_mlp=True)

@@ -142,6 +142,11 @@ class MegaPlan:
     # 1b): the shared memory of one more ring slot. Needs every x the GEMVs read to fit the x
     # stages whole (K / block_k <= x_stages; the MLP fused, whose down projection's K does not)
     one_operand: bool = False
+    # (fuse_mlp) slice i's down units in the order i, i + 1, ... (mod K steps) instead of 0, 1, ...:
+    # every CTA reduce-adds its down units into h2 at about the same moment, so in that order all
+    # 128 of the 1b's would add into the same 256 floats at once, and L2 serializes adds to one
+    # address; rotated, each chunk of h2 takes a sixteenth of them
+    down_rotate: bool = False
 
     @property
     def out_group(self) -> int:
@@ -323,6 +328,8 @@ class MegaPlan:
         if self.one_operand and (not self.fuse_mlp or k_most // bk > self.x_stages):
             raise ValueError(f"one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp and the "
                              f"GEMVs' K / block_k = {k_most // bk} <= x_stages = {self.x_stages}")
+        if self.down_rotate and not self.fuse_mlp:
+            raise ValueError("down_rotate orders the fused MLP's down units: it needs fuse_mlp")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -549,6 +556,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             a, b = cta_span(c, plan.vocab_rows // BLOCK_F, ctas)
             return a * (plan.hidden // bk), b * (plan.hidden // bk)
         return cta_span(c, plan.units(name), ctas, plan.out_first_cta if name == "out" else 0)
+
+    def down_unit(i, k):  # (fuse_mlp) slice i's k-th down unit, in the consumer's and producer's order
+        return lax.rem(k + i, plan.hidden // bk) if plan.down_rotate else k
 
     # ---------------------------------------------------------------- the consumer's phases
 
@@ -1069,11 +1079,12 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             plgpu.commit_smem()
             res_on = (i == 0).astype(jnp.float32)  # (slice 0 adds h1, still in the stages)
 
-            def down(u, r):  # rows u bk.. of h2: row tile n of them in column n
+            def down(k, r):  # rows u bk.. of h2: row tile n of them in column n
+                u = down_unit(i, k)
                 slot = lax.rem(r, plan.stages)
                 plgpu.barrier_wait(w_full.at[slot])
                 acc = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(u, 1)])
-                free_unless(slot, (i + ctas >= n_f) & (u >= steps - plan.hold_slots))
+                free_unless(slot, (i + ctas >= n_f) & (k >= steps - plan.hold_slots))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read obuf
                 for n in range(bk // BLOCK_F):
                     res = vec(stage.at[u, pl.ds(n * BLOCK_F, BLOCK_F)])
@@ -1374,7 +1385,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                     return fetch(wgu.at[layer, (n_f + i) * steps + j], r)
 
                 r = lax.fori_loop(0, steps, kstep, r)
-                return lax.fori_loop(0, steps, lambda u, r: fetch(wd.at[layer, i * steps + u], r), r)
+                return lax.fori_loop(0, steps, lambda k, r: fetch(wd.at[layer, i * steps + down_unit(i, k)], r), r)
 
             return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
 
