@@ -264,7 +264,11 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (one operand slot, each unit's chunk rounded into it: room for a sixth ring slot on the 1b)
             "oneop": {"one_operand": True},
             # (each slice's down units rotated, so the CTAs' reduce-adds spread over h2's chunks)
-            "rot": {"down_rotate": True}}
+            "rot": {"down_rotate": True},
+            # (attention's q/k/v by the consumer's own loads, not TMA copies behind the weight tiles)
+            "qld": {"qkv_ld": True},
+            # (K steps of the first MLP slice's gate/up tiles held in the producer's registers through attention)
+            **{f"reg{n}": {"staged_ksteps": n} for n in (1, 2)}}
 
 
 def variant_fields(variant: str) -> dict:

@@ -147,6 +147,20 @@ class MegaPlan:
     # 128 of the 1b's would add into the same 256 floats at once, and L2 serializes adds to one
     # address; rotated, each chunk of h2 takes a sixteenth of them
     down_rotate: bool = False
+    # attention's q/k/v read by the consumer warpgroup's own loads instead of TMA copies: they come
+    # from L2 right after the q/k/v barrier, on attention's critical path, where TMA copies queue in
+    # the SM's TMA unit behind the producer's weight tiles
+    qkv_ld: bool = False
+    # (fuse_mlp) K steps of the CTA's first MLP slice (its gate and up tile each) that the producer
+    # warpgroup loads into its own registers as the layer's attention starts, and stores into their
+    # ring slots when their turn comes: more weight bytes under way than the ring holds through the
+    # window from the q/k/v barrier to the MLP, while the ring is full of attention's tiles and the
+    # first MLP tiles. They are the K steps from `staged_from` on, past what the ring reaches then.
+    staged_ksteps: int = 0
+
+    @property
+    def staged_from(self) -> int:  # (stages / 2: K steps of two tiles; the last ones where K has fewer)
+        return max(0, min(-(-self.stages // 2), self.hidden // self.block_k - self.staged_ksteps))
 
     @property
     def out_group(self) -> int:
@@ -330,6 +344,9 @@ class MegaPlan:
                              f"GEMVs' K / block_k = {k_most // bk} <= x_stages = {self.x_stages}")
         if self.down_rotate and not self.fuse_mlp:
             raise ValueError("down_rotate orders the fused MLP's down units: it needs fuse_mlp")
+        if self.staged_ksteps and (not self.fuse_mlp or not 0 < self.staged_ksteps <= self.hidden // bk):
+            raise ValueError(f"staged_ksteps stages K steps of the fused MLP's gate/up tiles: it needs fuse_mlp and "
+                             f"0..hidden / block_k = {self.hidden // bk} of them, got {self.staged_ksteps}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -876,8 +893,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             with jax.named_scope("a_qkv"):
                 srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
                 srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
-                for i, src in enumerate(srcs):
-                    plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
+                if plan.qkv_ld:  # (issued first: their registers are waited for only where used)
+                    loaded = [vbuf().at[pl.ds(src, hd)][...] if interpret else
+                              plgpu.load(vbuf().at[pl.ds(src, hd)], layout=L.WGMMA.reduce(1), optimized=False)
+                              for src in srcs]
+                else:
+                    for i, src in enumerate(srcs):
+                        plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
                 if fused:  # the residual tiles fused_out adds (or zeros: the other KV heads' groups), meanwhile
                     t_lo, t_hi = plan.out_tiles(member)
                     for k in range(plan.res_tiles):
@@ -890,12 +912,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 # linear in it), so only the new cache row waits for it, not the q operand
                 if r_norm is None:
                     norm_issue(h_in)
-                for i in range(len(srcs)):
-                    plgpu.barrier_wait(a_full.at[i])
+                if not plan.qkv_ld:
+                    for i in range(len(srcs)):
+                        plgpu.barrier_wait(a_full.at[i])
+
+            def qkv_vec(i):  # q head i (i < G), k (G) or v (G + 1)
+                return loaded[i] if plan.qkv_ld else vec(qkv_a.at[i])
+
             with jax.named_scope("a_prep"):
                 # RoPE of the G q heads (scaled by 1 / sqrt(H), not yet by r) and of k, in one pass
-                *qs, k_rot = rope([vec(qkv_a.at[i]) * (1.0 / math.sqrt(hd)) for i in range(g_heads)]
-                                  + [vec(qkv_a.at[g_heads])])
+                *qs, k_rot = rope([qkv_vec(i) * (1.0 / math.sqrt(hd)) for i in range(g_heads)] + [qkv_vec(g_heads)])
                 # the q operand [bk, 8] as row tiles built in registers: q head i as column i over
                 # the even positions' K (rows 0..H-1) and, with ppr 2, as column G + i over the odd
                 # ones' (rows 2H..3H-1); zeros under V
@@ -910,7 +936,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0)
                 with jax.named_scope("p_norm"):
                     scale = norm_rsqrt(h_in, issued=True) if r_norm is None else r_norm
-                k_new, v_new = k_rot * scale, vec(qkv_a.at[g_heads + 1]) * scale
+                k_new, v_new = k_rot * scale, qkv_vec(g_heads + 1) * scale
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # kv_row's previous write has read it
                 kv_row.at[pl.ds(0, hd)][...] = k_new.astype(kv_row.dtype)
                 kv_row.at[pl.ds(hd, hd)][...] = v_new.astype(kv_row.dtype)
@@ -1353,6 +1379,28 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             plgpu.copy_gmem_to_smem(src, ring.at[slot], w_full.at[slot])
             return r + 1
 
+        def fill(tile, r):  # (staged_ksteps) a tile from the registers into its slot
+            slot = lax.rem(r, plan.stages)
+
+            @pl.when(r >= plan.stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            ring.at[slot][...] = tile
+            plgpu.commit_smem()  # (visible to the tensor cores' reads)
+            plgpu.barrier_arrive(w_full.at[slot])
+            return r + 1
+
+        def stage_tiles(layer):  # (staged_ksteps) the first slice's staged gate and up tiles, as loads under way
+            steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
+            i = jnp.minimum(c, n_f - 1)  # (a CTA without a slice loads one it never stores)
+            tiles = []
+            for j in range(plan.staged_from, plan.staged_from + plan.staged_ksteps):
+                for g in (i, n_f + i):
+                    src = wgu.at[layer, g * steps + j]
+                    tiles.append(src[...] if interpret else plgpu.load(src, layout=L.WGMMA, optimized=False))
+            return tiles
+
         def stream(name, layer, r):
             w = weights[name]
             a, b = span(name)
@@ -1376,29 +1424,39 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             body = fused_unit if plan.fuse_out else unit
             return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: body(c + i * ctas, r), r)
 
-        def mlp_slices(layer, r):  # (fuse_mlp) per slice: its gate and up tiles by K step, then its down units
+        def mlp_slices(layer, r, staged=()):  # (fuse_mlp) per slice: its gate/up tiles by K step, then its down units
             steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
 
-            def slice_(i, r):
+            def slice_(i, r, staged=()):
                 def kstep(j, r):
                     r = fetch(wgu.at[layer, i * steps + j], r)
                     return fetch(wgu.at[layer, (n_f + i) * steps + j], r)
 
-                r = lax.fori_loop(0, steps, kstep, r)
+                if staged:  # (the first slice: those K steps' tiles from the registers)
+                    a, b = plan.staged_from, plan.staged_from + plan.staged_ksteps
+                    r = lax.fori_loop(0, a, kstep, r)
+                    for tile in staged:
+                        r = fill(tile, r)
+                    r = lax.fori_loop(b, steps, kstep, r)
+                else:
+                    r = lax.fori_loop(0, steps, kstep, r)
                 return lax.fori_loop(0, steps, lambda k, r: fetch(wd.at[layer, i * steps + down_unit(i, k)], r), r)
 
-            return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
+            mine = pl.cdiv(n_f - c, ctas)
+            r = lax.fori_loop(0, jnp.minimum(mine, 1), lambda k, r: slice_(c, r, staged), r)
+            return lax.fori_loop(1, mine, lambda k, r: slice_(c + k * ctas, r), r)
 
         def step(s, r):
             pos = jnp.minimum(pos0 + s, plan.max_len - 1) if loop else pos0
 
             def layer(l, r):
                 r = stream("qkv", l, r)
+                staged = stage_tiles(l) if plan.staged_ksteps else ()
                 r = heads(l, r, pos)
                 if not plan.fuse_out:
                     r = stream("out", l, r)
                 if plan.fuse_mlp:
-                    return mlp_slices(l, r)
+                    return mlp_slices(l, r, staged)
                 for name in ("gate_up", "down"):
                     r = stream(name, l, r)
                 return r
