@@ -214,10 +214,15 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     # the H200: 1.017-1.028x in two runs; one operand alone at 5 slots level; docs/benchmarks.md,
     # twenty-first session); else the deepest ring that fits
     rings = ((6, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),)
-    for candidate, (stages, one_operand) in itertools.product(candidates, rings):
+    # With the MLP fused, attention's critical path shortened: its norm statistic computed by every
+    # CTA while it waits at the q/k/v barrier, and q/k/v read by plain loads, not TMA copies queued
+    # behind the weight tiles (the 1b at prompt 128 on the H200: 1.02-1.03x in one run, both ways;
+    # docs/benchmarks.md, twenty-second session)
+    shorter = ({"norm_in_qkv": True, "qkv_ld": True}, {}) if plan.fuse_mlp else ({},)
+    for candidate, (stages, one_operand), extra in itertools.product(candidates, rings, shorter):
         try:
             candidate = dataclasses.replace(candidate, stages=stages, hold_slots=min(candidate.hold_slots, stages),
-                                            one_operand=one_operand)
+                                            one_operand=one_operand, **extra)
             candidate.check()
             return candidate
         except ValueError:

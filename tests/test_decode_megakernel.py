@@ -382,6 +382,7 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr):
     assert plan.fuse_out == (cfg is CFG)  # (CFG: its 2 q heads of 128 are one K step of W_o)
     assert plan.fuse_mlp and plan.hold_slots == 2  # (one CTA in the interpreter: every slice of the MLP on it)
     assert plan.one_operand and plan.stages == 6  # (the fused MLP's plan: one operand slot, a sixth ring slot)
+    assert plan.norm_in_qkv and plan.qkv_ld  # (and attention's critical path shortened)
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)
