@@ -276,7 +276,8 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
                        fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
-                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp, staged_ksteps=int(fuse_mlp))
+                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp, staged_ksteps=int(fuse_mlp),
+                       hold_mlp=1 if fuse_mlp else -1)
     plan.check()
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     assert not fuse_mlp or plan.staged_from == 1  # (hidden 512: K steps 0 and 1, the second staged)

@@ -133,6 +133,8 @@ class MegaPlan:
     # kcycles per signal at 2 stages, 2.9-3.7 at 3-4 (the 1b on the H200; docs/decoding.md,
     # nineteenth session); held, those loads are issued after the signal, while the CTA waits
     hold_slots: int = 0
+    # (fuse_mlp) the slots held until the MLP's signal, where that differs from hold_slots (-1: the same)
+    hold_mlp: int = -1
     # the attention norm's statistic computed by every CTA after it signals its q/k/v units, from
     # all of h's chunks in the x stages (the gemv's own and the rest, loaded from the phase's start),
     # instead of by each attention unit on its critical path; where the chunks fit the stages
@@ -347,6 +349,8 @@ class MegaPlan:
         if self.staged_ksteps and (not self.fuse_mlp or not 0 < self.staged_ksteps <= self.hidden // bk):
             raise ValueError(f"staged_ksteps stages K steps of the fused MLP's gate/up tiles: it needs fuse_mlp and "
                              f"0..hidden / block_k = {self.hidden // bk} of them, got {self.staged_ksteps}")
+        if not -1 <= self.hold_mlp <= self.stages:
+            raise ValueError(f"hold_mlp must be -1 (hold_slots) or 0..stages={self.stages}, got {self.hold_mlp}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -1070,6 +1074,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         count and the slots held."""
         h1, h2 = plan.region("h1", layer), plan.region("h2", layer)
         steps = plan.hidden // bk  # gate/up's K steps, and the down units of a slice
+        held = min(plan.hold_slots if plan.hold_mlp < 0 else plan.hold_mlp, steps)
         n_f = plan.mlp // BLOCK_F
         col = iota((BLOCK_F, ROWS), 1)
 
@@ -1110,7 +1115,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 slot = lax.rem(r, plan.stages)
                 plgpu.barrier_wait(w_full.at[slot])
                 acc = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(u, 1)])
-                free_unless(slot, (i + ctas >= n_f) & (k >= steps - plan.hold_slots))
+                free_unless(slot, (i + ctas >= n_f) & (k >= steps - held))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read obuf
                 for n in range(bk // BLOCK_F):
                     res = vec(stage.at[u, pl.ds(n * BLOCK_F, BLOCK_F)])
@@ -1126,7 +1131,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         mine = pl.cdiv(n_f - c, ctas)
         r = lax.fori_loop(0, mine, lambda k, r: slice_(c + k * ctas, r), r)
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # written, before the phase is signalled
-        return r, jnp.where(mine > 0, min(plan.hold_slots, steps), 0)  # (the last slice's last down units, held)
+        return r, jnp.where(mine > 0, held, 0)  # (the last slice's last down units, held)
 
     T = plan.total
     tails = loop_layout(plan, steps) if loop else {}
