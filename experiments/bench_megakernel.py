@@ -266,11 +266,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (each slice's down units rotated, so the CTAs' reduce-adds spread over h2's chunks)
             "rot": {"down_rotate": True},
             # (attention's q/k/v by the consumer's own loads, not TMA copies behind the weight tiles)
-            "qld": {"qkv_ld": True},
-            # (K steps of the first MLP slice's gate/up tiles held in the producer's registers through attention)
-            **{f"reg{n}": {"staged_ksteps": n} for n in (1, 2)},
-            # (slots held until the MLP's signal only)
-            **{f"mhold{n}": {"hold_mlp": n} for n in (0, 1, 3, 4, 6)}}
+            "qld": {"qkv_ld": True}}
 
 
 def variant_fields(variant: str) -> dict:

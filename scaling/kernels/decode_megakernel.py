@@ -133,8 +133,6 @@ class MegaPlan:
     # kcycles per signal at 2 stages, 2.9-3.7 at 3-4 (the 1b on the H200; docs/decoding.md,
     # nineteenth session); held, those loads are issued after the signal, while the CTA waits
     hold_slots: int = 0
-    # (fuse_mlp) the slots held until the MLP's signal, where that differs from hold_slots (-1: the same)
-    hold_mlp: int = -1
     # the attention norm's statistic computed by every CTA after it signals its q/k/v units, from
     # all of h's chunks in the x stages (the gemv's own and the rest, loaded from the phase's start),
     # instead of by each attention unit on its critical path; where the chunks fit the stages
@@ -147,22 +145,14 @@ class MegaPlan:
     # (fuse_mlp) slice i's down units in the order i, i + 1, ... (mod K steps) instead of 0, 1, ...:
     # every CTA reduce-adds its down units into h2 at about the same moment, so in that order all
     # 128 of the 1b's would add into the same 256 floats at once, and L2 serializes adds to one
-    # address; rotated, each chunk of h2 takes a sixteenth of them
+    # address; rotated, each chunk of h2 takes a sixteenth of them (measured on the H100: level step
+    # by step, <1% as one launch; docs/benchmarks.md, twenty-second session)
     down_rotate: bool = False
     # attention's q/k/v read by the consumer warpgroup's own loads instead of TMA copies: they come
     # from L2 right after the q/k/v barrier, on attention's critical path, where TMA copies queue in
-    # the SM's TMA unit behind the producer's weight tiles
+    # the SM's TMA unit behind the producer's weight tiles (with norm_in_qkv, the 1b on the H200:
+    # 1.02-1.03x; docs/benchmarks.md, twenty-second session)
     qkv_ld: bool = False
-    # (fuse_mlp) K steps of the CTA's first MLP slice (its gate and up tile each) that the producer
-    # warpgroup loads into its own registers as the layer's attention starts, and stores into their
-    # ring slots when their turn comes: more weight bytes under way than the ring holds through the
-    # window from the q/k/v barrier to the MLP, while the ring is full of attention's tiles and the
-    # first MLP tiles. They are the K steps from `staged_from` on, past what the ring reaches then.
-    staged_ksteps: int = 0
-
-    @property
-    def staged_from(self) -> int:  # (stages / 2: K steps of two tiles; the last ones where K has fewer)
-        return max(0, min(-(-self.stages // 2), self.hidden // self.block_k - self.staged_ksteps))
 
     @property
     def out_group(self) -> int:
@@ -346,11 +336,6 @@ class MegaPlan:
                              f"GEMVs' K / block_k = {k_most // bk} <= x_stages = {self.x_stages}")
         if self.down_rotate and not self.fuse_mlp:
             raise ValueError("down_rotate orders the fused MLP's down units: it needs fuse_mlp")
-        if self.staged_ksteps and (not self.fuse_mlp or not 0 < self.staged_ksteps <= self.hidden // bk):
-            raise ValueError(f"staged_ksteps stages K steps of the fused MLP's gate/up tiles: it needs fuse_mlp and "
-                             f"0..hidden / block_k = {self.hidden // bk} of them, got {self.staged_ksteps}")
-        if not -1 <= self.hold_mlp <= self.stages:
-            raise ValueError(f"hold_mlp must be -1 (hold_slots) or 0..stages={self.stages}, got {self.hold_mlp}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -1074,7 +1059,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         count and the slots held."""
         h1, h2 = plan.region("h1", layer), plan.region("h2", layer)
         steps = plan.hidden // bk  # gate/up's K steps, and the down units of a slice
-        held = min(plan.hold_slots if plan.hold_mlp < 0 else plan.hold_mlp, steps)
+        held = min(plan.hold_slots, steps)
         n_f = plan.mlp // BLOCK_F
         col = iota((BLOCK_F, ROWS), 1)
 
@@ -1384,28 +1369,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             plgpu.copy_gmem_to_smem(src, ring.at[slot], w_full.at[slot])
             return r + 1
 
-        def fill(tile, r):  # (staged_ksteps) a tile from the registers into its slot
-            slot = lax.rem(r, plan.stages)
-
-            @pl.when(r >= plan.stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
-            ring.at[slot][...] = tile
-            plgpu.commit_smem()  # (visible to the tensor cores' reads)
-            plgpu.barrier_arrive(w_full.at[slot])
-            return r + 1
-
-        def stage_tiles(layer):  # (staged_ksteps) the first slice's staged gate and up tiles, as loads under way
-            steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
-            i = jnp.minimum(c, n_f - 1)  # (a CTA without a slice loads one it never stores)
-            tiles = []
-            for j in range(plan.staged_from, plan.staged_from + plan.staged_ksteps):
-                for g in (i, n_f + i):
-                    src = wgu.at[layer, g * steps + j]
-                    tiles.append(src[...] if interpret else plgpu.load(src, layout=L.WGMMA, optimized=False))
-            return tiles
-
         def stream(name, layer, r):
             w = weights[name]
             a, b = span(name)
@@ -1429,39 +1392,29 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             body = fused_unit if plan.fuse_out else unit
             return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: body(c + i * ctas, r), r)
 
-        def mlp_slices(layer, r, staged=()):  # (fuse_mlp) per slice: its gate/up tiles by K step, then its down units
+        def mlp_slices(layer, r):  # (fuse_mlp) per slice: its gate and up tiles by K step, then its down units
             steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
 
-            def slice_(i, r, staged=()):
+            def slice_(i, r):
                 def kstep(j, r):
                     r = fetch(wgu.at[layer, i * steps + j], r)
                     return fetch(wgu.at[layer, (n_f + i) * steps + j], r)
 
-                if staged:  # (the first slice: those K steps' tiles from the registers)
-                    a, b = plan.staged_from, plan.staged_from + plan.staged_ksteps
-                    r = lax.fori_loop(0, a, kstep, r)
-                    for tile in staged:
-                        r = fill(tile, r)
-                    r = lax.fori_loop(b, steps, kstep, r)
-                else:
-                    r = lax.fori_loop(0, steps, kstep, r)
+                r = lax.fori_loop(0, steps, kstep, r)
                 return lax.fori_loop(0, steps, lambda k, r: fetch(wd.at[layer, i * steps + down_unit(i, k)], r), r)
 
-            mine = pl.cdiv(n_f - c, ctas)
-            r = lax.fori_loop(0, jnp.minimum(mine, 1), lambda k, r: slice_(c, r, staged), r)
-            return lax.fori_loop(1, mine, lambda k, r: slice_(c + k * ctas, r), r)
+            return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
 
         def step(s, r):
             pos = jnp.minimum(pos0 + s, plan.max_len - 1) if loop else pos0
 
             def layer(l, r):
                 r = stream("qkv", l, r)
-                staged = stage_tiles(l) if plan.staged_ksteps else ()
                 r = heads(l, r, pos)
                 if not plan.fuse_out:
                     r = stream("out", l, r)
                 if plan.fuse_mlp:
-                    return mlp_slices(l, r, staged)
+                    return mlp_slices(l, r)
                 for name in ("gate_up", "down"):
                     r = stream(name, l, r)
                 return r
