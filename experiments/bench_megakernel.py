@@ -266,9 +266,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (each slice's down units rotated, so the CTAs' reduce-adds spread over h2's chunks)
             "rot": {"down_rotate": True},
             # (attention's q/k/v by the consumer's own loads, not TMA copies behind the weight tiles)
-            "qld": {"qkv_ld": True},
-            # (qnorm's chunks by the consumer's own loads after its signal, not TMA copies at the phase's start)
-            "nld": {"norm_ld": True}}
+            "qld": {"qkv_ld": True}}
 
 
 def variant_fields(variant: str) -> dict:

@@ -267,8 +267,7 @@ CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, ml
 
 
 # (the last case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots,
-# norm_in_qkv (its chunks by plain loads), one operand slot, the down units rotated per slice and
-# q/k/v by plain loads)
+# norm_in_qkv, one operand slot, the down units rotated per slice and q/k/v by plain loads)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp", [(CFG, MAX_LEN, 100, False), (CFG3, 256, 1, False),
                                                       (CFG3, 256, 129, True)])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp):
@@ -276,7 +275,7 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
                        fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
-                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp, norm_ld=fuse_mlp)
+                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp)
     plan.check()
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
@@ -348,8 +347,6 @@ def test_fused_mlp_refuses_what_it_cannot_run():
                     x_stages=8, fuse_mlp=True, one_operand=True).check()
     with pytest.raises(ValueError, match="down_rotate orders the fused MLP's down units: it needs fuse_mlp"):
         mk.plan_for(CFG3, 256, x_stages=8, down_rotate=True).check()
-    with pytest.raises(ValueError, match="norm_ld reads norm_in_qkv's chunks: it needs norm_in_qkv"):
-        mk.plan_for(CFG3, 256, x_stages=8, norm_ld=True).check()
     with pytest.raises(ValueError, match="hold_slots must be 0..stages=3, got 4"):
         mk.plan_for(CFG3, 256, x_stages=8, hold_slots=4).check()
     plan = mk.plan_for(CFG3, 256, x_stages=8, fuse_mlp=True)

@@ -153,10 +153,6 @@ class MegaPlan:
     # the SM's TMA unit behind the producer's weight tiles (with norm_in_qkv, the 1b on the H200:
     # 1.02-1.03x; docs/benchmarks.md, twenty-second session)
     qkv_ld: bool = False
-    # (norm_in_qkv) the statistic's chunks of h read by the consumer's own loads after its q/k/v
-    # signal, while it waits, instead of TMA copies into the x stages issued at the phase's start:
-    # those queue behind the weight tiles, and the signal's release fence waits for them
-    norm_ld: bool = False
 
     @property
     def out_group(self) -> int:
@@ -338,8 +334,6 @@ class MegaPlan:
         if self.one_operand and (not self.fuse_mlp or k_most // bk > self.x_stages):
             raise ValueError(f"one_operand rounds each unit's x chunk from the x stages: it needs fuse_mlp and the "
                              f"GEMVs' K / block_k = {k_most // bk} <= x_stages = {self.x_stages}")
-        if self.norm_ld and not self.norm_in_qkv:
-            raise ValueError("norm_ld reads norm_in_qkv's chunks: it needs norm_in_qkv")
         if self.down_rotate and not self.fuse_mlp:
             raise ValueError("down_rotate orders the fused MLP's down units: it needs fuse_mlp")
         if not 0 <= self.hold_slots <= self.stages:
@@ -747,13 +741,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             top = jnp.max(best)
             return r, jnp.minimum(hold, b - a), top, jnp.min(jnp.where(best == top, best_row, NO_ROW))
         return r, jnp.minimum(hold, b - a)
-
-    def loaded_norm(base):
-        """(norm_ld) rsqrt(mean(h²) + eps) of h at base, read by the warpgroup's own loads."""
-        chunks = [vbuf().at[pl.ds(base + j * bk, bk)] for j in range(plan.hidden // bk)]
-        vs = [ref[...] if interpret else plgpu.load(ref, layout=L.WGMMA.reduce(1), optimized=False) for ref in chunks]
-        ss = sum(v * v for v in vs)
-        return lax.rsqrt(jnp.sum(ss) / plan.hidden + plan.eps)
 
     def held_norm(name):
         """(norm_in_qkv) rsqrt(mean(h²) + eps) of gemv(name, all_x=True)'s x: every chunk in its
@@ -1229,13 +1216,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 hold = plan.hold_slots
                 with jax.named_scope("qkv"):
                     r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
-                                all_x=plan.norm_in_qkv and not plan.norm_ld)
+                                all_x=plan.norm_in_qkv)
                 signal(sem)
                 release(r, m)  # (every signal is followed by freeing the slots its phase held)
                 r_norm = None
                 if plan.norm_in_qkv:
                     with jax.named_scope("norm"):
-                        r_norm = loaded_norm(h_in) if plan.norm_ld else held_norm("qkv")
+                        r_norm = held_norm("qkv")
                 wait(sem, "attn")
                 h1 = plan.region("h1", l)
                 with jax.named_scope("attn"):  # (fuse_out: and the output projection)
