@@ -216,8 +216,8 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     rings = ((6, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),)
     # With the MLP fused, attention's critical path shortened: its norm statistic computed by every
     # CTA while it waits at the q/k/v barrier, and q/k/v read by plain loads, not TMA copies queued
-    # behind the weight tiles (the 1b at prompt 128 on the H200: 1.02-1.03x in one run, both ways;
-    # docs/benchmarks.md, twenty-second session)
+    # behind the weight tiles (the 1b at prompt 128 on the H200: 1.005-1.03x in two kernel runs, the
+    # decoder 0.591-0.595 -> 0.572-0.580 ms; docs/benchmarks.md, twenty-second session)
     shorter = ({"norm_in_qkv": True, "qkv_ld": True}, {}) if plan.fuse_mlp else ({},)
     for candidate, (stages, one_operand), extra in itertools.product(candidates, rings, shorter):
         try:

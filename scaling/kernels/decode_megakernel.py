@@ -144,14 +144,16 @@ class MegaPlan:
     one_operand: bool = False
     # (fuse_mlp) slice i's down units in the order i, i + 1, ... (mod K steps) instead of 0, 1, ...:
     # every CTA reduce-adds its down units into h2 at about the same moment, so in that order all
-    # 128 of the 1b's would add into the same 256 floats at once, and L2 serializes adds to one
-    # address; rotated, each chunk of h2 takes a sixteenth of them (measured on the H100: level step
-    # by step, <1% as one launch; docs/benchmarks.md, twenty-second session)
+    # 128 of the 1b's add into the same 256 floats at once; rotated, each chunk of h2 takes a
+    # sixteenth of them. Measured within the runs' spread on the H100 and the H200
+    # (docs/benchmarks.md, twenty-second session): contention in L2's adds is not what the MLP's
+    # signal waits for
     down_rotate: bool = False
     # attention's q/k/v read by the consumer warpgroup's own loads instead of TMA copies: they come
     # from L2 right after the q/k/v barrier, on attention's critical path, where TMA copies queue in
     # the SM's TMA unit behind the producer's weight tiles (with norm_in_qkv, the 1b on the H200:
-    # 1.02-1.03x; docs/benchmarks.md, twenty-second session)
+    # 1.005-1.03x in two runs, attention's median CTA 8.9 -> 6.8 kcycles; docs/benchmarks.md,
+    # twenty-second session)
     qkv_ld: bool = False
 
     @property
