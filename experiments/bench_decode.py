@@ -50,6 +50,15 @@ from scaling.model import build_model  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _option(spec: str) -> tuple[str, int]:
+    """--attention's megakernel/FIELD=INT: (field, value)."""
+    name, sep, value = spec.partition("=")
+    try:
+        return name, int(value)
+    except ValueError:
+        raise SystemExit(f"--attention: a megakernel option is FIELD=INT, got {spec!r}") from None
+
+
 def preset(name: str) -> ModelConfig:
     cfg = load_config(ROOT / "configs" / "models" / f"{name}.yaml").model
     return dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16)
@@ -394,7 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--attention", default="pallas",
                     help="decode variants, comma-separated: ATTN or ATTN:LAYERS, ATTN in pallas/xla/fused, "
-                         "LAYERS in auto/xla/pallas (default auto: pallas at batch 1 on the GPU, else xla)")
+                         "LAYERS in auto/xla/pallas/pallas_tma/megakernel (default auto); megakernel may take plan "
+                         "options as megakernel/FIELD=INT/... (decode.parse_megakernel_options; booleans 0/1), "
+                         "e.g. pallas:megakernel/qkv_ld=0/norm_in_qkv=0")
     ap.add_argument("--gemv-blocks", default="", help="tiles of the Pallas layer kernels, a decode_gemv.LayerBlocks.parse spec")
     ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
     ap.add_argument("--hf-models", default="1b,llama2_7b", help="models to run transformers on")
@@ -457,7 +468,10 @@ def main(argv=None) -> int:
             from scaling.kernels.decode_gemv import LayerBlocks
 
             blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
-            dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl or "auto", gemv_blocks=blocks)
+            layer_impl, *spec = layer_impl.split("/")
+            options = dict(_option(o) for o in spec) or None
+            dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl or "auto",
+                                 gemv_blocks=blocks, megakernel_options=options)
             wbytes = decode.weight_bytes_per_step(dec.weights)
             for prompt in prompts:
                 for batch in batches:

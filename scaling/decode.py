@@ -175,9 +175,42 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
 MEGAKERNEL_CHECK_LEN = 256  # a cache length every megakernel plan takes (whole tiles of 64 or 128 positions)
 
 
-def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan:
+# MegaPlan's fields that follow from the model, the cache and the GPU: the rest are the kernel's
+# choices, which `Decoder(megakernel_options=...)` may set
+MEGAKERNEL_SHAPE_FIELDS = frozenset({"layers", "hidden", "heads", "kv_heads", "head_dim", "mlp", "vocab_rows",
+                                     "max_len", "eps", "ctas"})
+
+
+def parse_megakernel_options(options) -> tuple[tuple[str, int | bool], ...]:
+    """Validated plan options ({field: value}) as a sorted, hashable tuple: a static argument of
+    the compiled steps. Each must be a MegaPlan field of the kernel's choosing, with a bool or int
+    value of its type."""
+    fields = {f.name: f.type for f in dataclasses.fields(decode_megakernel.MegaPlan)}
+    allowed = sorted(set(fields) - MEGAKERNEL_SHAPE_FIELDS)
+    out = []
+    for name, value in dict(options or {}).items():
+        if name not in allowed:
+            raise ValueError(f"megakernel_options: {name!r} is not one of the plan's options; allowed {allowed}")
+        if fields[name] in (bool, "bool"):
+            if value not in (0, 1) or isinstance(value, float):
+                raise ValueError(f"megakernel_options: {name} must be a bool (or 0/1), got {value!r}")
+            value = bool(value)
+        elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"megakernel_options: {name} must be an int, got {value!r}")
+        out.append((name, value if isinstance(value, bool) else int(value)))
+    return tuple(sorted(out))
+
+
+def megakernel_plan(cfg: ModelConfig, max_len: int, options: tuple = ()) -> decode_megakernel.MegaPlan:
     """The megakernel's plan for a step over a cache of max_len positions: one CTA per SM on the
-    GPU, one CTA in the CPU's interpreter."""
+    GPU, one CTA in the CPU's interpreter. options (`parse_megakernel_options`): fields set over the
+    measured choices below (the plan's check then says whether it runs)."""
+    if options:
+        return dataclasses.replace(_measured_plan(cfg, max_len), **dict(options))
+    return _measured_plan(cfg, max_len)
+
+
+def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan:
     gpu = jax.default_backend() == "gpu"
     ctas = (getattr(jax.devices()[0], "core_count", None) or 132) if gpu else 1
     x_stages = 8 if gpu else 4
@@ -230,10 +263,10 @@ def megakernel_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPla
     return plan  # (its check names what it cannot run)
 
 
-def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig):
+def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, options: tuple = ()):
     """A batch-1 step by decode_megakernel: cache {"kv": plan.cache_shape} (megakernel_cache)."""
     kv = cache["kv"]
-    plan = megakernel_plan(cfg, _cache_len(cache, cfg))
+    plan = megakernel_plan(cfg, _cache_len(cache, cfg), options)
     # (the kernel reads the token's embedding row and pos's RoPE row itself: no other kernel runs
     # before it; the table of every position is loop-invariant, so XLA computes it once per chunk)
     rope_all = decode_megakernel.rope_tables(plan.max_len, layers.rope_frequencies(cfg))
@@ -441,9 +474,9 @@ def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, 
 
 def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl,
                   layer_impl: DecodeLayerImpl = DecodeLayerImpl.xla, blocks: decode_gemv.LayerBlocks | None = None,
-                  tma: decode_tma.TmaSettings | None = None):
+                  tma: decode_tma.TmaSettings | None = None, mk_options: tuple = ()):
     """One token per row at position pos[b] -> logits [B, V]; its K/V written in place. tma: the
-    TMA kernels' settings (layers="pallas_tma")."""
+    TMA kernels' settings (layers="pallas_tma"); mk_options: the megakernel's plan options."""
     b = tokens_b.shape[0]
     s = _cache_len(cache, cfg)
     inv_freq = layers.rope_frequencies(cfg)
@@ -452,7 +485,7 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     write_b = jnp.minimum(pos_b, s - 1)
     lengths_b = write_b + 1
     if layer_impl == DecodeLayerImpl.megakernel:
-        return _megakernel_step(weights, cache, tokens_b, write_b, cfg=cfg)
+        return _megakernel_step(weights, cache, tokens_b, write_b, cfg=cfg, options=mk_options)
     if layer_impl in (DecodeLayerImpl.pallas, DecodeLayerImpl.pallas_tma):
         return _pallas_step(weights, cache, tokens_b, write_b, cfg=cfg, attn_impl=attn_impl, inv_freq=inv_freq,
                             blocks=layer_blocks(cfg, b, blocks),
@@ -633,19 +666,20 @@ def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "attn_impl", "layer_impl", "blocks", "sampling", "n_steps", "tma"),
+    jax.jit, static_argnames=("cfg", "attn_impl", "layer_impl", "blocks", "sampling", "n_steps", "tma", "mk_options"),
     donate_argnames=("state",)
 )
 def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, layer_impl=DecodeLayerImpl.xla,
-                  blocks=None, tma=None):
+                  blocks=None, tma=None, mk_options=()):
     loop = layer_impl == DecodeLayerImpl.megakernel and sampling.greedy
-    if loop and _loop_runs(cfg, _cache_len(state["cache"], cfg)):  # (one launch for the chunk)
-        return _megakernel_greedy_chunk(weights, state, params, cfg=cfg, n_steps=n_steps)
+    if loop and _loop_runs(cfg, _cache_len(state["cache"], cfg), mk_options):  # (one launch for the chunk)
+        return _megakernel_greedy_chunk(weights, state, params, cfg=cfg, n_steps=n_steps, options=mk_options)
     seed_key = jax.random.wrap_key_data(params["key"])
 
     def step(state, _):
         logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg,
-                                      attn_impl=attn_impl, layer_impl=layer_impl, blocks=blocks, tma=tma)
+                                      attn_impl=attn_impl, layer_impl=layer_impl, blocks=blocks, tma=tma,
+                                      mk_options=mk_options)
         tok, lp = sample(logits, _row_keys(seed_key, state["count"]), params["temperature"], params["top_p"], sampling)
         state, tok, lp = _advance(dict(state, cache=cache), tok, lp, params)
         return state, (tok, lp)
@@ -654,22 +688,22 @@ def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, 
     return state, toks.T, lps.T  # [B, n_steps]
 
 
-def _loop_runs(cfg: ModelConfig, max_len: int) -> bool:
+def _loop_runs(cfg: ModelConfig, max_len: int, options: tuple = ()) -> bool:
     """Whether megakernel_loop runs this model's plan (else greedy chunks go step by step)."""
     try:
-        decode_megakernel.loop_check(megakernel_plan(cfg, max_len))
+        decode_megakernel.loop_check(megakernel_plan(cfg, max_len, options))
         return True
     except ValueError:
         return False
 
 
-def _megakernel_greedy_chunk(weights, state, params, *, cfg, n_steps):
+def _megakernel_greedy_chunk(weights, state, params, *, cfg, n_steps, options: tuple = ()):
     """_decode_chunk's greedy batch-1 steps as one launch of decode_megakernel.megakernel_loop
     (the kernel picks each next token itself), then the chunk's book-keeping at once: the same
     tokens, log-probs and state as n_steps of `sample` and `_advance`. Steps after the row
     finishes run and are discarded, as in the step-by-step chunk."""
     cache = state["cache"]
-    plan = megakernel_plan(cfg, _cache_len(cache, cfg))
+    plan = megakernel_plan(cfg, _cache_len(cache, cfg), options)
     rope_all = decode_megakernel.rope_tables(plan.max_len, layers.rope_frequencies(cfg))
     pos0 = state["pos"][0]
     toks, raw, r, kv = decode_megakernel.megakernel_loop(
@@ -730,6 +764,9 @@ class Decoder:
     tma: layers="pallas_tma"'s TMA kernels: which projections, PDL, tiles
         (decode_tma.TmaSettings; None: decode_tma.settings(), the module's defaults now, which
         pick the projections by grid width for this model).
+    megakernel_options: (layers="megakernel") MegaPlan fields to set over the measured plan,
+        e.g. {"qkv_ld": False} (`parse_megakernel_options` says which; the plan's check, which
+        values run).
     """
 
     def __init__(
@@ -745,6 +782,7 @@ class Decoder:
         layers: DecodeLayerImpl | str = DecodeLayerImpl.auto,
         gemv_blocks: decode_gemv.LayerBlocks | None = None,
         tma: decode_tma.TmaSettings | None = None,
+        megakernel_options: dict | None = None,
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -780,6 +818,15 @@ class Decoder:
         if self.megakernel and jnp.dtype(self.dtype).itemsize != 2:
             raise ValueError(f"layers='megakernel' runs 16-bit models (its tensor-core tiles), got "
                              f"{jnp.dtype(self.dtype)}; use layers='auto'")
+        if megakernel_options and not self.megakernel:
+            raise ValueError(f"megakernel_options set the megakernel's plan: they need layers='megakernel', got "
+                             f"layers={self.layer_impl.value!r}")
+        self.mk_options = parse_megakernel_options(megakernel_options)
+        if self.mk_options:
+            try:
+                megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options).check()
+            except ValueError as e:
+                raise ValueError(f"megakernel_options {dict(self.mk_options)}: {e}") from None
         if self.megakernel:
             self.layer_impl = DecodeLayerImpl.auto
         if self.layer_impl == DecodeLayerImpl.auto and not (gpu and self.attn_impl != DecodeAttentionImpl.fused):
@@ -796,7 +843,7 @@ class Decoder:
             raise ValueError(f"{max_len=} must be >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
         if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
-            plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN)
+            plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options)
             self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, plan.block_k, plan.fuse_mlp),
                                        "embed_vd": self.weights["embed_vd"]}
 
@@ -874,8 +921,8 @@ class Decoder:
         n_rows = len(prompts)
         b = self.bucket(n_rows)
         # (the megakernel's attention tiles: 64 positions, or 128 with paired positions)
-        s = _round_up(max_len, megakernel_plan(cfg, MEGAKERNEL_CHECK_LEN).tile_positions if self.megakernel
-                      else KV_BLOCK)
+        tile = megakernel_plan(cfg, MEGAKERNEL_CHECK_LEN, self.mk_options).tile_positions if self.megakernel else 0
+        s = _round_up(max_len, tile or KV_BLOCK)
         longest = max(len(p) for p in prompts)
         t = min(max(MIN_PROMPT_BUCKET, _next_pow2(longest)), s)
 
@@ -909,7 +956,7 @@ class Decoder:
         state, tok, lp = _prefill(self.weights, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(done),
                                   params, cfg=cfg, core_impl=self.core_impl, sampling=sampling)
         if self._step_layers(b) == DecodeLayerImpl.megakernel:
-            state = dict(state, cache=megakernel_cache(state["cache"], megakernel_plan(cfg, s).ppr))
+            state = dict(state, cache=megakernel_cache(state["cache"], megakernel_plan(cfg, s, self.mk_options).ppr))
         tok, lp, all_done = jax.device_get((tok, lp, jnp.all(state["done"])))
         t1 = time.perf_counter()
         if timing is not None:
@@ -929,7 +976,9 @@ class Decoder:
                 state, toks, lps = _decode_chunk(weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
                                                  layer_impl=step_layers, blocks=self.gemv_blocks,
                                                  sampling=sampling, n_steps=self.chunk,
-                                                 tma=self.tma if step_layers == DecodeLayerImpl.pallas_tma else None)
+                                                 tma=self.tma if step_layers == DecodeLayerImpl.pallas_tma else None,
+                                                 mk_options=self.mk_options
+                                                 if step_layers == DecodeLayerImpl.megakernel else ())
                 steps_left -= self.chunk
                 launched = (toks, lps, jnp.all(state["done"]))
                 if timing is not None:

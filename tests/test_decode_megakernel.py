@@ -333,6 +333,27 @@ def test_down_slices_hold_each_slices_columns_by_row_tile(block_k):
         np.testing.assert_allclose(got, np.asarray(w[layer], np.float64) @ a, rtol=1e-12, atol=1e-9)
 
 
+def test_decoder_megakernel_options_are_checked():
+    model = build_model(dataclasses.replace(CFG2, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
+
+    def dec(options, layers="megakernel"):
+        return decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers=layers, megakernel_options=options)
+
+    with pytest.raises(ValueError, match="'stage' is not one of the plan's options; allowed .*'stages'"):
+        dec({"stage": 4})
+    with pytest.raises(ValueError, match="'max_len' is not one of the plan's options"):
+        dec({"max_len": 512})
+    with pytest.raises(ValueError, match="qkv_ld must be a bool \\(or 0/1\\), got 'yes'"):
+        dec({"qkv_ld": "yes"})
+    with pytest.raises(ValueError, match="stages must be an int, got 4.0"):
+        dec({"stages": 4.0})
+    with pytest.raises(ValueError, match="hold_slots must be 0..stages=6, got 9"):
+        dec({"hold_slots": 9})
+    with pytest.raises(ValueError, match="need layers='megakernel', got layers='xla'"):
+        dec({"qkv_ld": False}, layers="xla")
+    assert decode.parse_megakernel_options({"stages": 5, "qkv_ld": 0}) == (("qkv_ld", False), ("stages", 5))
+
+
 def test_fused_mlp_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fuse_mlp holds all of h1 in the x stages: hidden / block_k = 8"):
         mk.plan_for(dataclasses.replace(CFG, hidden_size=2048, num_heads=16, num_kv_heads=8), 256, x_stages=4,
@@ -369,8 +390,10 @@ def test_reference_matches_the_decoders_xla_step(setup):
     assert _rel(want[: CFG.vocab_size], logits[0]) < 3e-2
 
 
-@pytest.mark.parametrize("cfg,ppr", [(CFG, 1), (CFG2, 2)])
-def test_decoder_megakernel_generates_as_xla(cfg, ppr):
+# (CFG2: with plan options over the measured plan, which every compiled step must take)
+@pytest.mark.parametrize("cfg,ppr,options", [(CFG, 1, None),
+                                             (CFG2, 2, {"norm_in_qkv": False, "qkv_ld": 0, "down_rotate": True})])
+def test_decoder_megakernel_generates_as_xla(cfg, ppr, options, monkeypatch):
     plan = decode.megakernel_plan(cfg, MAX_LEN)
     assert plan.ppr == ppr  # (head_dim 64: paired positions by default)
     assert plan.fuse_out == (cfg is CFG)  # (CFG: its 2 q heads of 128 are one K step of W_o)
@@ -380,9 +403,14 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
     want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)
-    dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2)
+    dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2,
+                         megakernel_options=options)
     assert dec._step_layers(1) == decode.DecodeLayerImpl.megakernel
+    seen, plan_of = [], decode.megakernel_plan
+    monkeypatch.setattr(decode, "megakernel_plan", lambda *a: seen.append(plan_of(*a)) or seen[-1])
     got = dec.generate(prompts, 5)
+    want_fields = dict(norm_in_qkv=False, qkv_ld=False, down_rotate=True) if options else {}
+    assert seen and all(all(getattr(p, k) == v for k, v in want_fields.items()) for p in seen)
     # Every step against the model's own forward over the generated sequence (teacher-forced):
     # its log-probs, and greedy up to near-ties. The bf16 steps round ~0.5% apart, so where two
     # logits are that close (CFG2's second token: 2.086 against 2.079) either may win.
