@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _option(spec: str) -> tuple[str, int]:
     """--attention's megakernel/FIELD=INT: (field, value)."""
-    name, sep, value = spec.partition("=")
+    name, _, value = spec.partition("=")
     try:
         return name, int(value)
     except ValueError:
