@@ -266,7 +266,10 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (each slice's down units rotated, so the CTAs' reduce-adds spread over h2's chunks)
             "rot": {"down_rotate": True},
             # (attention's q/k/v by the consumer's own loads, not TMA copies behind the weight tiles)
-            "qld": {"qkv_ld": True}}
+            "qld": {"qkv_ld": True},
+            # (fuse_out with a KV head's positions split over up to n of its group's CTAs, which
+            # exchange their partials behind a group semaphore: long caches without attn_splits' combine)
+            **{f"group{n}": {"fuse_out": True, "attn_splits": 1, "group_splits": n} for n in (4, 8, 16)}}
 
 
 def variant_fields(variant: str) -> dict:
@@ -395,6 +398,8 @@ def main(argv=None) -> int:
     def save():
         (out / "bench_megakernel.json").write_text(json.dumps(result, indent=1, default=str))
 
+    # (and the timed steps' first position, where it is past them: a long cache's splits)
+    check_positions = CHECK_POSITIONS + ((args.start,) if args.start > max(CHECK_POSITIONS) else ())
     for name in args.models.split(","):
         cfg = preset(name)
         from scaling import layers
@@ -405,7 +410,7 @@ def main(argv=None) -> int:
         res: dict = {"plan": dataclasses.asdict(plan)}
         if args.check:
             try:
-                res["check_2_layers"] = check(dataclasses.replace(plan, layers=2), CHECK_POSITIONS, inv_freq)
+                res["check_2_layers"] = check(dataclasses.replace(plan, layers=2), check_positions, inv_freq)
                 if args.check_full:
                     res["check"] = check(plan, [args.start], inv_freq, cpu_reference=False)
             except Exception as e:  # noqa: BLE001
@@ -417,7 +422,7 @@ def main(argv=None) -> int:
             vplan = dataclasses.replace(plan, **variant_fields(variant))
             if args.check and variant != "base":  # (every variant's own check: a layout or a split may differ)
                 try:
-                    res[f"check_2_layers_{variant}"] = check(dataclasses.replace(vplan, layers=2), CHECK_POSITIONS,
+                    res[f"check_2_layers_{variant}"] = check(dataclasses.replace(vplan, layers=2), check_positions,
                                                              inv_freq)
                 except Exception as e:  # noqa: BLE001
                     res[f"check_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"

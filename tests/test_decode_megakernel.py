@@ -84,8 +84,8 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True, one_operand=True) if fuse
-               else dict(attn_splits=2, hold_slots=1))
+    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True, one_operand=True, qkv_ld=True,
+                    group_splits=16) if fuse else dict(attn_splits=2, hold_slots=1))
     plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, **options)
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
@@ -266,17 +266,24 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
 CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, mlp_dim=512)
 
 
-# (the last case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots,
+# (the third case: fuse_mlp, gate/up and down as one phase with W_down slice-major, with hold_slots,
 # norm_in_qkv, one operand slot, the down units rotated per slice and q/k/v by plain loads)
-@pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp", [(CFG, MAX_LEN, 100, False), (CFG3, 256, 1, False),
-                                                      (CFG3, 256, 129, True)])
-def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp):
+# group (group_ctas, group_splits): a KV head's members split its tiles and merge their partials.
+# At pos 1 the cache holds one tile: every member reads it (its own partial, through the exchange
+# buffer); at 450, 4 tiles in 3 runs (1, 1, 2), the fourth member reads none; 3 members share W_o's
+# 8 row tiles 2, 3, 3
+@pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp,group", [(CFG, MAX_LEN, 100, False, (0, 0)),
+                                                            (CFG3, 256, 1, False, (3, 2)),
+                                                            (CFG3, 256, 129, True, (0, 0)),
+                                                            (CFG3, 512, 450, True, (4, 3))])
+def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp, group):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
                        fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
-                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp)
+                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp, group_ctas=group[0], group_splits=group[1])
     plan.check()
+    assert plan.grouped == (group[1] > 1)
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
     cache = (jax.random.normal(jax.random.key(4), (cfg.num_layers, max_len, cfg.num_kv_heads, 2 * plan.head_dim))
              * 0.5).astype(jnp.bfloat16)
@@ -290,7 +297,7 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     np.testing.assert_array_equal(np.asarray(mk.unpack_cache(packed, plan.ppr)), np.asarray(want_cache))
     # the fused reference's rounding (each stream's share on its own) is still the same attention
     unfused, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
-                                         plan=dataclasses.replace(plan, fuse_out=False))
+                                         plan=dataclasses.replace(plan, fuse_out=False, group_splits=0))
     assert _rel(want, unfused) < 2e-2
 
 
@@ -307,6 +314,12 @@ def test_fused_groups_cover_every_output_row_tile_once(ctas, kv_heads):
 def test_fused_output_projection_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fuse_out needs attn_splits=1"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, attn_splits=2).check()
+    with pytest.raises(ValueError, match="group_splits splits the positions within fuse_out's groups"):
+        mk.plan_for(CFG3, 256, x_stages=8, group_splits=2).check()
+    with pytest.raises(ValueError, match="group_splits=5 must be at most the group's 4 CTAs"):
+        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, group_splits=5).check()
+    with pytest.raises(ValueError, match="group_ctas and group_splits must be >= 0"):
+        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, group_ctas=-1).check()
     with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):
         mk.plan_for(dataclasses.replace(CFG3, num_kv_heads=4), 256, x_stages=8, block_k=256, fuse_out=True).check()
 

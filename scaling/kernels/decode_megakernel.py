@@ -155,12 +155,34 @@ class MegaPlan:
     # 1.005-1.03x in two runs, attention's median CTA 8.9 -> 6.8 kcycles; docs/benchmarks.md,
     # twenty-second session)
     qkv_ld: bool = False
+    # (fuse_out) CTAs per KV head's group; 0: as many as the CTAs give every KV head (ctas // kv_heads).
+    # More than that runs several units on a CTA (the interpreter's one CTA runs them all)
+    group_ctas: int = 0
+    # (fuse_out) a KV head's positions before pos split over up to this many members of its group
+    # (0 or 1: none; each member then reads them all): member j < S = min(group_splits, tiles) reads
+    # the j-th run of S, writes its partial (m, l, o) to the exchange buffer and signals its group's
+    # semaphore; every member waits for its group and merges the S partials itself. For long
+    # caches, where each member would otherwise read all of its head's tiles one after another,
+    # without the two extra grid barriers of attn_splits' combine phase
+    group_splits: int = 0
 
     @property
     def out_group(self) -> int:
         """(fuse_out) CTAs per KV head: each computes the head's attention, then its share of
         the row tiles of W_o's K step for that head."""
-        return max(1, self.ctas // self.kv_heads)
+        return self.group_ctas or max(1, self.ctas // self.kv_heads)
+
+    @property
+    def grouped(self) -> bool:
+        """(fuse_out with group_splits > 1) a group's members split its positions and exchange partials."""
+        return self.fuse_out and self.group_splits > 1
+
+    @property
+    def xchg_shape(self) -> tuple[int, int, int]:
+        """The exchange buffer of the grouped split's partials: per (KV head, member) [o | m | l],
+        o [head_dim, 8] (each q head's stream in its operand column), m and l [8] (rows head_dim and
+        head_dim + 1; 8 rows, so every partial starts 256-byte aligned)."""
+        return (self.kv_heads * self.out_group if self.grouped else 1), self.head_dim + ROWS, ROWS
 
     def out_tiles(self, member):
         """(fuse_out) [a, b): the row tiles of W_o that member m of a KV head's group takes."""
@@ -320,6 +342,13 @@ class MegaPlan:
         if self.fuse_out and (self.attn_splits > 1 or self.out_skips_attn or self.groups * hd != bk):
             raise ValueError(f"fuse_out needs attn_splits=1, out_skips_attn off and a KV head's q heads to be one K "
                              f"step of W_o: groups * head_dim = {self.groups * hd} == block_k = {bk}")
+        if self.group_ctas < 0 or self.group_splits < 0:
+            raise ValueError(f"group_ctas and group_splits must be >= 0, got {self.group_ctas}, {self.group_splits}")
+        if self.group_splits > 1 and not self.fuse_out:
+            raise ValueError("group_splits splits the positions within fuse_out's groups: it needs fuse_out")
+        if self.group_splits > self.out_group:
+            raise ValueError(f"group_splits={self.group_splits} must be at most the group's {self.out_group} CTAs "
+                             f"(group_ctas, or ctas // kv_heads)")
         if self.fuse_out and self.res_tiles > 32:
             raise ValueError(f"fuse_out: {self.res_tiles} residual tiles per CTA, at most 32: more CTAs")
         if self.fuse_mlp and self.hidden // bk > self.x_stages:
@@ -466,7 +495,7 @@ def rope_table(pos, inv_freq):
 # ------------------------------------------------------------------------------------ the kernel
 
 
-def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_smem, stage, ustage, ring, part, res,
+def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg, x_smem, stage, ustage, ring, part, res,
           obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
           ml_smem, x_row, rmw, *,
           plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
@@ -488,6 +517,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
     # phases address `vbuf()`, the current copy, and wait for the current step's count
     loop = steps > 0
     view, expect = [buf_all], [plan.ctas]
+    expect_group = [plan.out_group]  # (grouped) a group semaphore's count once the current step's members signalled
 
     def vbuf():
         return view[0]
@@ -495,7 +525,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
     splits = plan.attn_splits
     fused, gs = plan.fuse_out, plan.out_group
     head_sem = 1 + n_ph * plan.layers  # (loop) the head's logits are written: the next token can be picked
-    done = pl.get_global(plgpu.SemaphoreType.REGULAR((head_sem + loop,))) if sync else None
+    group_sem0 = head_sem + loop  # (grouped) then one per (layer, KV head): its members' partials are written
+    n_sems = group_sem0 + (plan.layers * plan.kv_heads if plan.grouped else 0)
+    done = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sems,))) if sync else None
 
     def wait(index, before: str = "", count=None):  # before: the phase it opens (the profile's region name)
         if sync:  # (count: the signals to wait for, by default every CTA's of the current step)
@@ -763,6 +795,23 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         n = (pos + plan.tile_positions - 1) // plan.tile_positions
         return j * n // splits, (j + 1) * n // splits
 
+    def member_blocks(member, pos):
+        """(fuse_out) [lo, hi): the cache tiles before pos that a member of a KV head's group reads,
+        and whether it takes the new position: all of them, or (plan.grouped, once the cache holds
+        more than one tile) its run of S = min(group_splits, tiles), none past the S-th member."""
+        n = (pos + plan.tile_positions - 1) // plan.tile_positions
+        if not plan.grouped:
+            return 0, n, True
+        ns = group_count(pos)
+        j = jnp.where(ns > 1, member, 0)
+        inside = j < ns
+        return jnp.where(inside, j * n // ns, 0), jnp.where(inside, (j + 1) * n // ns, 0), j == ns - 1
+
+    def group_count(pos):
+        """(plan.grouped) S: the runs a KV head's positions before pos are split into (1: none)."""
+        n = (pos + plan.tile_positions - 1) // plan.tile_positions
+        return jnp.maximum(jnp.minimum(plan.group_splits, n), 1)
+
     def attention(layer, r, h_in, pos, r_norm=None):
         """Units c, c + C, ... of KV heads x splits (unit u: KV head u mod K, split u div K): see
         the module docstring. Each unit computes the RMSNorm statistic of h_in itself, while its
@@ -818,13 +867,20 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                     dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
                     plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], vbuf().at[pl.ds(dst, bk)])
 
+        def compact(o):
+            """o [bk, 8] -> [H, 8]: each stream's V part in its own column (o's rows H.., and with
+            ppr 2 the odd positions' columns G.. from rows 3H..)."""
+            if ppr == 1:
+                return o[hd: 2 * hd]
+            return jnp.where(iota((hd, ROWS), 1) < g_heads, o[hd: 2 * hd], o[3 * hd: 4 * hd])
+
         def fused_operand(m, l, o):
             """(fuse_out) The G heads' outputs as the output projection's operand: head i's rows
-            (i H.. (i + 1) H, one K step) hold its stream's o, normalised (with ppr 2, the even
-            positions' stream in column i and the odd ones' in column G + i, each weighted for the
-            merge: the product's columns are summed, so no stream is added to another). Only 64-row
-            tiles move, which in registers is a renaming; the per-column weights come from m and l
-            through shared memory as scalars."""
+            (i H.. (i + 1) H, one K step) hold its stream's o (`compact`), normalised (with ppr 2,
+            the even positions' stream in column i and the odd ones' in column G + i, each weighted
+            for the merge: the product's columns are summed, so no stream is added to another).
+            Only 64-row tiles move, which in registers is a renaming; the per-column weights come
+            from m and l through shared memory as scalars."""
             col = iota((BLOCK_F, ROWS), 1)
             if ppr == 1:
                 scale = lax.broadcast_in_dim(1.0 / l, (BLOCK_F, ROWS), [1])
@@ -845,12 +901,22 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
             for i in range(g_heads):
                 for k in range(hd // BLOCK_F):
                     t = cast(jnp.zeros((BLOCK_F, ROWS), jnp.float32), L.WGMMA)
-                    for par in range(ppr):  # (o's rows 2 H par + H..: the stream's V part)
-                        lo = 2 * hd * par + hd + k * BLOCK_F
-                        t = jnp.where(col == i + g_heads * par, o[lo: lo + BLOCK_F] * scale, t)
+                    for par in range(ppr):
+                        t = jnp.where(col == i + g_heads * par, o[k * BLOCK_F: (k + 1) * BLOCK_F] * scale, t)
                     tiles.append(t)
             x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0).astype(x_smem.dtype)
             plgpu.commit_smem()
+
+        def residual_tiles(layer, kvh, member):
+            """(fuse_out) The residual tiles fused_out adds (or zeros: the other KV heads' groups),
+            issued early: they land while the unit computes."""
+            t_lo, t_hi = plan.out_tiles(member)
+            for k in range(plan.res_tiles):
+                src = jnp.where(kvh == 0, plan.region("in", layer) + (t_lo + k) * BLOCK_F, plan.zero_off)
+                pl.when(t_lo + k < t_hi)(functools.partial(
+                    lambda k, src: plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, BLOCK_F)],
+                                                           res.at[pl.ds(k * BLOCK_F, BLOCK_F)], res_full.at[k]),
+                    k, src))
 
         def fused_out(layer, kvh, member, r, last):
             """(fuse_out) fused_operand's operand times the member's row tiles of W_o's K step kvh,
@@ -877,10 +943,15 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         def unit(u, r):
             if fused:  # member `member` of KV head kvh's group
                 kvh, j, member = u // gs, 0, lax.rem(u, gs)
-                last = member == 0  # (writes the new row)
+                writes_row = member == 0
+                lo, hi, takes_new = member_blocks(member, pos)
+                # (grouped: the CTA's last unit holds its last tiles' slots until its group signal)
+                held_from = jnp.where(u + ctas >= n_kv * gs, hi - plan.hold_slots, hi) if plan.grouped else hi
             else:
                 kvh, j = lax.rem(u, n_kv), u // n_kv
-                last = j == splits - 1  # the split that adds the new position and writes its row
+                writes_row = takes_new = j == splits - 1  # the split that adds the new position and writes its row
+                lo, hi = split_blocks(j, pos)
+                held_from = hi
             with jax.named_scope("a_qkv"):
                 srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
                 srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
@@ -891,14 +962,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 else:
                     for i, src in enumerate(srcs):
                         plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
-                if fused:  # the residual tiles fused_out adds (or zeros: the other KV heads' groups), meanwhile
-                    t_lo, t_hi = plan.out_tiles(member)
-                    for k in range(plan.res_tiles):
-                        src = jnp.where(kvh == 0, plan.region("in", layer) + (t_lo + k) * BLOCK_F, plan.zero_off)
-                        pl.when(t_lo + k < t_hi)(functools.partial(
-                            lambda k, src: plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, BLOCK_F)],
-                                                                   res.at[pl.ds(k * BLOCK_F, BLOCK_F)], res_full.at[k]),
-                            k, src))
+                if fused and not plan.grouped:  # (grouped: in merged_out, whose unit's they are)
+                    residual_tiles(layer, kvh, member)
                 # the RMSNorm statistic r's loads: it is applied late (RoPE and the scores are
                 # linear in it), so only the new cache row waits for it, not the q operand
                 if r_norm is None:
@@ -934,10 +999,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 plgpu.commit_smem()
                 # the new row, for the next steps: nothing in this one reads it back from the cache
                 if ppr == 1:
-                    pl.when(last)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
+                    pl.when(writes_row)(lambda: plgpu.copy_smem_to_gmem(kv_row, cache.at[layer, pos, kvh]))
                 else:  # (a static column offset per parity)
                     for par in range(ppr):
-                        pl.when(last & (lax.rem(pos, ppr) == par))(functools.partial(
+                        pl.when(writes_row & (lax.rem(pos, ppr) == par))(functools.partial(
                             lambda par: plgpu.copy_smem_to_gmem(
                                 kv_row, cache.at[layer, pos // ppr, kvh, pl.ds(par * 2 * hd, 2 * hd)]), par))
                 # the new position: V in o's rows (H..2H-1, the even stream's), and its scores
@@ -947,7 +1012,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                     k_b = lax.broadcast_in_dim(k_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
                     v_b = lax.broadcast_in_dim(v_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
                     v_col = jnp.concatenate([zero_t, v_b] + [zero_t] * (2 * ppr - 2), axis=0)
-                    skip = g_heads if splits == 1 else g_heads * last.astype(jnp.int32)
+                    skip = g_heads if takes_new is True else g_heads * takes_new.astype(jnp.int32)
                     s2 = tiles[0].astype(jnp.float32) * k_b
                     s_new = jnp.sum(jnp.where((iota((hd, ROWS), 0) == 0) & (col >= skip), NEG, s2 * scale),
                                     axis=0)
@@ -972,12 +1037,11 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 plgpu.commit_smem()
                 o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
                 o = product(o, ring.at[slot], p_smem, a_t=True)  # [K | V]ᵀ p: rows H.. are V ᵀ p
-                plgpu.barrier_arrive(free.at[slot])
+                free_unless(slot, blk >= held_from)
                 return m_new, l, o, r + 1
 
             row0 = cast(jnp.full((ROWS,), NEG, jnp.float32), L.WGMMA.reduce(0))
             l0 = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
-            lo, hi = split_blocks(j, pos)
             with jax.named_scope("a_tiles"):
                 m, l, o, r = lax.fori_loop(lo, hi, block, (row0, l0, zero_acc(bk), r))
             # then (the last split) the new position itself, one more online-softmax step (its p
@@ -989,9 +1053,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 l, m = l * alpha + p_new, m_new
                 o = (o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
                      + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col)
+            if plan.grouped:  # the partial, for every member of the group (`merged_out`)
+                with jax.named_scope("a_part"):
+                    at = kvh * gs + member  # (plain stores: the group's signal orders them, by its barrier and release)
+                    xchg.at[at, pl.ds(0, hd)][...] = compact(o)
+                    xchg.at[at, hd][...] = m
+                    xchg.at[at, hd + 1][...] = l
+                return r
             if fused:
                 with jax.named_scope("a_merge"):
-                    fused_operand(m, l, o)
+                    fused_operand(m, l, compact(o))
                 with jax.named_scope("a_out"):
                     return fused_out(layer, kvh, member, r, u + ctas >= n_kv * gs)
             if ppr == 2:
@@ -1016,9 +1087,49 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                     plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], vbuf().at[pl.ds(dst, bk)])
             return r
 
+        def merged_out(u, r):
+            """(plan.grouped) Unit u's output projection from its group's S partials (S = 1: its
+            own), once every member has signalled: their online-softmax states merged per column."""
+            kvh, member = u // gs, lax.rem(u, gs)
+            residual_tiles(layer, kvh, member)
+            ns = group_count(pos)
+            pl.when(ns > 1)(lambda: wait(group_sem0 + layer * n_kv + kvh, "group", count=expect_group[0]))
+            with jax.named_scope("a_gather"):
+                # S > 1: partials 0..group_splits-1, every one written this step (those past S empty:
+                # m NEG, l and o 0); S = 1: its own, read group_splits times and counted once (every
+                # read finite: no mask, which Mosaic GPU takes only as a vector)
+                parts = []
+                for k in range(plan.group_splits):  # (all loads issued first)
+                    at = kvh * gs + jnp.where(ns > 1, k, member)
+                    if interpret:
+                        o_k, m_k, l_k = xchg.at[at, pl.ds(0, hd)][...], xchg[at, hd], xchg[at, hd + 1]
+                    else:
+                        o_k = plgpu.load(xchg.at[at, pl.ds(0, hd)], layout=L.WGMMA, optimized=False)
+                        m_k = plgpu.load(xchg.at[at, hd], layout=L.WGMMA.reduce(0), optimized=False)
+                        l_k = plgpu.load(xchg.at[at, hd + 1], layout=L.WGMMA.reduce(0), optimized=False)
+                    parts.append((1.0 if k == 0 else jnp.where(ns > 1, 1.0, 0.0), o_k, m_k, l_k))
+                top = functools.reduce(jnp.maximum, [m_k for _, _, m_k, _ in parts])
+                total, o = 0.0, 0.0
+                for count, o_k, m_k, l_k in parts:
+                    w = jnp.exp(m_k - top) * count
+                    total = total + w * l_k
+                    o = o + lax.broadcast_in_dim(w, (hd, ROWS), [1]) * o_k
+            with jax.named_scope("a_merge"):
+                fused_operand(top, total, o)
+            with jax.named_scope("a_out"):
+                return fused_out(layer, kvh, member, r, u + ctas >= n_kv * gs)
+
         units = n_kv * gs if fused else n_kv * splits
         n_mine = pl.cdiv(units - c, ctas)
         r = lax.fori_loop(0, n_mine, lambda i, r: unit(c + i * ctas, r), r)
+        if plan.grouped:  # every unit's partial is written: signal, free the held tiles' slots, then merge
+            @pl.loop(0, n_mine)
+            def _(i):
+                signal(group_sem0 + layer * n_kv + (c + i * ctas) // gs)
+
+            lo, hi, _ = member_blocks(lax.rem(c + (n_mine - 1) * ctas, gs), pos)
+            release(r, jnp.where(n_mine > 0, jnp.clip(hi - lo, 0, plan.hold_slots), 0))
+            r = lax.fori_loop(0, n_mine, lambda i, r: merged_out(c + i * ctas, r), r)
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
         if not fused:
             return r, 0
@@ -1132,6 +1243,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
         cur[0] = lax.rem(s, 2) * T
         view[0] = buf_all.at[pl.ds(cur[0], tails["view"])]
         expect[0] = ctas * (s + 1)
+        expect_group[0] = plan.out_group * (s + 1)
 
     def store_scalar(v, dst):
         """v (an f32 scalar) into the 16 floats at dst (a region of the view) from obuf."""
@@ -1383,16 +1495,27 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, x_sme
                 return lax.fori_loop(lo, hi,
                                      lambda blk, r: fetch(cache.at[layer, pl.ds(blk * BLOCK_F, BLOCK_F), kvh], r), r)
 
-            def fused_unit(u, r):  # (fuse_out) its KV head's tiles, then its row tiles of W_o's K step
+            def member_tiles(u, r):  # (fuse_out) its run of its KV head's tiles
                 kvh, member = u // plan.out_group, lax.rem(u, plan.out_group)
-                r = unit(kvh, r)
+                lo, hi, _ = member_blocks(member, pos)
+                return lax.fori_loop(lo, hi,
+                                     lambda blk, r: fetch(cache.at[layer, pl.ds(blk * BLOCK_F, BLOCK_F), kvh], r), r)
+
+            def out_tiles(u, r):  # (fuse_out) its row tiles of W_o's K step for its KV head
+                kvh, member = u // plan.out_group, lax.rem(u, plan.out_group)
                 t_lo, t_hi = plan.out_tiles(member)
                 steps = plan.gemvs()["out"][1] // bk
                 return lax.fori_loop(t_lo, t_hi, lambda t, r: fetch(wo.at[layer, t * steps + kvh], r), r)
 
             units = plan.kv_heads * (plan.out_group if plan.fuse_out else splits)
-            body = fused_unit if plan.fuse_out else unit
-            return lax.fori_loop(0, pl.cdiv(units - c, ctas), lambda i, r: body(c + i * ctas, r), r)
+            n_mine = pl.cdiv(units - c, ctas)
+            if plan.grouped:  # (every unit's partial before any unit's merge)
+                r = lax.fori_loop(0, n_mine, lambda i, r: member_tiles(c + i * ctas, r), r)
+                return lax.fori_loop(0, n_mine, lambda i, r: out_tiles(c + i * ctas, r), r)
+            if plan.fuse_out:
+                return lax.fori_loop(0, n_mine, lambda i, r: out_tiles(c + i * ctas, member_tiles(c + i * ctas, r)),
+                                     r)
+            return lax.fori_loop(0, n_mine, lambda i, r: unit(c + i * ctas, r), r)
 
         def mlp_slices(layer, r):  # (fuse_mlp) per slice: its gate and up tiles by K step, then its down units
             steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
@@ -1550,9 +1673,10 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
         plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
     )
-    buf = plgpu.kernel(
+    buf, _ = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
-        out_type=jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
+                  jax.ShapeDtypeStruct(plan.xchg_shape, jnp.float32)),  # (the grouped split's partials)
         scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
@@ -1599,44 +1723,60 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
         kc, vc = cache[l, :, :, :hd].astype(f32), cache[l, :, :, hd:].astype(f32)  # [S, KV, H]
         s = jnp.einsum("kgh,skh->kgs", q, kc, precision=lax.Precision.HIGHEST) * r
         s = jnp.where(jnp.arange(plan.max_len) < pos, s, NEG)
-        # per split (attn_splits; one by default): an online softmax over its cache tiles before
-        # pos, as the kernel (p rounded to bf16 relative to the running max), per stream: with
-        # ppr 2 a tile's even and odd positions are separate streams, each with its own running
-        # max; the last split's first stream then adds the new position with its p in f32; all
-        # streams of all splits are combined by their running maxima
+        # per run of cache tiles (attn_splits, or the grouped split's S runs; one by default): an
+        # online softmax over its tiles before pos, as the kernel (p rounded to bf16 relative to the
+        # running max), per stream: with ppr 2 a tile's even and odd positions are separate streams,
+        # each with its own running max; the last run's first stream then adds the new position with
+        # its p in f32; each stream is merged over the runs, then the streams by their running maxima
         s_new = jnp.einsum("kgh,kh->kg", q, k_new.astype(f32), precision=lax.Precision.HIGHEST)[..., None] * r
         ppr, tile = plan.ppr, plan.tile_positions
         n_blk = (pos + tile - 1) // tile
-        parts = []
-        for j, par in itertools.product(range(plan.attn_splits), range(ppr)):
-            lo, hi = j * n_blk // plan.attn_splits, (j + 1) * n_blk // plan.attn_splits
-            m = jnp.full((nkv, g, 1), NEG)
-            lsum = jnp.zeros((nkv, g, 1))
-            o = jnp.zeros((nkv, g, hd))
-            for blk in range(plan.max_len // tile):
-                at = slice(blk * tile + par, (blk + 1) * tile, ppr)  # the stream's positions in the tile
-                sb = s[..., at]
-                m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
-                alpha = jnp.exp(m - m_new)
-                p = jnp.exp(sb - m_new)
-                pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), vc[at], precision=lax.Precision.HIGHEST)
-                take = (lo <= blk) & (blk < hi)
-                m, lsum, o = (jnp.where(take, m_new, m),
-                              jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
-                              jnp.where(take, o * alpha + pv, o))
-            if j == plan.attn_splits - 1 and par == 0:
-                m_new = jnp.maximum(m, s_new)
-                alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
-                m, lsum, o = m_new, lsum * alpha + p_new, o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :]
-            parts.append((m, lsum, o))
-        top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
-        weights = [jnp.exp(m - top) for m, _, _ in parts]
-        total = sum(w * l_ for w, (_, l_, _) in zip(weights, parts))
+        runs = plan.group_splits if plan.grouped else plan.attn_splits
+        ns = jnp.maximum(jnp.minimum(runs, n_blk), 1) if plan.grouped else runs
+        n_tiles = plan.max_len // tile
+        # per tile and stream: the scores [tiles, KV, G, tile / ppr] and V [tiles, tile / ppr, KV, H]
+        s_t = jnp.moveaxis(s.reshape(nkv, g, n_tiles, tile // ppr, ppr), 2, 0)
+        v_t = vc.reshape(n_tiles, tile // ppr, ppr, nkv, hd)
+        streams = []
+        for par in range(ppr):
+            parts = []
+            for j in range(runs):
+                inside = j < ns
+                lo, hi = jnp.where(inside, j * n_blk // ns, 0), jnp.where(inside, (j + 1) * n_blk // ns, 0)
+
+                def tile_step(carry, blk, par=par, lo=lo, hi=hi):
+                    m, lsum, o = carry
+                    sb = s_t[blk, ..., par]
+                    m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
+                    alpha = jnp.exp(m - m_new)
+                    p = jnp.exp(sb - m_new)
+                    pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), v_t[blk, :, par],
+                                    precision=lax.Precision.HIGHEST)
+                    take = (lo <= blk) & (blk < hi)
+                    return (jnp.where(take, m_new, m), jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
+                            jnp.where(take, o * alpha + pv, o)), None
+
+                init = (jnp.full((nkv, g, 1), NEG), jnp.zeros((nkv, g, 1)), jnp.zeros((nkv, g, hd)))
+                (m, lsum, o), _ = lax.scan(tile_step, init, jnp.arange(n_tiles))
+                if par == 0:
+                    m_new = jnp.maximum(m, s_new)
+                    alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
+                    takes_new = j == ns - 1
+                    m, lsum, o = (jnp.where(takes_new, m_new, m), jnp.where(takes_new, lsum * alpha + p_new, lsum),
+                                  jnp.where(takes_new, o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :], o))
+                parts.append((m, lsum, o))
+            top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
+            weights = [jnp.exp(m - top) for m, _, _ in parts]
+            streams.append((top, sum(w * l_ for w, (_, l_, _) in zip(weights, parts)),
+                            sum(w * o_ for w, (_, _, o_) in zip(weights, parts))))
+        top = functools.reduce(jnp.maximum, [m for m, _, _ in streams])
+        weights = [jnp.exp(m - top) for m, _, _ in streams]
+        total = sum(w * l_ for w, (_, l_, _) in zip(weights, streams))
         if plan.fuse_out:  # each stream's share rounded to bf16 on its own (its own operand column)
-            o = sum((w * o_ / total).astype(bf).astype(f32) for w, (_, _, o_) in zip(weights, parts))
+            o = sum((w * o_ / total).astype(bf).astype(f32) for w, (_, _, o_) in zip(weights, streams))
             h1 = h + jnp.dot(rows["out"][l].astype(f32), o.reshape(-1), precision=lax.Precision.HIGHEST)
         else:
-            o = sum(w * o_ for w, (_, _, o_) in zip(weights, parts)) / total
+            o = sum(w * o_ for w, (_, _, o_) in zip(weights, streams)) / total
             h1 = h + mm(rows["out"][l], o.reshape(-1))
         gu = mm(rows["gate_up"][l], h1) * rms(h1)
         gate, up = gu[: plan.mlp], gu[plan.mlp:]
