@@ -245,8 +245,10 @@ def loop_race_check(plan: mk.MegaPlan, inv_freq, start: int, steps: int, seed: i
 
 LAYER_PHASES = ("qkv", "attn", "combine", "out", "gate_up", "down", "mlp")
 # an attention unit's parts: q/k/v loaded, RoPE and the operands, the cache tiles, the new
-# position, (fuse_out) the streams merged and the output projection
-ATTN_PARTS = ("a_qkv", "a_prep", "p_norm", "p_snew", "a_tiles", "a_new", "a_merge", "a_out")
+# position, (group_splits) its partial written, the wait for its group and the group's partials
+# read, (fuse_out) the streams merged and the output projection
+ATTN_PARTS = ("a_qkv", "a_prep", "p_norm", "p_snew", "a_tiles", "a_new", "a_part", "wait_group", "a_gather",
+              "a_merge", "a_out")
 # (fuse_mlp) a slice's gate/up products, its down products
 MLP_PARTS = ("m_gate_up", "m_down")
 # --variants: MegaPlan fields; a variant may join several with "+" (pairs+norm_prefetch)
@@ -319,7 +321,8 @@ def phase_walls(trace: dict) -> dict[str, float]:
             out[f"cta_{name}_us"] = float(np.median((t[:, :, 1] - t[:, :, 0]).mean(axis=1)))
     # the signal after each phase: from the phase's end to the CTA's next wait (its release fence
     # waits for the CTA's TMA loads in flight; MegaPlan.hold_slots)
-    tops = [[r for r in seq if r[0] in phases or r[0].startswith("wait_")] for seq in seqs]  # (not nested)
+    tops = [[r for r in seq if r[0] in phases or (r[0].startswith("wait_") and r[0] not in ATTN_PARTS)]
+            for seq in seqs]  # (not nested)
     for name in phases:
         gaps = [b[1] - a[2] for seq in tops for a, b in zip(seq, seq[1:]) if a[0] == name and b[0].startswith("wait_")]
         if gaps:

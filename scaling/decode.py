@@ -242,7 +242,14 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     # the 1b at prompt 2048 1.04x; docs/benchmarks.md, nineteenth session)
     plan = dataclasses.replace(plan, hold_slots=2)
     fused = dataclasses.replace(plan, fuse_out=True)
-    candidates = (fused, plan) if splits == 1 else (dataclasses.replace(plan, attn_splits=splits), plan)
+    # Long caches: attention fused with the output projection too, each KV head's positions split
+    # over its group's CTAs, which merge their partials behind a group semaphore, instead of
+    # attn_splits' combine phase and its two grid barriers (the 1b at prompt 2048 on the H200:
+    # 0.654-0.656 against 0.702-0.709 ms per step, 1.07-1.08x, in two kernel runs; docs/benchmarks.md,
+    # twenty-third session). The 7b's q heads are no K step of W_o: it keeps attn_splits
+    grouped = dataclasses.replace(fused, group_splits=fused.out_group)
+    candidates = ((fused, plan) if splits == 1 else
+                  (grouped, dataclasses.replace(plan, attn_splits=splits), plan))
     # With the MLP fused, one operand slot makes room for a sixth ring slot (the 1b at prompt 128 on
     # the H200: 1.017-1.028x in two runs; one operand alone at 5 slots level; docs/benchmarks.md,
     # twenty-first session); else the deepest ring that fits

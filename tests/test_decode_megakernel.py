@@ -403,8 +403,9 @@ def test_reference_matches_the_decoders_xla_step(setup):
     assert _rel(want[: CFG.vocab_size], logits[0]) < 3e-2
 
 
-# (CFG2: with plan options over the measured plan, which every compiled step must take)
-@pytest.mark.parametrize("cfg,ppr,options", [(CFG, 1, None),
+# With plan options over the measured plan, which every compiled step must take. CFG: a KV head's
+# two members split the cache (group_splits) once the prompt fills its first 64-position tile
+@pytest.mark.parametrize("cfg,ppr,options", [(CFG, 1, {"group_ctas": 2, "group_splits": 2}),
                                              (CFG2, 2, {"norm_in_qkv": False, "qkv_ld": 0, "down_rotate": True})])
 def test_decoder_megakernel_generates_as_xla(cfg, ppr, options, monkeypatch):
     plan = decode.megakernel_plan(cfg, MAX_LEN)
@@ -414,7 +415,7 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr, options, monkeypatch):
     assert plan.one_operand and plan.stages == 6  # (the fused MLP's plan: one operand slot, a sixth ring slot)
     assert plan.norm_in_qkv and plan.qkv_ld  # (and attention's critical path shortened)
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * (9 if cfg is CFG else 1)]
     want = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="xla", chunk=2).generate(prompts, 5)
     dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2,
                          megakernel_options=options)
@@ -422,8 +423,8 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr, options, monkeypatch):
     seen, plan_of = [], decode.megakernel_plan
     monkeypatch.setattr(decode, "megakernel_plan", lambda *a: seen.append(plan_of(*a)) or seen[-1])
     got = dec.generate(prompts, 5)
-    want_fields = dict(norm_in_qkv=False, qkv_ld=False, down_rotate=True) if options else {}
-    assert seen and all(all(getattr(p, k) == v for k, v in want_fields.items()) for p in seen)
+    assert seen and all(all(getattr(p, k) == v for k, v in options.items()) for p in seen)
+    assert all(p.grouped for p in seen) == (cfg is CFG)
     # Every step against the model's own forward over the generated sequence (teacher-forced):
     # its log-probs, and greedy up to near-ties. The bf16 steps round ~0.5% apart, so where two
     # logits are that close (CFG2's second token: 2.086 against 2.079) either may win.
@@ -468,6 +469,23 @@ def test_greedy_chunk_book_keeping_matches_advance_step_by_step(monkeypatch, cou
     np.testing.assert_allclose(np.asarray(got_lps[0]), want_lps, atol=1e-5)
     for key in ("token", "pos", "count", "done"):
         assert got_state[key].tolist() == want_state[key].tolist(), key
+
+
+def test_measured_plans_split_long_caches_within_the_groups(monkeypatch):
+    """The decoder's plans on an H100/H200 (132 SMs), without compiling: the 1b's long cache is
+    split within fuse_out's groups (docs/benchmarks.md, twenty-third session), its short one is not,
+    and the 7b, whose q heads are no K step of W_o, keeps attn_splits."""
+    from scaling.config import load_config
+
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(decode.jax, "devices", lambda *a: [type("H200", (), {"core_count": 132})()])
+    presets = Path(__file__).resolve().parents[1] / "configs" / "models"
+    one_b, seven_b = (load_config(presets / f"{name}.yaml").model for name in ("1b", "llama2_7b"))
+    long_1b, short_1b = decode.megakernel_plan(one_b, 2304), decode.megakernel_plan(one_b, 384)
+    assert long_1b.grouped and long_1b.group_splits == long_1b.out_group == 16 and long_1b.attn_splits == 1
+    assert short_1b.fuse_out and not short_1b.grouped
+    long_7b = decode.megakernel_plan(seven_b, 2304)
+    assert not long_7b.fuse_out and long_7b.attn_splits == 4
 
 
 def test_decoder_megakernel_refuses_a_model_it_cannot_run():
