@@ -204,10 +204,21 @@ def parse_megakernel_options(options) -> tuple[tuple[str, int | bool], ...]:
 def megakernel_plan(cfg: ModelConfig, max_len: int, options: tuple = ()) -> decode_megakernel.MegaPlan:
     """The megakernel's plan for a step over a cache of max_len positions: one CTA per SM on the
     GPU, one CTA in the CPU's interpreter. options (`parse_megakernel_options`): fields set over the
-    measured choices below (the plan's check then says whether it runs)."""
-    if options:
-        return dataclasses.replace(_measured_plan(cfg, max_len), **dict(options))
-    return _measured_plan(cfg, max_len)
+    measured choices below, with the deepest ring that fits unless they set `stages` (the plan's
+    check then says whether it runs)."""
+    if not options:
+        return _measured_plan(cfg, max_len)
+    given = dict(options)
+    plan = dataclasses.replace(_measured_plan(cfg, max_len), **given)
+    if "stages" in given or plan.smem_bytes() <= decode_megakernel.SMEM_BYTES:
+        return plan
+    # (options that take shared memory, as group_splits' partials: the deepest ring that fits)
+    for stages in range(plan.stages - 1, 1, -1):
+        hold = plan.hold_slots if "hold_slots" in given else min(plan.hold_slots, stages)
+        shallower = dataclasses.replace(plan, stages=stages, hold_slots=hold)
+        if shallower.smem_bytes() <= decode_megakernel.SMEM_BYTES:
+            return shallower
+    return plan
 
 
 def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan:
@@ -253,7 +264,9 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     # With the MLP fused, one operand slot makes room for a sixth ring slot (the 1b at prompt 128 on
     # the H200: 1.017-1.028x in two runs; one operand alone at 5 slots level; docs/benchmarks.md,
     # twenty-first session); else the deepest ring that fits
-    rings = ((6, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),)
+    # (the grouped split's partials take a slot's shared memory: 5 slots with one operand slot, level
+    # with 6 at prompt 2048 on the H200, twenty-third session)
+    rings = ((6, True), (5, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),)
     # With the MLP fused, attention's critical path shortened: its norm statistic computed by every
     # CTA while it waits at the q/k/v barrier, and q/k/v read by plain loads, not TMA copies queued
     # behind the weight tiles (the 1b at prompt 128 on the H200: 1.005-1.03x in two kernel runs, the

@@ -425,6 +425,8 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr, options, monkeypatch):
     got = dec.generate(prompts, 5)
     assert seen and all(all(getattr(p, k) == v for k, v in options.items()) for p in seen)
     assert all(p.grouped for p in seen) == (cfg is CFG)
+    # (the partials' shared memory: the deepest ring that fits, as options do not set stages)
+    assert all(p.stages == (5 if cfg is CFG else 6) for p in seen)
     # Every step against the model's own forward over the generated sequence (teacher-forced):
     # its log-probs, and greedy up to near-ties. The bf16 steps round ~0.5% apart, so where two
     # logits are that close (CFG2's second token: 2.086 against 2.079) either may win.

@@ -178,11 +178,18 @@ class MegaPlan:
         return self.fuse_out and self.group_splits > 1
 
     @property
-    def xchg_shape(self) -> tuple[int, int, int]:
-        """The exchange buffer of the grouped split's partials: per (KV head, member) [o | m | l],
-        o [head_dim, 8] (each q head's stream in its operand column), m and l [8] (rows head_dim and
-        head_dim + 1; 8 rows, so every partial starts 256-byte aligned)."""
-        return (self.kv_heads * self.out_group if self.grouped else 1), self.head_dim + ROWS, ROWS
+    def gathered(self) -> int:
+        """(grouped) Partials a member reads at once: group_splits (1 otherwise: a placeholder)."""
+        return self.group_splits if self.grouped else 1
+
+    @property
+    def xchg_entries(self) -> int:
+        """(grouped) The exchange buffers' partials, one per (KV head, member) in that order, then
+        at least gathered - 1 more (a whole number of `gathered`, which the kernel zeroes at its
+        start): a member that reads only its own (the cache holds one tile) copies `gathered` from
+        its own on, which stays inside, and every one it copies is finite."""
+        n = self.gathered
+        return -(-(self.kv_heads * self.out_group + n - 1) // n) * n if self.grouped else 1
 
     def out_tiles(self, member):
         """(fuse_out) [a, b): the row tiles of W_o that member m of a KV head's group takes."""
@@ -313,6 +320,7 @@ class MegaPlan:
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
                 + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
+                + (self.gathered * (hd + 2) * ROWS * 4 + 16 if self.grouped else 0)  # the group's partials
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -495,9 +503,9 @@ def rope_table(pos, inv_freq):
 # ------------------------------------------------------------------------------------ the kernel
 
 
-def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg, x_smem, stage, ustage, ring, part, res,
+def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage, ring, part, res,
           obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
-          ml_smem, x_row, rmw, *,
+          ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, *,
           plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1055,10 +1063,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg,
                      + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col)
             if plan.grouped:  # the partial, for every member of the group (`merged_out`)
                 with jax.named_scope("a_part"):
-                    at = kvh * gs + member  # (plain stores: the group's signal orders them, by its barrier and release)
-                    xchg.at[at, pl.ds(0, hd)][...] = compact(o)
-                    xchg.at[at, hd][...] = m
-                    xchg.at[at, hd + 1][...] = l
+                    # (by TMA from the gather buffer's first entry, free until merged_out: the same
+                    # path as every other exchange between CTAs, ordered by the group's signal)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous unit's are read)
+                    gather_o.at[0][...] = compact(o)
+                    gather_ml.at[0, 0][...] = m
+                    gather_ml.at[0, 1][...] = l
+                    plgpu.commit_smem()
+                    at = kvh * gs + member
+                    plgpu.copy_smem_to_gmem(gather_o.at[pl.ds(0, 1)], xchg_o.at[pl.ds(at, 1)])
+                    plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, 1)], xchg_ml.at[pl.ds(at, 1)])
                 return r
             if fused:
                 with jax.named_scope("a_merge"):
@@ -1096,24 +1110,36 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg,
             pl.when(ns > 1)(lambda: wait(group_sem0 + layer * n_kv + kvh, "group", count=expect_group[0]))
             with jax.named_scope("a_gather"):
                 # S > 1: partials 0..group_splits-1, every one written this step (those past S empty:
-                # m NEG, l and o 0); S = 1: its own, read group_splits times and counted once (every
-                # read finite: no mask, which Mosaic GPU takes only as a vector)
-                parts = []
-                for k in range(plan.group_splits):  # (all loads issued first)
-                    at = kvh * gs + jnp.where(ns > 1, k, member)
+                # m NEG, l and o 0); S = 1: its own, the first of those copied from its own on (the
+                # rest counted 0 by arithmetic, which needs them finite: the buffers are zeroed at
+                # the kernel's start; a `where` on a scalar Mosaic GPU takes only for scalars). Two
+                # TMA copies into shared memory: plain loads from global memory waited on each
+                # other (0.15 µs a partial on the H200, twenty-third session)
+                first = kvh * gs + jnp.where(ns > 1, 0, member)
+                n_g = plan.gathered
+                plgpu.copy_gmem_to_smem(xchg_o.at[pl.ds(first, n_g)], gather_o, gather_full.at[0])
+                plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first, n_g)], gather_ml, gather_full.at[1])
+                plgpu.barrier_wait(gather_full.at[0])
+                plgpu.barrier_wait(gather_full.at[1])
+                top = total = o = None
+                for k in range(n_g):  # (merged online)
                     if interpret:
-                        o_k, m_k, l_k = xchg.at[at, pl.ds(0, hd)][...], xchg[at, hd], xchg[at, hd + 1]
+                        o_k, m_k, l_k = gather_o[k], gather_ml[k, 0], gather_ml[k, 1]
                     else:
-                        o_k = plgpu.load(xchg.at[at, pl.ds(0, hd)], layout=L.WGMMA, optimized=False)
-                        m_k = plgpu.load(xchg.at[at, hd], layout=L.WGMMA.reduce(0), optimized=False)
-                        l_k = plgpu.load(xchg.at[at, hd + 1], layout=L.WGMMA.reduce(0), optimized=False)
-                    parts.append((1.0 if k == 0 else jnp.where(ns > 1, 1.0, 0.0), o_k, m_k, l_k))
-                top = functools.reduce(jnp.maximum, [m_k for _, _, m_k, _ in parts])
-                total, o = 0.0, 0.0
-                for count, o_k, m_k, l_k in parts:
-                    w = jnp.exp(m_k - top) * count
-                    total = total + w * l_k
-                    o = o + lax.broadcast_in_dim(w, (hd, ROWS), [1]) * o_k
+                        o_k = plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)
+                        m_k = plgpu.load(gather_ml.at[k, 0], layout=L.WGMMA.reduce(0), optimized=False)
+                        l_k = plgpu.load(gather_ml.at[k, 1], layout=L.WGMMA.reduce(0), optimized=False)
+                    if k == 0:
+                        top, total, o = m_k, l_k, o_k
+                        continue
+                    counted = jnp.where(ns > 1, 1.0, 0.0)  # (S = 1: m_k -> top, and its weight 0)
+                    m_k = m_k * counted + top * (1.0 - counted)
+                    new_top = jnp.maximum(top, m_k)
+                    a, b = jnp.exp(top - new_top), jnp.exp(m_k - new_top) * counted
+                    top, total = new_top, total * a + l_k * b
+                    o = (o * lax.broadcast_in_dim(a, (hd, ROWS), [1])
+                         + o_k * lax.broadcast_in_dim(b, (hd, ROWS), [1]))
+                plgpu.commit_smem()  # (every thread has read the partials before the buffer is reused)
             with jax.named_scope("a_merge"):
                 fused_operand(top, total, o)
             with jax.named_scope("a_out"):
@@ -1291,8 +1317,23 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg,
 
             if loop and first:
                 zero_other("all")
+            if plan.grouped and first:
+                zero_exchange()
             plgpu.wait_smem_to_gmem(0, wait_read_only=False)
             signal(0)
+
+        def zero_exchange():
+            """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers."""
+            for k in range(plan.gathered):
+                gather_o.at[k][...] = zero_acc(hd)
+                for row in range(2):
+                    gather_ml.at[k, row][...] = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
+            plgpu.commit_smem()
+
+            @pl.loop(c, plan.xchg_entries // plan.gathered, step=ctas)
+            def _(i):
+                plgpu.copy_smem_to_gmem(gather_o, xchg_o.at[pl.ds(i * plan.gathered, plan.gathered)])
+                plgpu.copy_smem_to_gmem(gather_ml, xchg_ml.at[pl.ds(i * plan.gathered, plan.gathered)])
 
         parts_at, parts_n = (plan.region("parts", 0) - plan.layer0) // PAD, _pad(splits * plan.heads * bk) // PAD
         last_in = plan.region("in", plan.layers) // PAD  # (the last h: the head's input)
@@ -1672,11 +1713,16 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.SMEM((BLOCK_F, ROWS), jnp.float32),  # (fuse_out, ppr 2) the streams' m and l
         plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
         plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
+        # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each
+        plgpu.SMEM((plan.gathered, hd, ROWS), jnp.float32), plgpu.SMEM((plan.gathered, 2, ROWS), jnp.float32),
+        plgpu.Barrier(num_barriers=2),
     )
-    buf, _ = plgpu.kernel(
+    buf, *_ = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
         out_type=(jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
-                  jax.ShapeDtypeStruct(plan.xchg_shape, jnp.float32)),  # (the grouped split's partials)
+                  # (grouped) the partials' o, and their m and l
+                  jax.ShapeDtypeStruct((plan.xchg_entries, plan.head_dim, ROWS), jnp.float32),
+                  jax.ShapeDtypeStruct((plan.xchg_entries, 2, ROWS), jnp.float32)),
         scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
