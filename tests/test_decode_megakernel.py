@@ -75,18 +75,26 @@ def test_lowers_for_hopper_with_several_ctas(setup):
         assert module.count("mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("preset,block_k,fuse", [("1b", 128, False), ("1b", 256, False), ("1b", 256, True),
-                                                ("llama2_7b", 256, False)])
-def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fuse):
-    """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 128 or 256 with paired
-    positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head), with
-    norm_prefetch and attn_splits (or fuse_out and fuse_mlp) on, as abstract shapes (nothing allocated)."""
+@pytest.mark.parametrize("preset,block_k,fuse", [("1b", 256, False), ("llama2_7b", 256, False),
+                                                ("1b", 256, 384), ("1b", 256, 2304)])
+def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fuse, monkeypatch):
+    """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 256 with paired
+    positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head) with
+    norm_prefetch and attn_splits on, and (fuse: a max_len) the decoder's own plans for the 1b on
+    132 SMs: fuse_out and fuse_mlp with six ring slots at 384 positions, the grouped split at 2304.
+    As abstract shapes (nothing allocated); lowering checks the shared memory against 227 KiB, so
+    this also holds MegaPlan.smem_bytes to what Mosaic GPU allocates."""
     from scaling.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
-    options = (dict(fuse_out=True, fuse_mlp=True, hold_slots=2, norm_in_qkv=True, one_operand=True, qkv_ld=True,
-                    group_splits=16) if fuse else dict(attn_splits=2, hold_slots=1))
-    plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, **options)
+    if fuse:
+        monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+        monkeypatch.setattr(decode.jax, "devices", lambda *a: [type("H200", (), {"core_count": 132})()])
+        plan = decode.megakernel_plan(cfg, fuse)
+        monkeypatch.undo()
+        assert plan.fuse_mlp and plan.stages == (6 if fuse == 384 else 5) and plan.grouped == (fuse == 2304)
+    else:
+        plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, attn_splits=2, hold_slots=1)
     plan.check()
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
