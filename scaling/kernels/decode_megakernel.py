@@ -803,6 +803,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         n = (pos + plan.tile_positions - 1) // plan.tile_positions
         return j * n // splits, (j + 1) * n // splits
 
+    def partial_o(k):
+        """(grouped) The gather buffer's k-th o [H, 8]."""
+        return gather_o.at[k]
+
+    def flat_o(ref, n):
+        """(grouped) n partials' o as [n, H 8 / 256, 256]: TMA moves them in rows of 1 KiB (as
+        [n, H, 8], rows of 32 bytes: 5 µs for 16 of them on the H100). (The interpreter's copies
+        take no reshaped ref: there the exchange buffer is [entries, H, 8], the same bytes.)"""
+        return ref if interpret else ref.reshape(n, hd * ROWS // PAD, PAD)
+
     def member_blocks(member, pos):
         """(fuse_out) [lo, hi): the cache tiles before pos that a member of a KV head's group reads,
         and whether it takes the new position: all of them, or (plan.grouped, once the cache holds
@@ -1066,13 +1076,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     # (by TMA from the gather buffer's first entry, free until merged_out: the same
                     # path as every other exchange between CTAs, ordered by the group's signal)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous unit's are read)
-                    gather_o.at[0][...] = compact(o)
-                    gather_ml.at[0, 0][...] = m
-                    gather_ml.at[0, 1][...] = l
+                    partial_o(0)[...] = compact(o)
+                    gather_ml.at[pl.ds(0, ROWS)][...] = m
+                    gather_ml.at[pl.ds(ROWS, ROWS)][...] = l
                     plgpu.commit_smem()
                     at = kvh * gs + member
-                    plgpu.copy_smem_to_gmem(gather_o.at[pl.ds(0, 1)], xchg_o.at[pl.ds(at, 1)])
-                    plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, 1)], xchg_ml.at[pl.ds(at, 1)])
+                    plgpu.copy_smem_to_gmem(flat_o(gather_o.at[pl.ds(0, 1)], 1), xchg_o.at[pl.ds(at, 1)])
+                    plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, 2 * ROWS)], xchg_ml.at[pl.ds(at * 2 * ROWS, 2 * ROWS)])
                 return r
             if fused:
                 with jax.named_scope("a_merge"):
@@ -1119,19 +1129,20 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 # other (0.15 µs a partial on the H200, twenty-third session)
                 first = kvh * gs + jnp.where(ns > 1, 0, member)
                 n_g = plan.gathered
-                plgpu.copy_gmem_to_smem(xchg_o.at[pl.ds(first, n_g)], gather_o, gather_full.at[0])
-                plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first, n_g)], gather_ml, gather_full.at[1])
+                plgpu.copy_gmem_to_smem(xchg_o.at[pl.ds(first, n_g)], flat_o(gather_o, n_g), gather_full.at[0])
+                plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first * 2 * ROWS, n_g * 2 * ROWS)], gather_ml, gather_full.at[1])
                 plgpu.barrier_wait(gather_full.at[0])
                 plgpu.barrier_wait(gather_full.at[1])
                 release(r, held)
                 top = total = o = None
                 for k in range(n_g):  # (merged online)
                     if interpret:
-                        o_k, m_k, l_k = gather_o[k], gather_ml[k, 0], gather_ml[k, 1]
+                        o_k = partial_o(k)[...]
+                        m_k, l_k = gather_ml[pl.ds(2 * ROWS * k, ROWS)], gather_ml[pl.ds(2 * ROWS * k + ROWS, ROWS)]
                     else:
-                        o_k = plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)
-                        m_k = plgpu.load(gather_ml.at[k, 0], layout=L.WGMMA.reduce(0), optimized=False)
-                        l_k = plgpu.load(gather_ml.at[k, 1], layout=L.WGMMA.reduce(0), optimized=False)
+                        o_k = plgpu.load(partial_o(k), layout=L.WGMMA, optimized=False)
+                        m_k, l_k = (plgpu.load(gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)], layout=L.WGMMA.reduce(0),
+                                               optimized=False) for at in (0, ROWS))
                     if k == 0:
                         top, total, o = m_k, l_k, o_k
                         continue
@@ -1328,15 +1339,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def zero_exchange():
             """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers."""
             for k in range(plan.gathered):
-                gather_o.at[k][...] = zero_acc(hd)
-                for row in range(2):
-                    gather_ml.at[k, row][...] = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
+                partial_o(k)[...] = zero_acc(hd)
+                for at in (0, ROWS):
+                    gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)][...] = cast(jnp.zeros((ROWS,), jnp.float32),
+                                                                             L.WGMMA.reduce(0))
             plgpu.commit_smem()
 
             @pl.loop(c, plan.xchg_entries // plan.gathered, step=ctas)
             def _(i):
-                plgpu.copy_smem_to_gmem(gather_o, xchg_o.at[pl.ds(i * plan.gathered, plan.gathered)])
-                plgpu.copy_smem_to_gmem(gather_ml, xchg_ml.at[pl.ds(i * plan.gathered, plan.gathered)])
+                plgpu.copy_smem_to_gmem(flat_o(gather_o, plan.gathered), xchg_o.at[pl.ds(i * plan.gathered, plan.gathered)])
+                plgpu.copy_smem_to_gmem(gather_ml, xchg_ml.at[pl.ds(i * plan.gathered * 2 * ROWS, plan.gathered * 2 * ROWS)])
 
         parts_at, parts_n = (plan.region("parts", 0) - plan.layer0) // PAD, _pad(splits * plan.heads * bk) // PAD
         last_in = plan.region("in", plan.layers) // PAD  # (the last h: the head's input)
@@ -1718,15 +1730,17 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
         # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each (else 64-byte placeholders)
         plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), jnp.float32),
-        plgpu.SMEM((plan.gathered, 2 if plan.grouped else 1, ROWS), jnp.float32),
+        plgpu.SMEM((plan.gathered * 2 * ROWS,), jnp.float32),  # ([m | l] per partial: 1D, so no tiling is inferred)
         plgpu.Barrier(num_barriers=2),
     )
     buf, *_ = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
         out_type=(jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
                   # (grouped) the partials' o, and their m and l
-                  jax.ShapeDtypeStruct((plan.xchg_entries, plan.head_dim if plan.grouped else 1, ROWS), jnp.float32),
-                  jax.ShapeDtypeStruct((plan.xchg_entries, 2, ROWS), jnp.float32)),
+                  jax.ShapeDtypeStruct((plan.xchg_entries, *(((plan.head_dim, ROWS) if interpret else
+                                                              (plan.head_dim * ROWS // PAD, PAD)) if plan.grouped
+                                                             else (1, 16))), jnp.float32),
+                  jax.ShapeDtypeStruct((plan.xchg_entries * 2 * ROWS,), jnp.float32)),
         scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
