@@ -24,7 +24,9 @@ The step, per layer, as five phases (each waits until every CTA has finished the
            [m | l | o] a `combine` phase merges; one more barrier)
   out      h1 = h + W_o attn
            (fuse_out: attention and out as one phase: one group of CTAs per KV head, each computing
-           its head's attention, then its share of the row tiles of W_o's K step for that head)
+           its head's attention, then its share of the row tiles of W_o's K step for that head;
+           group_splits: the head's positions split over the group's members, whose partials each
+           member merges behind a semaphore of the group's own, for long caches)
   gate_up  y = W_gu h1 (the MLP norm's scale folded, its statistic applied by the next phase)
   down     h2 = h1 + W_down (silu(r g) * (r u))
            (fuse_mlp: gate/up and down as one phase: the MLP's hidden units in slices of 64, one CTA
