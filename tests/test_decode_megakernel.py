@@ -106,7 +106,7 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
         weights,
         bf16(*plan.cache_shape)).mlir_module()
     assert module.count("mosaic_gpu_v2") == 1
-    if not fuse:
+    if fuse != 384:  # (the entry's path is the same for every plan: one is enough)
         return
     # the decoder's entry: the token's bf16 embedding row and pos's RoPE row read by the kernel
     token_fn = jax.jit(lambda t, p, e, r, w, c: mk.megakernel_token_step(t, p, e, r, w, c, plan=plan))
