@@ -255,9 +255,10 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     fused = dataclasses.replace(plan, fuse_out=True)
     # Long caches: attention fused with the output projection too, each KV head's positions split
     # over its group's CTAs, which merge their partials behind a group semaphore, instead of
-    # attn_splits' combine phase and its two grid barriers (the 1b at prompt 2048 on the H200:
-    # 0.654-0.656 against 0.702-0.709 ms per step, 1.07-1.08x, in two kernel runs; docs/benchmarks.md,
-    # twenty-third session). The 7b's q heads are no K step of W_o: it keeps attn_splits
+    # attn_splits' combine phase and its two grid barriers (the decoder's 1b at prompt 2048: 0.642
+    # against 0.705 ms on the H200, 0.816-0.817 against 0.862-0.874 on the H100 in two runs;
+    # docs/benchmarks.md, twenty-third session). The 7b's q heads are no K step of W_o: it keeps
+    # attn_splits
     grouped = dataclasses.replace(fused, group_splits=fused.out_group)
     candidates = ((fused, plan) if splits == 1 else
                   (grouped, dataclasses.replace(plan, attn_splits=splits), plan))

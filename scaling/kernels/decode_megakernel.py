@@ -505,9 +505,9 @@ def rope_table(pos, inv_freq):
 # ------------------------------------------------------------------------------------ the kernel
 
 
-def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage, ring, part, res,
-          obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full, misc, res_full,
-          ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, *,
+def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage,
+          ring, part, res, obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full,
+          misc, res_full, ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, *,
           plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1084,7 +1084,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     plgpu.commit_smem()
                     at = kvh * gs + member
                     plgpu.copy_smem_to_gmem(flat_o(gather_o.at[pl.ds(0, 1)], 1), xchg_o.at[pl.ds(at, 1)])
-                    plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, 2 * ROWS)], xchg_ml.at[pl.ds(at * 2 * ROWS, 2 * ROWS)])
+                    plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, 2 * ROWS)],
+                                            xchg_ml.at[pl.ds(at * 2 * ROWS, 2 * ROWS)])
                 return r
             if fused:
                 with jax.named_scope("a_merge"):
@@ -1116,8 +1117,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def merged_out(u, r, held=0):
             """(plan.grouped) Unit u's output projection from its group's S partials (S = 1: its
             own), once every member has signalled: their online-softmax states merged per column.
-            held: ring slots to free once the partials have landed (the TMA copies would queue
-            behind the tiles the producer loads into them: 5.1 µs for 16 partials on the H100)."""
+            held: the ring slots its cache tiles held, freed once the partials have landed (so no
+            weight tile the producer loads into them queues ahead of the copies; measured level on
+            the H100, where the copies' row width was what cost, twenty-third session)."""
             kvh, member = u // gs, lax.rem(u, gs)
             residual_tiles(layer, kvh, member)
             ns = group_count(pos)
@@ -1132,7 +1134,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 first = kvh * gs + jnp.where(ns > 1, 0, member)
                 n_g = plan.gathered
                 plgpu.copy_gmem_to_smem(xchg_o.at[pl.ds(first, n_g)], flat_o(gather_o, n_g), gather_full.at[0])
-                plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first * 2 * ROWS, n_g * 2 * ROWS)], gather_ml, gather_full.at[1])
+                plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first * 2 * ROWS, n_g * 2 * ROWS)], gather_ml,
+                                        gather_full.at[1])
                 plgpu.barrier_wait(gather_full.at[0])
                 plgpu.barrier_wait(gather_full.at[1])
                 release(r, held)
@@ -1349,8 +1352,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
 
             @pl.loop(c, plan.xchg_entries // plan.gathered, step=ctas)
             def _(i):
-                plgpu.copy_smem_to_gmem(flat_o(gather_o, plan.gathered), xchg_o.at[pl.ds(i * plan.gathered, plan.gathered)])
-                plgpu.copy_smem_to_gmem(gather_ml, xchg_ml.at[pl.ds(i * plan.gathered * 2 * ROWS, plan.gathered * 2 * ROWS)])
+                n_g = plan.gathered
+                plgpu.copy_smem_to_gmem(flat_o(gather_o, n_g), xchg_o.at[pl.ds(i * n_g, n_g)])
+                plgpu.copy_smem_to_gmem(gather_ml, xchg_ml.at[pl.ds(i * n_g * 2 * ROWS, n_g * 2 * ROWS)])
 
         parts_at, parts_n = (plan.region("parts", 0) - plan.layer0) // PAD, _pad(splits * plan.heads * bk) // PAD
         last_in = plan.region("in", plan.layers) // PAD  # (the last h: the head's input)
