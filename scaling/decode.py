@@ -256,7 +256,7 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     # Long caches: attention fused with the output projection too, each KV head's positions split
     # over its group's CTAs, which merge their partials behind a group semaphore, instead of
     # attn_splits' combine phase and its two grid barriers (the decoder's 1b at prompt 2048: 0.642
-    # against 0.705 ms on the H200, 0.816-0.817 against 0.862-0.874 on the H100 in two runs;
+    # against 0.705 ms on the H200, 0.812-0.817 against 0.862-0.874 on the H100 in three runs;
     # docs/benchmarks.md, twenty-third session). The 7b's q heads are no K step of W_o: it keeps
     # attn_splits
     grouped = dataclasses.replace(fused, group_splits=fused.out_group)
