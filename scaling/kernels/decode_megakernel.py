@@ -805,10 +805,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         n = (pos + plan.tile_positions - 1) // plan.tile_positions
         return j * n // splits, (j + 1) * n // splits
 
-    def partial_o(k):
-        """(grouped) The gather buffer's k-th o [H, 8]."""
-        return gather_o.at[k]
-
     def flat_o(ref, n):
         """(grouped) n partials' o as [n, H 8 / 256, 256]: TMA moves them in rows of 1 KiB (as
         [n, H, 8], rows of 32 bytes: 5 µs for 16 of them on the H100). (The interpreter's copies
@@ -1078,7 +1074,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     # (by TMA from the gather buffer's first entry, free until merged_out: the same
                     # path as every other exchange between CTAs, ordered by the group's signal)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous unit's are read)
-                    partial_o(0)[...] = compact(o)
+                    gather_o.at[0][...] = compact(o)
                     gather_ml.at[pl.ds(0, ROWS)][...] = m
                     gather_ml.at[pl.ds(ROWS, ROWS)][...] = l
                     plgpu.commit_smem()
@@ -1142,10 +1138,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 top = total = o = None
                 for k in range(n_g):  # (merged online)
                     if interpret:
-                        o_k = partial_o(k)[...]
+                        o_k = gather_o[k]
                         m_k, l_k = gather_ml[pl.ds(2 * ROWS * k, ROWS)], gather_ml[pl.ds(2 * ROWS * k + ROWS, ROWS)]
                     else:
-                        o_k = plgpu.load(partial_o(k), layout=L.WGMMA, optimized=False)
+                        o_k = plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)
                         m_k, l_k = (plgpu.load(gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)], layout=L.WGMMA.reduce(0),
                                                optimized=False) for at in (0, ROWS))
                     if k == 0:
@@ -1344,7 +1340,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def zero_exchange():
             """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers."""
             for k in range(plan.gathered):
-                partial_o(k)[...] = zero_acc(hd)
+                gather_o.at[k][...] = zero_acc(hd)
                 for at in (0, ROWS):
                     gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)][...] = cast(jnp.zeros((ROWS,), jnp.float32),
                                                                              L.WGMMA.reduce(0))
