@@ -472,6 +472,8 @@ def main(argv=None) -> int:
             options = dict(_option(o) for o in spec) or None
             dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl or "auto",
                                  gemv_blocks=blocks, megakernel_options=options)
+            if dec.auto_megakernel_reason:
+                print(f"{name} {impl}: auto runs no megakernel: {dec.auto_megakernel_reason}", flush=True)
             wbytes = decode.weight_bytes_per_step(dec.weights)
             for prompt in prompts:
                 for batch in batches:
@@ -479,7 +481,8 @@ def main(argv=None) -> int:
                         continue  # other impls: the first case only, for comparison
                     max_len = -(-(prompt + args.new_tokens) // 128) * 128
                     need = 2 * wbytes + batch * max_len * kv_bytes_per_token(cfg)
-                    row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt}
+                    row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt,
+                           "layers": dec._step_layers(dec.bucket(batch)).value}  # (what the steps ran)
                     if need > args.mem_budget_gb * 1e9:
                         row["skip"] = f"needs {need / 1e9:.0f} GB > budget"
                         rows.append(row)
@@ -534,7 +537,7 @@ def render(rows, versions, bw, args) -> str:
         "Measured copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bw.items())
         + f"; roofline uses {peak / 1e12:.2f} TB/s.",
         "",
-        "| model | attn | batch | prompt | ms/step | decode tok/s | roofline tok/s | GB/step | achieved TB/s | % of copy BW | prefill ms | e2e tok/s | HF eager e2e tok/s | HF static e2e tok/s | e2e vs HF static |",
+        "| model | attn (batch-1 layers) | batch | prompt | ms/step | decode tok/s | roofline tok/s | GB/step | achieved TB/s | % of copy BW | prefill ms | e2e tok/s | HF eager e2e tok/s | HF static e2e tok/s | e2e vs HF static |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -543,7 +546,7 @@ def render(rows, versions, bw, args) -> str:
             continue
         he, hs = r.get("hf_eager_tok_s"), r.get("hf_static_tok_s")
         lines.append(
-            f"| {r['model']} | {r['impl']} | {r['batch']} | {r['prompt']} | {r['step_ms']:.3f} | {r['tok_s']:,.0f} | "
+            f"| {r['model']} | {r['impl']} ({r.get('layers', '?')}) | {r['batch']} | {r['prompt']} | {r['step_ms']:.3f} | {r['tok_s']:,.0f} | "
             f"{r['roofline_tok_s']:,.0f} | {r['bytes_per_step'] / 1e9:.2f} | {r['achieved_Bps'] / 1e12:.2f} | "
             f"{100 * r['frac']:.1f}% | {r['prefill_ms']:.1f} | {r['e2e_tok_s']:,.0f} | {f'{he:,.1f}' if he else '-'} | "
             f"{f'{hs:,.1f}' if hs else '-'} | {f'{r['e2e_tok_s'] / hs:.1f}x' if hs else '-'} |"

@@ -370,6 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--stages", type=int, default=3, help="weight ring stages")
     ap.add_argument("--x-stages", type=int, default=8)
+    ap.add_argument("--decoder-plan", action="store_true", help="each model's plan as the decoder picks it on this GPU "
+                    "(decode.megakernel_plan at --max-len; --stages and --x-stages unused)")
     ap.add_argument("--variants", default="base", help=f"timed one after another, comma-separated: {list(VARIANTS)}")
     ap.add_argument("--check", action="store_true", help="check a 2-layer model of each preset's width")
     ap.add_argument("--check-full", action="store_true", help="also the whole model (slow: the f32 reference)")
@@ -408,8 +410,13 @@ def main(argv=None) -> int:
         from scaling import layers
 
         inv_freq = layers.rope_frequencies(cfg)
-        plan = mk.plan_for(cfg, args.max_len, ctas=versions["sms"] or 132,
-                           stages=args.stages, x_stages=args.x_stages)
+        if args.decoder_plan:
+            from scaling import decode
+
+            plan = decode.megakernel_plan(cfg, args.max_len)
+        else:
+            plan = mk.plan_for(cfg, args.max_len, ctas=versions["sms"] or 132,
+                               stages=args.stages, x_stages=args.x_stages)
         res: dict = {"plan": dataclasses.asdict(plan)}
         if args.check:
             try:

@@ -116,11 +116,14 @@ class DecodeLayerImpl(str, enum.Enum):
     # decode_tma.ROWS); docs/decoding.md
     pallas_tma = "pallas_tma"
     # on the GPU pallas for small batches (AUTO_PALLAS_MAX_BATCH), pallas_tma there instead on a
-    # Hopper GPU for 16-bit models from AUTO_TMA_MIN_HIDDEN wide; else xla
+    # Hopper GPU for 16-bit models from AUTO_TMA_MIN_HIDDEN wide; else xla. Batch-1 steps on a
+    # Hopper GPU as `megakernel` where it runs the model and its weight copy fits
+    # (auto_megakernel_reason)
     auto = "auto"
     # batch-1 steps as one persistent kernel for the whole step (scaling.kernels.decode_megakernel;
     # Mosaic GPU, Hopper; Pallas' interpreter on the CPU), other batches as `auto`. Keeps a second,
-    # unit-major copy of the weights. docs/decoding.md, "Sixteenth session"
+    # unit-major copy of the weights. docs/decoding.md, "Sixteenth session". `auto` takes it on a
+    # Hopper GPU wherever auto_megakernel_reason finds nothing against it
     megakernel = "megakernel"
 
 
@@ -173,6 +176,44 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
 
 
 MEGAKERNEL_CHECK_LEN = 256  # a cache length every megakernel plan takes (whole tiles of 64 or 128 positions)
+# layers="auto" runs batch-1 steps on the megakernel on a Hopper GPU (the decoder's 1b at batch 1:
+# 1.29x the per-layer kernels on the H100, 1.43-1.45x on the H200; the 7b 1.10x and 1.17x;
+# docs/benchmarks.md, issue 8) where its unit-major copy of the weights takes at most this share of
+# the device memory still free: the rest is left for the caches and larger batches' steps.
+AUTO_MEGAKERNEL_MEMORY_SHARE = 0.5
+
+
+def megakernel_copy_bytes(weights: dict) -> int:
+    """Bytes of the megakernel's unit-major copy of prepare_weights(rows=True)'s weights: every
+    layer's projections and the head (the embedding table is shared, not copied)."""
+    layer_bytes = sum(w[k].nbytes for w in weights["layers"] for k in ("wqkv_xd", "wo_dx", "wgu_xd", "wdown_df"))
+    return layer_bytes + weights["head_xd"].nbytes
+
+
+def free_device_bytes() -> int | None:
+    """Bytes the first device's allocator can still hand out (None where it does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def auto_megakernel_reason(cfg: ModelConfig, dtype, *, hopper: bool, copy_bytes: int,
+                           free_bytes: int | None) -> str | None:
+    """Why layers="auto" does not run this model's batch-1 steps on the megakernel (None: it does).
+    copy_bytes: megakernel_copy_bytes; free_bytes: free_device_bytes (None: not known, not checked)."""
+    if not hopper:
+        return "it needs a Hopper GPU (sm_90)"
+    if jnp.dtype(dtype).itemsize != 2:
+        return f"it runs 16-bit models (its tensor-core tiles), not {jnp.dtype(dtype).name}"
+    try:
+        megakernel_plan(cfg, MEGAKERNEL_CHECK_LEN).check()
+    except ValueError as e:
+        return f"its plan cannot run this model: {e}"
+    if free_bytes is not None and copy_bytes > AUTO_MEGAKERNEL_MEMORY_SHARE * free_bytes:
+        return (f"its copy of the weights ({copy_bytes / 2**30:.1f} GiB) would take more than "
+                f"{AUTO_MEGAKERNEL_MEMORY_SHARE:.0%} of the {free_bytes / 2**30:.1f} GiB the device has free")
+    return None
 
 
 # MegaPlan's fields that follow from the model, the cache and the GPU: the rest are the kernel's
@@ -777,9 +818,11 @@ class Decoder:
         are not padded.
     layers: the decode step's layer implementation (DecodeLayerImpl). "pallas": batch buckets
         up to PALLAS_MAX_BATCH that the kernels tile run them, the others XLA, on the same
-        weights. "auto": on the GPU the Pallas layers for buckets up to AUTO_PALLAS_MAX_BATCH
-        (where they are measured faster; on a Hopper GPU with the TMA kernels for models from
-        AUTO_TMA_MIN_HIDDEN wide), XLA above; XLA on other backends.
+        weights. "auto": on a Hopper GPU batch-1 steps as one persistent kernel ("megakernel")
+        where it runs the model and its copy of the weights fits (`auto_megakernel_reason`, kept
+        as the decoder's `auto_megakernel_reason`); else on the GPU the Pallas layers for buckets
+        up to AUTO_PALLAS_MAX_BATCH (where they are measured faster; on a Hopper GPU with the TMA
+        kernels for models from AUTO_TMA_MIN_HIDDEN wide), XLA above; XLA on other backends.
     gemv_blocks: the Pallas layer kernels' tiles (decode_gemv.LayerBlocks; None: defaults
         per batch, decode_gemv.default_blocks).
     tma: layers="pallas_tma"'s TMA kernels: which projections, PDL, tiles
@@ -863,6 +906,13 @@ class Decoder:
         if max_len is not None and max_len < 1:
             raise ValueError(f"{max_len=} must be >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
+        # auto: batch-1 steps on the megakernel on a Hopper GPU, unless auto_megakernel_reason says why not
+        self.auto_megakernel_reason = None
+        if self.layer_impl == DecodeLayerImpl.auto and not self.megakernel:
+            self.auto_megakernel_reason = auto_megakernel_reason(
+                self.cfg, self.dtype, hopper=is_hopper(), copy_bytes=megakernel_copy_bytes(self.weights),
+                free_bytes=free_device_bytes()) if "head_xd" in self.weights else "the weights are not row-major"
+            self.megakernel = self.auto_megakernel_reason is None
         if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
             plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options)
             self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, plan.block_k, plan.fuse_mlp),

@@ -10,6 +10,7 @@
 """
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -505,3 +506,29 @@ def test_decoder_megakernel_refuses_a_model_it_cannot_run():
         decode.Decoder(model, layers="megakernel")
     with pytest.raises(ValueError, match="16-bit models"):
         decode.Decoder(build_model(CFG, seed=0), layers="megakernel")
+
+
+def test_auto_takes_the_megakernel_where_it_runs_and_its_copy_fits(setup, monkeypatch):
+    """layers="auto"'s choice, without a GPU: the copy's size is the unit-major weights' own (made
+    here), and each reason against the megakernel is named."""
+    from scaling.config import load_config
+
+    model, rows, plan, _, _ = setup
+    units = mk.prepare(rows, plan.block_k, plan.fuse_mlp)
+    copy = decode.megakernel_copy_bytes(rows)
+    assert copy == sum(x.nbytes for x in jax.tree.leaves(units))
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(decode.jax, "devices", lambda *a: [type("H100", (), {"core_count": 132})()])
+    one_b = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "1b.yaml").model
+    gib = 2**30
+    reason = functools.partial(decode.auto_megakernel_reason, one_b, jnp.bfloat16, hopper=True, copy_bytes=2 * gib)
+    assert reason(free_bytes=60 * gib) is None
+    assert reason(free_bytes=None) is None  # (an allocator that does not say: not checked)
+    assert "2.0 GiB) would take more than 50% of the 3.0 GiB" in reason(free_bytes=3 * gib)
+    assert "Hopper" in decode.auto_megakernel_reason(one_b, jnp.bfloat16, hopper=False, copy_bytes=1,
+                                                     free_bytes=None)
+    assert "not float32" in decode.auto_megakernel_reason(one_b, jnp.float32, hopper=True, copy_bytes=1,
+                                                          free_bytes=None)
+    tiny = dataclasses.replace(one_b, num_heads=4, num_kv_heads=4, head_dim=32)
+    assert "head_dim must be a multiple of 64" in decode.auto_megakernel_reason(
+        tiny, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None)
