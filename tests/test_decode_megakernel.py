@@ -63,6 +63,11 @@ def test_plan_refuses_what_it_cannot_run():
                     MAX_LEN, stages=4).check()
     with pytest.raises(ValueError, match="q heads per KV head"):
         mk.plan_for(dataclasses.replace(CFG, num_heads=16, num_kv_heads=1, hidden_size=2048), MAX_LEN).check()
+    # (the 25m preset's width: its input row was copied in whole 256-float chunks, its last 128 left 0;
+    # found on the GPU, docs/benchmarks.md, twenty-fourth session)
+    with pytest.raises(ValueError, match="hidden=384 must be a multiple of 256"):
+        mk.plan_for(dataclasses.replace(CFG, hidden_size=384, num_heads=6, num_kv_heads=2, head_dim=64), MAX_LEN,
+                    x_stages=8).check()
 
 
 def test_lowers_for_hopper_with_several_ctas(setup):

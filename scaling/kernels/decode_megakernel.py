@@ -343,6 +343,8 @@ class MegaPlan:
             raise ValueError(f"block_k = 4 * head_dim puts the even and odd positions' q heads in separate operand "
                              f"columns: at most {min(ROWS, self.x_stages) // 2} q heads per KV head (wgmma's N; "
                              f"x_stages / 2), got {self.groups}")
+        if self.hidden % PAD:  # (the step's input row moves into the buffer in chunks of PAD floats: `init`)
+            raise ValueError(f"hidden={self.hidden} must be a multiple of {PAD}")
         for name, (n, k) in self.gemvs().items():
             if n % BLOCK_F or k % bk:
                 raise ValueError(f"{name}: W {n}x{k} needs rows a multiple of {BLOCK_F} and K of block_k={bk}")
