@@ -235,16 +235,22 @@ def test_auto_layers_on_gpu_pick_pallas_for_small_batches(monkeypatch):
 
 
 def test_auto_layers_take_the_tma_kernels_on_hopper_for_wide_models(monkeypatch):
-    """layers="auto" on a Hopper GPU: batch-1 steps on the TMA kernels for 16-bit models from
-    AUTO_TMA_MIN_HIDDEN wide, with the projections whose grid is wide enough (the 4096-wide output
-    and down projections; not this toy vocabulary's head); the Triton kernels below that width
-    and on other GPUs. Nothing runs here: the choice is made at construction."""
+    """layers="auto" on a Hopper GPU: batch-1 steps on the megakernel where it takes the model;
+    where it declines, on the TMA kernels for 16-bit models from AUTO_TMA_MIN_HIDDEN wide, with the
+    projections whose grid is wide enough (the 4096-wide output and down projections; not this toy
+    vocabulary's head); the Triton kernels below that width and on other GPUs. Nothing runs here:
+    the choice is made at construction."""
     monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(decode, "is_hopper", lambda: True)
     wide = ModelConfig(vocab_size=97, hidden_size=decode.AUTO_TMA_MIN_HIDDEN, num_layers=1, num_heads=4,
                        num_kv_heads=2, head_dim=64, mlp_dim=256, compute_dtype=DType.bfloat16)
     wide_model = build_model(wide, seed=0)
     dec = decode.Decoder(wide_model, attention="xla")
+    assert dec.megakernel and dec.auto_megakernel_reason is None
+    assert dec._step_layers(1) == decode.DecodeLayerImpl.megakernel and dec._step_layers(8) == decode.DecodeLayerImpl.xla
+    monkeypatch.setattr(decode, "auto_megakernel_reason", lambda *a, **k: "declined")
+    dec = decode.Decoder(wide_model, attention="xla")
+    assert not dec.megakernel and dec.auto_megakernel_reason == "declined"
     assert dec._step_layers(1) == decode.DecodeLayerImpl.pallas_tma and dec._step_layers(8) == decode.DecodeLayerImpl.xla
     assert dec.tma.projections == ("gate_up", "out", "down")  # the head: 256 padded rows, 4 CTAs
     narrow = dataclasses.replace(wide, hidden_size=decode.AUTO_TMA_MIN_HIDDEN // 2)
