@@ -1137,25 +1137,28 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 plgpu.barrier_wait(gather_full.at[0])
                 plgpu.barrier_wait(gather_full.at[1])
                 release(r, held)
-                top = total = o = None
-                for k in range(n_g):  # (merged online)
-                    if interpret:
-                        o_k = gather_o[k]
-                        m_k, l_k = gather_ml[pl.ds(2 * ROWS * k, ROWS)], gather_ml[pl.ds(2 * ROWS * k + ROWS, ROWS)]
-                    else:
-                        o_k = plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)
-                        m_k, l_k = (plgpu.load(gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)], layout=L.WGMMA.reduce(0),
-                                               optimized=False) for at in (0, ROWS))
+                def ml(k, at):  # partial k's m (at 0) or l (at ROWS)
+                    ref = gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)]
+                    return ref[...] if interpret else plgpu.load(ref, layout=L.WGMMA.reduce(0), optimized=False)
+
+                # In two passes: the largest m first, then every partial weighted by exp(m_k - top),
+                # each weight independent of the others (merged online, each partial's rescale
+                # waited for the one before). Partial 0 always counts; the others only for S > 1
+                # (S = 1: m_k -> m_0, and its weight 0)
+                counted = jnp.where(ns > 1, 1.0, 0.0)
+                m_0 = ml(0, 0)
+                top = m_0
+                for k in range(1, n_g):
+                    top = jnp.maximum(top, ml(k, 0) * counted + m_0 * (1.0 - counted))
+                total = o = None
+                for k in range(n_g):
+                    o_k = gather_o[k] if interpret else plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)
                     if k == 0:
-                        top, total, o = m_k, l_k, o_k
-                        continue
-                    counted = jnp.where(ns > 1, 1.0, 0.0)  # (S = 1: m_k -> top, and its weight 0)
-                    m_k = m_k * counted + top * (1.0 - counted)
-                    new_top = jnp.maximum(top, m_k)
-                    a, b = jnp.exp(top - new_top), jnp.exp(m_k - new_top) * counted
-                    top, total = new_top, total * a + l_k * b
-                    o = (o * lax.broadcast_in_dim(a, (hd, ROWS), [1])
-                         + o_k * lax.broadcast_in_dim(b, (hd, ROWS), [1]))
+                        w = jnp.exp(m_0 - top)
+                    else:
+                        w = jnp.exp(ml(k, 0) * counted + m_0 * (1.0 - counted) - top) * counted
+                    term = o_k * lax.broadcast_in_dim(w, (hd, ROWS), [1])
+                    total, o = (ml(k, ROWS) * w, term) if k == 0 else (total + ml(k, ROWS) * w, o + term)
                 plgpu.commit_smem()  # (every thread has read the partials before the buffer is reused)
             with jax.named_scope("a_merge"):
                 fused_operand(top, total, o)
