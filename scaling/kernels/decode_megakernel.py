@@ -343,8 +343,6 @@ class MegaPlan:
             raise ValueError(f"block_k = 4 * head_dim puts the even and odd positions' q heads in separate operand "
                              f"columns: at most {min(ROWS, self.x_stages) // 2} q heads per KV head (wgmma's N; "
                              f"x_stages / 2), got {self.groups}")
-        if self.hidden % PAD:  # (the step's input row moves into the buffer in chunks of PAD floats: `init`)
-            raise ValueError(f"hidden={self.hidden} must be a multiple of {PAD}")
         for name, (n, k) in self.gemvs().items():
             if n % BLOCK_F or k % bk:
                 raise ValueError(f"{name}: W {n}x{k} needs rows a multiple of {BLOCK_F} and K of block_k={bk}")
@@ -1306,29 +1304,37 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         plgpu.commit_smem()
         plgpu.barrier_wait(misc.at[0])
         pos0, token0, rope_row = pos_s[0, 0], pos_s[0, 1], pos_s[0, 2]
-        x_chunks = plan.hidden // PAD
+        # the input row moves in chunks of PAD floats; a width that is no multiple of PAD ends in a
+        # shorter one (its chunk's tail in the buffer is padding, which no phase reads)
+        first_x, x_chunks = plan.x_off // PAD, -(-plan.hidden // PAD)
+        last_n = plan.hidden - (x_chunks - 1) * PAD
+
+        def x_chunk(token, i, n):
+            """Chunk i of the buffer (the x region's) from the first n values of its share of the row."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((i - first_x) * PAD, n)], x_row.at[pl.ds(0, n)], misc.at[5])
+            plgpu.barrier_wait(misc.at[5])
+            if x_ref.dtype == jnp.float32:
+                plgpu.copy_smem_to_gmem(x_row.at[pl.ds(0, n)], vbuf().at[pl.ds(i * PAD, n)])
+            else:  # (a 16-bit table: its row in f32)
+                strided = L.WG_STRIDED((PAD,), vec_size=2)
+                row = x_row[...] if interpret else plgpu.load(x_row, layout=strided)
+                obuf.at[pl.ds(0, PAD)][...] = cast(row.astype(jnp.float32), strided)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, n)], vbuf().at[pl.ds(i * PAD, n)])
 
         def init(token, first):
             """The step's input (the token's row) into the current buffer; zeros into the rest of
             it (the first step) or (loop) the other buffer, which the next step uses. A CTA's share."""
             @pl.loop(c, T // PAD, step=ctas)
             def _init(i):
-                inside = (i >= plan.x_off // PAD) & (i < plan.x_off // PAD + x_chunks)
-
-                @pl.when(inside)
-                def _():
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.copy_gmem_to_smem(x_ref.at[token, pl.ds((i - plan.x_off // PAD) * PAD, PAD)], x_row,
-                                            misc.at[5])
-                    plgpu.barrier_wait(misc.at[5])
-                    if x_ref.dtype == jnp.float32:
-                        plgpu.copy_smem_to_gmem(x_row, vbuf().at[pl.ds(i * PAD, PAD)])
-                    else:  # (a 16-bit table: its row in f32)
-                        strided = L.WG_STRIDED((PAD,), vec_size=2)
-                        row = x_row[...] if interpret else plgpu.load(x_row, layout=strided)
-                        obuf.at[pl.ds(0, PAD)][...] = cast(row.astype(jnp.float32), strided)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, PAD)], vbuf().at[pl.ds(i * PAD, PAD)])
+                inside = (i >= first_x) & (i < first_x + x_chunks)
+                if last_n == PAD:
+                    pl.when(inside)(lambda: x_chunk(token, i, PAD))
+                else:
+                    last = i == first_x + x_chunks - 1
+                    pl.when(inside & jnp.logical_not(last))(lambda: x_chunk(token, i, PAD))
+                    pl.when(last)(lambda: x_chunk(token, i, last_n))
 
                 if first:
                     @pl.when(jnp.logical_not(inside))
