@@ -199,13 +199,17 @@ def free_device_bytes() -> int | None:
 
 
 def auto_megakernel_reason(cfg: ModelConfig, dtype, *, hopper: bool, copy_bytes: int,
-                           free_bytes: int | None) -> str | None:
+                           free_bytes: int | None, cache_dtype=None) -> str | None:
     """Why layers="auto" does not run this model's batch-1 steps on the megakernel (None: it does).
-    copy_bytes: megakernel_copy_bytes; free_bytes: free_device_bytes (None: not known, not checked)."""
+    copy_bytes: megakernel_copy_bytes; free_bytes: free_device_bytes (None: not known, not checked);
+    cache_dtype: the KV cache's (None: the weights')."""
     if not hopper:
         return "it needs a Hopper GPU (sm_90)"
     if jnp.dtype(dtype).itemsize != 2:
         return f"it runs 16-bit models (its tensor-core tiles), not {jnp.dtype(dtype).name}"
+    if cache_dtype is not None and jnp.dtype(cache_dtype) != jnp.dtype(dtype):
+        return (f"its cache tiles share the weights' ring, so the cache must be {jnp.dtype(dtype).name}, "
+                f"not {jnp.dtype(cache_dtype).name}")
     try:
         megakernel_plan(cfg, MEGAKERNEL_CHECK_LEN).check()
     except ValueError as e:
@@ -882,6 +886,9 @@ class Decoder:
         if self.megakernel and jnp.dtype(self.dtype).itemsize != 2:
             raise ValueError(f"layers='megakernel' runs 16-bit models (its tensor-core tiles), got "
                              f"{jnp.dtype(self.dtype)}; use layers='auto'")
+        if self.megakernel and self.cache_dtype != jnp.dtype(self.dtype):
+            raise ValueError(f"layers='megakernel' reads its cache tiles through the weights' ring: cache_dtype "
+                             f"must be {jnp.dtype(self.dtype).name}, got {self.cache_dtype.name}; use layers='auto'")
         if megakernel_options and not self.megakernel:
             raise ValueError(f"megakernel_options set the megakernel's plan: they need layers='megakernel', got "
                              f"layers={self.layer_impl.value!r}")
@@ -911,7 +918,8 @@ class Decoder:
         if self.layer_impl == DecodeLayerImpl.auto and not self.megakernel:
             self.auto_megakernel_reason = auto_megakernel_reason(
                 self.cfg, self.dtype, hopper=is_hopper(), copy_bytes=megakernel_copy_bytes(self.weights),
-                free_bytes=free_device_bytes()) if "head_xd" in self.weights else "the weights are not row-major"
+                free_bytes=free_device_bytes(), cache_dtype=self.cache_dtype,
+            ) if "head_xd" in self.weights else "the weights are not row-major"
             self.megakernel = self.auto_megakernel_reason is None
         if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
             plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options)

@@ -528,6 +528,9 @@ def test_decoder_megakernel_refuses_a_model_it_cannot_run():
         decode.Decoder(model, layers="megakernel")
     with pytest.raises(ValueError, match="16-bit models"):
         decode.Decoder(build_model(CFG, seed=0), layers="megakernel")
+    with pytest.raises(ValueError, match="cache_dtype must be bfloat16, got float32"):
+        decode.Decoder(build_model(dataclasses.replace(CFG, **bf16), seed=0), layers="megakernel",
+                       cache_dtype=jnp.float32)
 
 
 def test_auto_takes_the_megakernel_where_it_runs_and_its_copy_fits(setup, monkeypatch):
@@ -551,6 +554,8 @@ def test_auto_takes_the_megakernel_where_it_runs_and_its_copy_fits(setup, monkey
                                                      free_bytes=None)
     assert "not float32" in decode.auto_megakernel_reason(one_b, jnp.float32, hopper=True, copy_bytes=1,
                                                           free_bytes=None)
+    assert "the cache must be bfloat16, not float32" in reason(free_bytes=None, cache_dtype=jnp.float32)
+    assert reason(free_bytes=None, cache_dtype=jnp.bfloat16) is None
     tiny = dataclasses.replace(one_b, num_heads=4, num_kv_heads=4, head_dim=32)
     assert "head_dim must be a multiple of 64" in decode.auto_megakernel_reason(
         tiny, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None)

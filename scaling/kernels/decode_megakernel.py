@@ -1710,6 +1710,8 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
     if cache.shape != plan.cache_shape:
         raise ValueError(f"cache must be {list(plan.cache_shape)} (pack_cache of [L, S, KV heads, 2H] with ppr="
                          f"{plan.ppr}), got {list(cache.shape)}")
+    if cache.dtype != weights["qkv"].dtype:  # (its tiles go through the weights' ring)
+        raise ValueError(f"cache must be {weights['qkv'].dtype} as the weights, got {cache.dtype}")
     bk = plan.block_k
     for name, (n, k) in plan.gemvs().items():
         lead = () if name == "head" else (plan.layers,)
