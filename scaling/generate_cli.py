@@ -107,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--chunk", type=int, default=8, help="decode steps between streamed outputs")
+    p.add_argument("--layers", default="auto", help="the decode steps' layers (scaling.decode.DecodeLayerImpl: auto, "
+                   "xla, pallas, pallas_tma, megakernel); auto runs batch 1 on a Hopper GPU as one kernel where it can")
     return p
 
 
@@ -120,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = [tok.encode(p) for p in args.prompt]
-    dec = decode.Decoder(model, chunk=args.chunk)
+    try:
+        dec = decode.Decoder(model, chunk=args.chunk, layers=args.layers)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               stop_tokens=() if args.no_stop else stop, max_len=args.max_len)
     try:
@@ -142,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             text = tok.decode([t for t in new if t not in stop])
             sys.stdout.write(text[len(shown):] + "\n")
             dt = time.perf_counter() - t0
-            print(f"[{len(new)} tokens in {dt:.2f}s, {len(new) / dt:.1f} tok/s incl. compile]", file=sys.stderr)
+            ran = dec._step_layers(dec.bucket(1)).value
+            why = f" (no megakernel: {dec.auto_megakernel_reason})" if dec.auto_megakernel_reason else ""
+            print(f"[{len(new)} tokens in {dt:.2f}s, {len(new) / dt:.1f} tok/s incl. compile; layers {ran}{why}]",
+                  file=sys.stderr)
         else:
             out = dec.generate(prompts, args.max_new_tokens, **kw)
             for text, toks in zip(args.prompt, out.tokens):

@@ -283,8 +283,10 @@ def test_cli_hf_directory_streams_text(tmp_path, capsys):
     assert main(["--checkpoint", str(d), "--prompt", "hello", "--max-new-tokens", "5", "--no-stop"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("hello") and len(out.out.strip()) > len("hello")
-    assert "5 tokens" in out.err
+    assert "5 tokens" in out.err and "layers xla" in out.err  # (the CPU's steps)
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+    assert main(["--checkpoint", str(d), "--prompt", "x", "--layers", "fast"]) == 2
+    assert "layers='fast': allowed ['xla', 'pallas', 'pallas_tma', 'auto', 'megakernel']" in capsys.readouterr().err
 
 
 def test_cli_run_directory(tmp_path, capsys):
