@@ -312,7 +312,10 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     # twenty-first session); else the deepest ring that fits
     # (the grouped split's partials take a slot's shared memory: 5 slots with one operand slot, level
     # with 6 at prompt 2048 on the H200, twenty-third session)
-    rings = ((6, True), (5, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),)
+    # (without it, the plan's ring, or 2 slots where the operand slots leave no room for more:
+    # llama3_8b, whose CTAs take up to 29 K steps of its 14336-wide down projection)
+    rings = ((6, True), (5, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),
+                                                                                               (2, False))
     # With the MLP fused, attention's critical path shortened: its norm statistic computed by every
     # CTA while it waits at the q/k/v barrier, and q/k/v read by plain loads, not TMA copies queued
     # behind the weight tiles (the 1b at prompt 128 on the H200: 1.005-1.03x in two kernel runs, the
