@@ -507,7 +507,8 @@ def test_greedy_chunk_book_keeping_matches_advance_step_by_step(monkeypatch, cou
 def test_measured_plans_split_long_caches_within_the_groups(monkeypatch):
     """The decoder's plans on an H100/H200 (132 SMs), without compiling: the 1b's long cache is
     split within fuse_out's groups (docs/benchmarks.md, twenty-third session), its short one is not,
-    and the 7b, whose q heads are no K step of W_o, keeps attn_splits."""
+    and the 7b, whose q heads are no K step of W_o, keeps attn_splits; llama3_8b's ring falls back
+    to 2 slots."""
     from scaling.config import load_config
 
     monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
@@ -519,6 +520,11 @@ def test_measured_plans_split_long_caches_within_the_groups(monkeypatch):
     assert short_1b.fuse_out and not short_1b.grouped
     long_7b = decode.megakernel_plan(seven_b, 2304)
     assert not long_7b.fuse_out and long_7b.attn_splits == 4
+    # llama3_8b: 29 operand slots (its down projection's K steps per CTA) leave room for 2 ring slots
+    eight_b = load_config(presets / "llama3_8b.yaml").model
+    short_8b = decode.megakernel_plan(eight_b, 384)
+    short_8b.check()
+    assert short_8b.stages == 2 and decode.megakernel_plan(seven_b, 384).stages == 3
 
 
 def test_decoder_megakernel_refuses_a_model_it_cannot_run():
