@@ -921,8 +921,7 @@ class Decoder:
         if self.layer_impl == DecodeLayerImpl.auto and not self.megakernel:
             self.auto_megakernel_reason = auto_megakernel_reason(
                 self.cfg, self.dtype, hopper=is_hopper(), copy_bytes=megakernel_copy_bytes(self.weights),
-                free_bytes=free_device_bytes(), cache_dtype=self.cache_dtype,
-            ) if "head_xd" in self.weights else "the weights are not row-major"
+                free_bytes=free_device_bytes(), cache_dtype=self.cache_dtype)  # (rows: auto's batch 1 is Pallas)
             self.megakernel = self.auto_megakernel_reason is None
         if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
             plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options)

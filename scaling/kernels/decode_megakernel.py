@@ -1142,7 +1142,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 # In two passes: the largest m first, then every partial weighted by exp(m_k - top),
                 # each weight independent of the others (merged online, each partial's rescale
                 # waited for the one before). Partial 0 always counts; the others only for S > 1
-                # (S = 1: m_k -> m_0, and its weight 0)
+                # (S = 1: m_k -> m_0, and its weight 0). Pass 2 reloads each m from shared memory
+                # rather than holding 16 in registers (the kernel is at 251)
                 counted = jnp.where(ns > 1, 1.0, 0.0)
                 m_0 = ml(0, 0)
                 top = m_0
