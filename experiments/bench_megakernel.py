@@ -271,7 +271,9 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "qld": {"qkv_ld": True},
             # (fuse_out with a KV head's positions split over up to n of its group's CTAs, which
             # exchange their partials behind a group semaphore: long caches without attn_splits' combine)
-            **{f"group{n}": {"fuse_out": True, "attn_splits": 1, "group_splits": n} for n in (4, 8, 16)}}
+            **{f"group{n}": {"fuse_out": True, "attn_splits": 1, "group_splits": n} for n in (4, 8, 16)},
+            # (the grouped plan's partials' o exchanged in bf16: half the bytes read back per member)
+            "xbf16": {"xchg_bf16": True}}
 
 
 def variant_fields(variant: str) -> dict:

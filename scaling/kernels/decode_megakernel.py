@@ -167,6 +167,11 @@ class MegaPlan:
     # caches, where each member would otherwise read all of its head's tiles one after another,
     # without the two extra grid barriers of attn_splits' combine phase
     group_splits: int = 0
+    # (grouped) the partials' o exchanged in bf16 instead of f32: half the bytes each member reads
+    # back from L2 (the gather: 33 -> 17 KiB for 16 partials), half the write, and 16 KiB of shared
+    # memory free; m and l stay f32. The o is rounded once, before the merge (the operand it ends
+    # in is bf16 too)
+    xchg_bf16: bool = False
 
     @property
     def out_group(self) -> int:
@@ -192,6 +197,15 @@ class MegaPlan:
         its own on, which stays inside, and every one it copies is finite."""
         n = self.gathered
         return -(-(self.kv_heads * self.out_group + n - 1) // n) * n if self.grouped else 1
+
+    @property
+    def xchg_dtype(self):
+        """(grouped) The exchanged partials' o: bf16 (xchg_bf16) or f32."""
+        return jnp.bfloat16 if self.xchg_bf16 else jnp.float32
+
+    @property
+    def xchg_bytes(self) -> int:
+        return 2 if self.xchg_bf16 else 4
 
     def out_tiles(self, member):
         """(fuse_out) [a, b): the row tiles of W_o that member m of a KV head's group takes."""
@@ -322,7 +336,7 @@ class MegaPlan:
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
                 + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
-                + (self.gathered * (hd + 2) * ROWS * 4 + 16 if self.grouped else 0)  # the group's partials
+                + (self.gathered * (hd * self.xchg_bytes + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -356,6 +370,8 @@ class MegaPlan:
             raise ValueError(f"group_ctas and group_splits must be >= 0, got {self.group_ctas}, {self.group_splits}")
         if self.group_splits > 1 and not self.fuse_out:
             raise ValueError("group_splits splits the positions within fuse_out's groups: it needs fuse_out")
+        if self.xchg_bf16 and not self.grouped:
+            raise ValueError("xchg_bf16 is the grouped plan's exchange: it needs fuse_out and group_splits > 1")
         if self.group_splits > self.out_group:
             raise ValueError(f"group_splits={self.group_splits} must be at most the group's {self.out_group} CTAs "
                              f"(group_ctas, or ctas // kv_heads)")
@@ -1074,7 +1090,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     # (by TMA from the gather buffer's first entry, free until merged_out: the same
                     # path as every other exchange between CTAs, ordered by the group's signal)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous unit's are read)
-                    gather_o.at[0][...] = compact(o)
+                    gather_o.at[0][...] = compact(o).astype(gather_o.dtype)
                     gather_ml.at[pl.ds(0, ROWS)][...] = m
                     gather_ml.at[pl.ds(ROWS, ROWS)][...] = l
                     plgpu.commit_smem()
@@ -1151,7 +1167,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     top = jnp.maximum(top, ml(k, 0) * counted + m_0 * (1.0 - counted))
                 total = o = None
                 for k in range(n_g):
-                    o_k = gather_o[k] if interpret else plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)
+                    o_k = (gather_o[k] if interpret else
+                           plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)).astype(jnp.float32)
                     if k == 0:
                         w = jnp.exp(m_0 - top)
                     else:
@@ -1352,7 +1369,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def zero_exchange():
             """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers."""
             for k in range(plan.gathered):
-                gather_o.at[k][...] = zero_acc(hd)
+                gather_o.at[k][...] = zero_acc(hd).astype(gather_o.dtype)
                 for at in (0, ROWS):
                     gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)][...] = cast(jnp.zeros((ROWS,), jnp.float32),
                                                                              L.WGMMA.reduce(0))
@@ -1745,7 +1762,7 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
         plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
         # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each (else 64-byte placeholders)
-        plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), jnp.float32),
+        plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), plan.xchg_dtype),
         plgpu.SMEM((plan.gathered * 2 * ROWS,), jnp.float32),  # ([m | l] per partial: 1D, so no tiling is inferred)
         plgpu.Barrier(num_barriers=2),
     )
@@ -1755,7 +1772,7 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
                   # (grouped) the partials' o, and their m and l
                   jax.ShapeDtypeStruct((plan.xchg_entries, *(((plan.head_dim, ROWS) if interpret else
                                                               (plan.head_dim * ROWS // PAD, PAD)) if plan.grouped
-                                                             else (1, 16))), jnp.float32),
+                                                             else (1, 16))), plan.xchg_dtype),
                   jax.ShapeDtypeStruct((plan.xchg_entries * 2 * ROWS,), jnp.float32)),
         scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
@@ -1844,6 +1861,8 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
                     takes_new = j == ns - 1
                     m, lsum, o = (jnp.where(takes_new, m_new, m), jnp.where(takes_new, lsum * alpha + p_new, lsum),
                                   jnp.where(takes_new, o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :], o))
+                if plan.grouped and plan.xchg_bf16:  # (the exchanged partial's o, rounded)
+                    o = o.astype(bf).astype(f32)
                 parts.append((m, lsum, o))
             top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
             weights = [jnp.exp(m - top) for m, _, _ in parts]
