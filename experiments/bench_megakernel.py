@@ -273,7 +273,9 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # exchange their partials behind a group semaphore: long caches without attn_splits' combine)
             **{f"group{n}": {"fuse_out": True, "attn_splits": 1, "group_splits": n} for n in (4, 8, 16)},
             # (the grouped plan's partials' o exchanged in bf16: half the bytes read back per member)
-            "xbf16": {"xchg_bf16": True}}
+            "xbf16": {"xchg_bf16": True},
+            # (and merged on the tensor cores: one wgmma over the [8 S, H] tile of partials)
+            "mma": {"xchg_bf16": True, "mma_merge": True}}
 
 
 def variant_fields(variant: str) -> dict:

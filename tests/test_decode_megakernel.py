@@ -307,14 +307,16 @@ CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, ml
                                                             (CFG3, 256, 1, False, (3, 2)),
                                                             (CFG3, 256, 129, True, (0, 0)),
                                                             (CFG3, 512, 450, True, (4, 3)),
-                                                            (CFG3, 512, 450, True, (4, 3, "bf16"))])
+                                                            (CFG3, 512, 450, True, (4, 3, "bf16")),
+                                                            (CFG3, 256, 1, False, (8, 8, "bf16", "mma")),
+                                                            (CFG3, 512, 450, True, (8, 8, "bf16", "mma"))])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp, group):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
                        fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
                        down_rotate=fuse_mlp, qkv_ld=fuse_mlp, group_ctas=group[0], group_splits=group[1],
-                       xchg_bf16="bf16" in group)
+                       xchg_bf16="bf16" in group, mma_merge="mma" in group)
     plan.check()
     assert plan.grouped == (group[1] > 1)
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
@@ -330,7 +332,8 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     np.testing.assert_array_equal(np.asarray(mk.unpack_cache(packed, plan.ppr)), np.asarray(want_cache))
     # the fused reference's rounding (each stream's share on its own) is still the same attention
     unfused, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
-                                         plan=dataclasses.replace(plan, fuse_out=False, group_splits=0, xchg_bf16=False))
+                                         plan=dataclasses.replace(plan, fuse_out=False, group_splits=0, xchg_bf16=False,
+                                                                   mma_merge=False))
     assert _rel(want, unfused) < 2e-2
 
 
