@@ -345,7 +345,9 @@ class MegaPlan:
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
                 + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
                 + (self.gathered * (hd * self.xchg_bytes + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
-                + (self.gathered * ROWS * ROWS * 2 if self.mma_merge else 0)  # (mma_merge) their weights
+                # (mma_merge) their weights, and the two swizzled buffers' alignment (1 KiB each; measured
+                # 1.2 KiB over the rest of this estimate on the 1b)
+                + (self.gathered * ROWS * ROWS * 2 + 2048 if self.mma_merge else 0)
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
