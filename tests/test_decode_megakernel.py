@@ -354,6 +354,10 @@ def test_fused_output_projection_refuses_what_it_cannot_run():
         mk.plan_for(CFG3, 256, x_stages=8, group_splits=2).check()
     with pytest.raises(ValueError, match="group_splits=5 must be at most the group's 4 CTAs"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, group_splits=5).check()
+    with pytest.raises(ValueError, match="mma_merge needs xchg_bf16 and group_splits a multiple of 8"):
+        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, group_splits=4, xchg_bf16=True, mma_merge=True).check()
+    # (inert where no group splits its positions: the decoder sets them over every bucket's plan)
+    mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, xchg_bf16=True, mma_merge=True).check()
     with pytest.raises(ValueError, match="group_ctas and group_splits must be >= 0"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, group_ctas=-1).check()
     with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):

@@ -212,6 +212,11 @@ class MegaPlan:
         return jnp.bfloat16 if self.xchg_bf16 else jnp.float32
 
     @property
+    def mma_merged(self) -> bool:
+        """The grouped plan's partials merged on the tensor cores (mma_merge; inert without groups)."""
+        return self.grouped and self.mma_merge
+
+    @property
     def xchg_bytes(self) -> int:
         return 2 if self.xchg_bf16 else 4
 
@@ -347,7 +352,7 @@ class MegaPlan:
                 + (self.gathered * (hd * self.xchg_bytes + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
                 # (mma_merge) their weights, and the two swizzled buffers' alignment (1 KiB each; measured
                 # 1.2 KiB over the rest of this estimate on the 1b)
-                + (self.gathered * ROWS * ROWS * 2 + 2048 if self.mma_merge else 0)
+                + (self.gathered * ROWS * ROWS * 2 + 2048 if self.mma_merged else 0)
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -381,9 +386,7 @@ class MegaPlan:
             raise ValueError(f"group_ctas and group_splits must be >= 0, got {self.group_ctas}, {self.group_splits}")
         if self.group_splits > 1 and not self.fuse_out:
             raise ValueError("group_splits splits the positions within fuse_out's groups: it needs fuse_out")
-        if self.xchg_bf16 and not self.grouped:
-            raise ValueError("xchg_bf16 is the grouped plan's exchange: it needs fuse_out and group_splits > 1")
-        if self.mma_merge and not (self.xchg_bf16 and self.group_splits % (BLOCK_F // ROWS) == 0):
+        if self.mma_merge and self.grouped and not (self.xchg_bf16 and self.group_splits % (BLOCK_F // ROWS) == 0):
             raise ValueError(f"mma_merge needs xchg_bf16 and group_splits a multiple of {BLOCK_F // ROWS} (whole "
                              f"{BLOCK_F}-row operand tiles of 8 columns per partial), got xchg_bf16={self.xchg_bf16}, "
                              f"group_splits={self.group_splits}")
@@ -538,7 +541,7 @@ def rope_table(pos, inv_freq):
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage,
           ring, part, res, obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full,
-          misc, res_full, ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, wmerge, *,
+          misc, res_full, ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, wmerge=None, *,
           plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -1108,7 +1111,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     # path as every other exchange between CTAs, ordered by the group's signal)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous unit's are read)
                     at = kvh * gs + member
-                    if plan.mma_merge:  # o transposed ([8, H]: the merge's operand rows), m and l planar
+                    if plan.mma_merged:  # o transposed ([8, H]: the merge's operand rows), m and l planar
                         gather_o.at[pl.ds(0, ROWS)].T[...] = compact(o).astype(gather_o.dtype)
                         gather_ml.at[pl.ds(0, ROWS)][...] = m
                         gather_ml.at[pl.ds(e8, ROWS)][...] = l
@@ -1191,7 +1194,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             return top, total, o
 
         def mma_merge(first, ns, r, held):
-            """(plan.mma_merge) chain_merge's (top, total, o) on the tensor cores. The S partials'
+            """(plan.mma_merged) chain_merge's (top, total, o) on the tensor cores. The S partials'
             o land as one [8 S, H] tile (row 8 k + c: partial k's column c) and their m and l as two
             [8 S] vectors in the same order; row r of the weights' operand holds w_k = exp(m_k - top)
             (bf16) in column c = r mod 8 only, so o = tileᵀ weights sums each column's partials.
@@ -1245,7 +1248,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 # rest counted 0 by arithmetic, which needs them finite: the buffers are zeroed at
                 # the kernel's start)
                 first = kvh * gs + jnp.where(ns > 1, 0, member)
-                top, total, o = (mma_merge if plan.mma_merge else chain_merge)(first, ns, r, held)
+                top, total, o = (mma_merge if plan.mma_merged else chain_merge)(first, ns, r, held)
                 plgpu.commit_smem()  # (every thread has read the partials before the buffer is reused)
             with jax.named_scope("a_merge"):
                 fused_operand(top, total, o)
@@ -1440,7 +1443,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def zero_exchange():
             """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers."""
             for k in range(plan.gathered):
-                if plan.mma_merge:
+                if plan.mma_merged:
                     gather_o.at[pl.ds(k * ROWS, ROWS)].T[...] = zero_acc(hd).astype(gather_o.dtype)
                 else:
                     gather_o.at[k][...] = zero_acc(hd).astype(gather_o.dtype)
@@ -1452,7 +1455,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             @pl.loop(c, plan.xchg_entries // plan.gathered, step=ctas)
             def _(i):
                 n_g = plan.gathered
-                if plan.mma_merge:  # (o's rows; m's and l's planes from the zeros' two halves)
+                if plan.mma_merged:  # (o's rows; m's and l's planes from the zeros' two halves)
                     plgpu.copy_smem_to_gmem(gather_o, xchg_o.at[pl.ds(i * e8, e8)])
                     plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, e8)], xchg_ml.at[pl.ds(i * e8, e8)])
                     plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(e8, e8)], xchg_ml.at[pl.ds(l_plane + i * e8, e8)])
@@ -1842,19 +1845,18 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
         # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each (else 64-byte placeholders)
         # (mma_merge: o as the merge's operand, [8 S, H] tiled, row 8 k + c partial k's column c)
-        plgpu.SMEM((plan.gathered * ROWS, hd), plan.xchg_dtype, transforms=tiled) if plan.mma_merge else
+        plgpu.SMEM((plan.gathered * ROWS, hd), plan.xchg_dtype, transforms=tiled) if plan.mma_merged else
         plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), plan.xchg_dtype),
         plgpu.SMEM((plan.gathered * 2 * ROWS,), jnp.float32),  # ([m | l] per partial: 1D, so no tiling is inferred)
-        plgpu.Barrier(num_barriers=3),
-        # (mma_merge) the merge's weights [8, 8 S] (else a placeholder)
-        plgpu.SMEM((ROWS, plan.gathered * ROWS), dtype, transforms=tiled) if plan.mma_merge else
-        plgpu.SMEM((16,), dtype),
+        plgpu.Barrier(num_barriers=3 if plan.mma_merged else 2),
+        # (mma_merge) the merge's weights [8, 8 S] (the 1b's 6-slot plan has no bytes to spare for a placeholder)
+        *([plgpu.SMEM((ROWS, plan.gathered * ROWS), dtype, transforms=tiled)] if plan.mma_merged else []),
     )
     buf, *_ = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
         out_type=(jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
                   # (grouped) the partials' o, and their m and l
-                  jax.ShapeDtypeStruct((plan.xchg_entries * ROWS, plan.head_dim) if plan.mma_merge else
+                  jax.ShapeDtypeStruct((plan.xchg_entries * ROWS, plan.head_dim) if plan.mma_merged else
                                        (plan.xchg_entries, *(((plan.head_dim, ROWS) if interpret else
                                                               (plan.head_dim * ROWS // PAD, PAD)) if plan.grouped
                                                              else (1, 16))), plan.xchg_dtype),
@@ -1951,7 +1953,7 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
                 parts.append((m, lsum, o))
             top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
             weights = [jnp.exp(m - top) for m, _, _ in parts]
-            if plan.mma_merge:  # (the weights are a bf16 operand of the merge's product)
+            if plan.mma_merged:  # (the weights are a bf16 operand of the merge's product)
                 weights = [w.astype(bf).astype(f32) for w in weights]
             streams.append((top, sum(w * l_ for w, (_, l_, _) in zip(weights, parts)),
                             sum(w * o_ for w, (_, _, o_) in zip(weights, parts))))
