@@ -333,6 +333,32 @@ def phase_walls(trace: dict) -> dict[str, float]:
             out[f"signal_{name}_us"] = float(np.median(gaps))
     attn = table("attn")
     out["cta_attn_max_us"] = float((attn[:, :, 1] - attn[:, :, 0]).mean(axis=1).max())
+    out.update(cta_drift(table))
+    return out
+
+
+def cta_drift(table) -> dict[str, float]:
+    """How far the CTAs of each phase drift apart, and whether it is the same CTAs every layer
+    (`phase_walls`' table; the CTAs that run the phase, those idle in it left out): per phase, the
+    median CTA's mean time and the slowest CTA's (`drift_<name>_p50_us`, `_max_us`), and the
+    correlation over CTAs of their times in even and odd layers (`_layer_corr`: near 1, some CTAs
+    are slower every layer, as where their SMs draw less bandwidth; near 0, noise). Each within
+    one CTA's clock."""
+    import numpy as np
+
+    out = {}
+    for name in ("qkv", "attn", "mlp"):
+        t = table(name)
+        if t.shape[1] < 2:
+            continue
+        d = t[:, :, 1] - t[:, :, 0]
+        mean = d.mean(axis=1)
+        d = d[mean > 0.5 * np.median(mean)]  # (CTAs with no unit of the phase)
+        dev = d - d.mean(axis=0)
+        mean = d.mean(axis=1)
+        out[f"drift_{name}_p50_us"] = float(np.median(mean))
+        out[f"drift_{name}_max_us"] = float(mean.max())
+        out[f"drift_{name}_layer_corr"] = float(np.corrcoef(dev[:, ::2].mean(axis=1), dev[:, 1::2].mean(axis=1))[0, 1])
     return out
 
 

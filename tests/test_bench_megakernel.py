@@ -98,3 +98,24 @@ def test_variants_join_with_plus():
     assert bm.variant_fields("base") == {}
     with pytest.raises(KeyError):
         bm.variant_fields("pairs+nope")
+
+
+def _phase_table(durations):
+    """A `phase_walls` table for one phase: CTA c's layer l from 100 l to 100 l + durations[c][l]."""
+    import numpy as np
+
+    d = np.asarray(durations, dtype=np.float64)
+    start = 100.0 * np.arange(d.shape[1])[None, :] + 0 * d
+    return lambda name: np.stack([start, start + d], axis=-1) if name == "mlp" else np.zeros((len(d), 0, 2))
+
+
+def test_cta_drift_tells_the_same_slow_ctas_every_layer_from_noise():
+    # CTA c takes 10 + c µs in every layer (the third slowest every time); the fourth runs no unit
+    same = bm.cta_drift(_phase_table([[10 + c + 0.01 * ((c + l) % 2) for l in range(4)] for c in range(3)]
+                                     + [[0.0] * 4]))
+    assert same["drift_mlp_p50_us"] == pytest.approx(11.005) and same["drift_mlp_max_us"] == pytest.approx(12.005)
+    assert same["drift_mlp_layer_corr"] > 0.99
+    # a different CTA slow in even layers than in odd ones: no CTA is slow every layer
+    noise = bm.cta_drift(_phase_table([[10 + (c + l) % 2 for l in range(4)] for c in range(4)]))
+    assert noise["drift_mlp_layer_corr"] == pytest.approx(-1.0) and noise["drift_mlp_max_us"] == 10.5
+    assert "drift_qkv_p50_us" not in noise
