@@ -303,8 +303,10 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     # attn_splits' combine phase and its two grid barriers (the decoder's 1b at prompt 2048: 0.642
     # against 0.705 ms on the H200, 0.812-0.817 against 0.862-0.874 on the H100 in three runs;
     # docs/benchmarks.md, twenty-third session). The 7b's q heads are no K step of W_o: it keeps
-    # attn_splits
-    grouped = dataclasses.replace(fused, group_splits=fused.out_group)
+    # attn_splits. There one slot held per phase, not 2 (the decoder's 1b at prompt 2048 on the
+    # H200: 0.627-0.630 against 0.633-0.642 ms in three alternating pairs, 1.016x; the kernel
+    # alone 1.01x; 3 held 0.669 against 0.650-0.656; twenty-sixth session)
+    grouped = dataclasses.replace(fused, group_splits=fused.out_group, hold_slots=1)
     candidates = ((fused, plan) if splits == 1 else
                   (grouped, dataclasses.replace(plan, attn_splits=splits), plan))
     # With the MLP fused, one operand slot makes room for a sixth ring slot (the 1b at prompt 128 on

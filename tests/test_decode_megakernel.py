@@ -302,19 +302,21 @@ CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, ml
 # group (group_ctas, group_splits): a KV head's members split its tiles and merge their partials.
 # At pos 1 the cache holds one tile: every member reads it (its own partial, through the exchange
 # buffer); at 450, 4 tiles in 3 runs (1, 1, 2), the fourth member reads none; 3 members share W_o's
-# 8 row tiles 2, 3, 3
+# 8 row tiles 2, 3, 3. Options after the group: the partials in bf16, one slot held per phase (the
+# decoder's long plan), the merge on the tensor cores (8 partials: 4 runs, 4 empty)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp,group", [(CFG, MAX_LEN, 100, False, (0, 0)),
                                                             (CFG3, 256, 1, False, (3, 2)),
                                                             (CFG3, 256, 129, True, (0, 0)),
                                                             (CFG3, 512, 450, True, (4, 3)),
-                                                            (CFG3, 512, 450, True, (4, 3, "bf16")),
+                                                            (CFG3, 512, 450, True, (4, 3, "bf16", "hold1")),
                                                             (CFG3, 256, 1, False, (8, 8, "bf16", "mma")),
                                                             (CFG3, 512, 450, True, (8, 8, "bf16", "mma"))])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp, group):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
+    hold = (1 if "hold1" in group else 2) if fuse_mlp else 0
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
-                       fuse_mlp=fuse_mlp, hold_slots=2 if fuse_mlp else 0, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
+                       fuse_mlp=fuse_mlp, hold_slots=hold, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
                        down_rotate=fuse_mlp, qkv_ld=fuse_mlp, group_ctas=group[0], group_splits=group[1],
                        xchg_bf16="bf16" in group, mma_merge="mma" in group)
     plan.check()
@@ -526,6 +528,7 @@ def test_measured_plans_split_long_caches_within_the_groups(monkeypatch):
     one_b, seven_b = (load_config(presets / f"{name}.yaml").model for name in ("1b", "llama2_7b"))
     long_1b, short_1b = decode.megakernel_plan(one_b, 2304), decode.megakernel_plan(one_b, 384)
     assert long_1b.grouped and long_1b.group_splits == long_1b.out_group == 16 and long_1b.attn_splits == 1
+    assert long_1b.hold_slots == 1 and short_1b.hold_slots == 2
     assert short_1b.fuse_out and not short_1b.grouped
     long_7b = decode.megakernel_plan(seven_b, 2304)
     assert not long_7b.fuse_out and long_7b.attn_splits == 4
