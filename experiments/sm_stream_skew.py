@@ -21,6 +21,43 @@ import os
 from pathlib import Path
 
 
+def skew_summary(dur, sm) -> dict:
+    """dur [launches, programs] (µs) and sm [launches, programs] (the SM each ran on): how far the
+    slowest program is over its launch's median; each SM's time relative to its launch's median,
+    averaged over launches; and whether the same SMs (or program ids) are slow in the first and the
+    second half of the launches (the correlation of their mean relative times: near 1, fixed; near 0,
+    noise)."""
+    import numpy as np
+
+    dur, sm = np.asarray(dur, dtype=np.float64), np.asarray(sm)
+    launches, progs = dur.shape
+    over = dur.max(axis=1) / np.median(dur, axis=1) - 1
+    rel = dur / np.median(dur, axis=1, keepdims=True)
+    half = launches // 2
+
+    def means(key_of, ks):
+        out: dict = {}
+        for k in ks:
+            for p in range(progs):
+                out.setdefault(key_of(k, p), []).append(rel[k, p])
+        return {q: float(np.mean(v)) for q, v in out.items()}
+
+    def corr(key_of):
+        a, b = means(key_of, range(half)), means(key_of, range(half, launches))
+        keys = sorted(set(a) & set(b))
+        return float(np.corrcoef([a[q] for q in keys], [b[q] for q in keys])[0, 1])
+
+    by_sm = means(lambda k, p: int(sm[k, p]), range(launches))
+    order = sorted(by_sm, key=by_sm.get)
+    return {"slowest_over_median": {"median": float(np.median(over)), "max": float(over.max())},
+            "programs_on_distinct_sms": float(np.mean([len(set(s)) == progs for s in sm])),
+            "same_sm_each_launch_for_a_program": float(np.mean(sm == sm[0])),
+            "corr_halves_by_sm": corr(lambda k, p: int(sm[k, p])),
+            "corr_halves_by_program": corr(lambda k, p: p),
+            "sm_relative_time": {str(q): by_sm[q] for q in sorted(by_sm)},
+            "slowest_sms": order[-8:], "fastest_sms": order[:8]}
+
+
 def main(argv=None) -> int:
     import numpy as np
     import torch
@@ -65,40 +102,13 @@ def main(argv=None) -> int:
             launches.append({"smid": smid.cpu().numpy().tolist(), "start": t[:, 0].tolist(), "end": t[:, 1].tolist()})
     dur = np.array([np.array(l["end"]) - np.array(l["start"]) for l in launches], dtype=np.float64) / 1e3  # µs
     sm = np.array([l["smid"] for l in launches])
-    # per launch: the slowest program against the median (what a barrier after the phase waits for)
-    over = dur.max(axis=1) / np.median(dur, axis=1) - 1
-    # per SM and per program id: its time relative to its launch's median, mean over launches
-    rel = dur / np.median(dur, axis=1, keepdims=True)
-    by_sm = {}
-    for k in range(len(launches)):
-        for p in range(progs):
-            by_sm.setdefault(int(sm[k, p]), []).append(rel[k, p])
-    half = len(launches) // 2
-
-    def corr(key_of):  # correlation of each key's mean relative time in the first and second half of the launches
-        a, b = {}, {}
-        for k in range(len(launches)):
-            for p in range(progs):
-                (a if k < half else b).setdefault(key_of(k, p), []).append(rel[k, p])
-        keys = sorted(set(a) & set(b))
-        return float(np.corrcoef([np.mean(a[q]) for q in keys], [np.mean(b[q]) for q in keys])[0, 1])
-
-    sm_means = {s: float(np.mean(v)) for s, v in by_sm.items()}
-    result = {
-        "device": props.name, "sms": sms, "programs": progs, "bytes_per_program": 2 * n_per,
-        "launch_bandwidth_TBps": float(np.median(2 * n_per * progs / (dur.max(axis=1) * 1e-6) / 1e12)),
-        "slowest_over_median": {"median": float(np.median(over)), "max": float(over.max())},
-        "programs_on_distinct_sms": float(np.mean([len(set(s)) == progs for s in sm])),
-        "same_sm_each_launch_for_a_program": float(np.mean(sm == sm[0])),
-        "corr_halves_by_sm": corr(lambda k, p: int(sm[k, p])),
-        "corr_halves_by_program": corr(lambda k, p: p),
-        "sm_relative_time": {str(s): v for s, v in sorted(sm_means.items())},
-        "slowest_sms": sorted(sm_means, key=sm_means.get)[-8:],
-        "fastest_sms": sorted(sm_means, key=sm_means.get)[:8],
-    }
+    result = {"device": props.name, "sms": sms, "programs": progs, "bytes_per_program": 2 * n_per,
+              "launch_bandwidth_TBps": float(np.median(2 * n_per * progs / (dur.max(axis=1) * 1e-6) / 1e12)),
+              **skew_summary(dur, sm)}
+    sm_means = result["sm_relative_time"]
     print(json.dumps({k: v for k, v in result.items() if k != "sm_relative_time"}, indent=1))
     print("per-SM relative time (mean over launches), by SM id:")
-    print(" ".join(f"{s}:{v:.3f}" for s, v in sorted(sm_means.items())))
+    print(" ".join(f"{s}:{v:.3f}" for s, v in sm_means.items()))
     Path(os.environ.get("OUT", ".")).joinpath("sm_stream_skew.json").write_text(json.dumps(result, indent=1))
     return 0
 
