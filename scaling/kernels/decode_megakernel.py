@@ -216,10 +216,6 @@ class MegaPlan:
         """The grouped plan's partials merged on the tensor cores (mma_merge; inert without groups)."""
         return self.grouped and self.mma_merge
 
-    @property
-    def xchg_bytes(self) -> int:
-        return 2 if self.xchg_bf16 else 4
-
     def out_tiles(self, member):
         """(fuse_out) [a, b): the row tiles of W_o that member m of a KV head's group takes."""
         t, n = self.hidden // BLOCK_F, self.out_group
@@ -349,7 +345,7 @@ class MegaPlan:
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
                 + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
-                + (self.gathered * (hd * self.xchg_bytes + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
+                + (self.gathered * (hd * jnp.dtype(self.xchg_dtype).itemsize + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
                 # (mma_merge) their weights, and the two swizzled buffers' alignment (1 KiB each; measured
                 # 1.2 KiB over the rest of this estimate on the 1b)
                 + (self.gathered * ROWS * ROWS * 2 + 2048 if self.mma_merged else 0)
