@@ -269,8 +269,6 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "rot": {"down_rotate": True},
             # (attention's q/k/v by the consumer's own loads, not TMA copies behind the weight tiles)
             "qld": {"qkv_ld": True},
-            # (the GEMVs' x chunks by the consumer's own loads too, not TMA copies behind the weight tiles)
-            "xld": {"x_ld": True},
             # (fuse_out with a KV head's positions split over up to n of its group's CTAs, which
             # exchange their partials behind a group semaphore: long caches without attn_splits' combine)
             **{f"group{n}": {"fuse_out": True, "attn_splits": 1, "group_splits": n} for n in (4, 8, 16)},
@@ -415,7 +413,7 @@ def main(argv=None) -> int:
     ap.add_argument("--race-steps", type=int, default=0, help="each variant with hold_slots: its logits over this many "
                     "steps against the same plan without (race_check)")
     ap.add_argument("--race-base", action="store_true", help="--race-steps: each variant but base against the "
-                    "base plan instead (a variant that changes how activations are read, e.g. xld)")
+                    "base plan instead (a variant that changes how activations are read)")
     ap.add_argument("--profile", default="", help="also profile one step per model and variant into "
                     "DIR/<model>_<variant> (fewer x stages where the profiler's 16 KiB need them)")
     args = ap.parse_args(argv)

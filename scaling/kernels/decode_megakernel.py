@@ -158,12 +158,6 @@ class MegaPlan:
     # 1.005-1.03x in two runs, attention's median CTA 8.9 -> 6.8 kcycles; docs/benchmarks.md,
     # twenty-second session)
     qkv_ld: bool = False
-    # the GEMVs' x chunks (h for q/k/v and the head, h1 for the fused MLP) read by the consumer's
-    # own loads and stored into the x stages, instead of TMA copies: at a phase's start they come
-    # from L2 right after the grid barrier, on the critical path, where TMA copies queue in the
-    # SM's TMA unit behind the producer's weight tiles (as qkv_ld for attention's q/k/v). Where a
-    # GEMV's K steps fit the x stages (others keep their copies)
-    x_ld: bool = False
     # (fuse_out) CTAs per KV head's group; 0: as many as the CTAs give every KV head (ctas // kv_heads).
     # More than that runs several units on a CTA (the interpreter's one CTA runs them all)
     group_ctas: int = 0
@@ -736,7 +730,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         steps = k // bk
         a, b = span(name)
         n_x = jnp.minimum(b - a, steps)
-        plain = plain_x(name)  # (every chunk in its stage before the first product: no waits)
 
         def issue(i):  # x chunk i (= K step (a + i) mod steps) into stage i mod P
             j = lax.rem(a + i, steps)
@@ -746,22 +739,18 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(up_base + j * bk, bk)], ustage.at[lax.rem(i, P)],
                                         u_full.at[lax.rem(i, P)])
 
-        if plain:  # stage i: chunk (a + i) mod steps, every chunk (steps <= P), all loads issued first
-            x_plain(x_base, [lax.rem(a + i, steps) for i in range(steps)])
-        else:
-            @pl.loop(0, jnp.minimum(n_x, P))
+        @pl.loop(0, jnp.minimum(n_x, P))
+        def _(i):
+            issue(i)
+
+        if all_x:  # stage i: chunk (a + i) mod steps, for every chunk (steps <= P: no refills)
+            @pl.loop(n_x, steps)
             def _(i):
                 issue(i)
 
-            if all_x:  # stage i: chunk (a + i) mod steps, for every chunk (steps <= P: no refills)
-                @pl.loop(n_x, steps)
-                def _(i):
-                    issue(i)
-
         def round_x(i):  # chunk i, at its first use, into operand slot i
             s = lax.rem(i, P)
-            if not plain:
-                plgpu.barrier_wait(x_full.at[s])
+            plgpu.barrier_wait(x_full.at[s])
             v = vec(stage.at[s])
             if up_base is not None:
                 plgpu.barrier_wait(u_full.at[s])
@@ -770,10 +759,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             to_operand(i, v)
             plgpu.commit_smem()  # visible to wgmma; the stage is read before it is refilled
 
-            if not plain:
-                @pl.when(i + P < n_x)
-                def _():
-                    issue(i + P)
+            @pl.when(i + P < n_x)
+            def _():
+                issue(i + P)
 
         def segment(carry):
             g, r, best, best_row = carry
@@ -788,8 +776,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 i = g + jj - a
 
                 if plan.one_operand:  # (every chunk stays in its stage: steps <= P, no refills)
-                    if not plain:
-                        pl.when(i < n_x)(lambda: plgpu.barrier_wait(x_full.at[i]))  # (its first use)
+                    pl.when(i < n_x)(lambda: plgpu.barrier_wait(x_full.at[i]))  # (its first use)
                     to_operand(0, vec(stage.at[lax.rem(i, steps)]))
                     plgpu.commit_smem()
                 else:
@@ -831,22 +818,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             return r, jnp.minimum(hold, b - a), top, jnp.min(jnp.where(best == top, best_row, NO_ROW))
         return r, jnp.minimum(hold, b - a)
 
-    def plain_x(name):
-        """(plan.x_ld) Whether gemv(name) reads its x chunks by plain loads (x_plain): where its K
-        steps fit the x stages."""
-        return plan.x_ld and plan.gemvs()[name][1] // bk <= P
-
-    def x_plain(base, chunks):
-        """(plan.x_ld) Chunk chunks[i] of the region at base into stage i by the consumer's own
-        loads, every load issued before the first store, then made visible to every thread and to
-        wgmma."""
-        vals = [vbuf().at[pl.ds(base + j * bk, bk)][...] if interpret else
-                plgpu.load(vbuf().at[pl.ds(base + j * bk, bk)], layout=L.WGMMA.reduce(1), optimized=False)
-                for j in chunks]
-        for i, v in enumerate(vals):
-            stage.at[i][...] = v
-        plgpu.commit_smem()
-
     def held_norm(name):
         """(norm_in_qkv) rsqrt(mean(h²) + eps) of gemv(name, all_x=True)'s x: every chunk in its
         stage (those its units did not use, waited for here)."""
@@ -854,8 +825,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         n_x = jnp.minimum(b - a, plan.hidden // bk)
         ss = cast(jnp.zeros((bk,), jnp.float32), L.WGMMA.reduce(1))
         for i in range(plan.hidden // bk):
-            if not plain_x(name):
-                pl.when(i >= n_x)(functools.partial(lambda i: plgpu.barrier_wait(x_full.at[i]), i))
+            pl.when(i >= n_x)(functools.partial(lambda i: plgpu.barrier_wait(x_full.at[i]), i))
             v = vec(stage.at[i])
             ss = ss + v * v
         plgpu.commit_smem()  # every thread has read the stages before they are refilled
@@ -1339,16 +1309,12 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         col = iota((BLOCK_F, ROWS), 1)
 
         def slice_(i, r):
-            if plan.x_ld:
-                x_plain(h1, list(range(steps)))
-            else:
-                for j in range(steps):
-                    plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(h1 + j * bk, bk)], stage.at[j], x_full.at[j])
+            for j in range(steps):
+                plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(h1 + j * bk, bk)], stage.at[j], x_full.at[j])
 
             def kstep(j, carry):  # gate and up tiles of K step j
                 ss, acc_g, acc_u, r = carry
-                if not plan.x_ld:
-                    plgpu.barrier_wait(x_full.at[j])
+                plgpu.barrier_wait(x_full.at[j])
                 v = vec(stage.at[j])
                 o = lax.rem(j, 1 if plan.one_operand else steps)  # (one_operand: the products before have read it)
                 to_operand(o, v)
