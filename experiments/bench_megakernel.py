@@ -275,7 +275,9 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (the grouped plan's partials' o exchanged in bf16: half the bytes read back per member)
             "xbf16": {"xchg_bf16": True},
             # (and merged on the tensor cores: one wgmma over the [8 S, H] tile of partials)
-            "mma": {"xchg_bf16": True, "mma_merge": True}}
+            "mma": {"xchg_bf16": True, "mma_merge": True},
+            # (each KV head's q/k/v by its own group of CTAs: attention waits for its group, not the grid)
+            "qgroup": {"qkv_by_group": True}}
 
 
 def variant_fields(variant: str) -> dict:
