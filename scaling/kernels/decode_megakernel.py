@@ -183,7 +183,9 @@ class MegaPlan:
     # (fuse_out) each KV head's q/k/v rows computed by its own group of CTAs (its q, k and v row tiles
     # spread over the group's members, `qkv_span`), so a group's attention waits only for its own
     # members' q/k/v (a semaphore per layer and KV head) instead of a grid barrier: one grid-wide
-    # wait fewer per layer. The CTAs past the groups take no q/k/v units
+    # wait fewer per layer. The CTAs past the groups take no q/k/v units. Measured level with the
+    # grid barrier (the 1b at prompt 2048 on the H200, three alternating pairs; docs/benchmarks.md,
+    # twenty-seventh session): what one barrier fewer saves, the next one waits for
     qkv_by_group: bool = False
 
     @property
