@@ -91,7 +91,7 @@ def exchange(mode: str, rounds: int, *, clusters: int = 16, floats: int = 512, p
                 plgpu.barrier_wait(cbar)
                 for k in range(MEMBERS):
                     for r in range(rows):
-                        acc[r] = acc[r] + plgpu.load(plgpu.cluster_ref(mine[par * rows + r], {"x": k}), (), layout=L)
+                        acc[r] = acc[r] + plgpu.load(plgpu.cluster_ref(mine[par * rows + r], {"x": k}), layout=L)
                 return tuple(acc)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous round's copy has read `own`)
             for r in range(rows):
@@ -107,7 +107,7 @@ def exchange(mode: str, rounds: int, *, clusters: int = 16, floats: int = 512, p
             plgpu.barrier_wait(bars.at[0])
             for k in range(MEMBERS):
                 for r in range(rows):
-                    acc[r] = acc[r] + plgpu.load(gather.at[k, r], (), layout=L)
+                    acc[r] = acc[r] + plgpu.load(gather.at[k, r], layout=L)
             plgpu.commit_smem()  # (every thread has read `gather` before the next copy lands)
             return tuple(acc)
 
