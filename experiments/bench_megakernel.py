@@ -276,8 +276,6 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "xbf16": {"xchg_bf16": True},
             # (and merged on the tensor cores: one wgmma over the [8 S, H] tile of partials)
             "mma": {"xchg_bf16": True, "mma_merge": True},
-            # (each KV head's q/k/v by its own group of CTAs: attention waits for its group, not the grid)
-            "qgroup": {"qkv_by_group": True},
             # (128 CTAs on 132 SMs: 16 per KV head's group, none spare; what a cluster of 8 would need)
             "ctas128": {"ctas": 128}}
 

@@ -303,14 +303,12 @@ CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, ml
 # At pos 1 the cache holds one tile: every member reads it (its own partial, through the exchange
 # buffer); at 450, 4 tiles in 3 runs (1, 1, 2), the fourth member reads none; 3 members share W_o's
 # 8 row tiles 2, 3, 3. Options after the group: the partials in bf16, one slot held per phase (the
-# decoder's long plan), the merge on the tensor cores (8 partials: 4 runs, 4 empty), q/k/v in the
-# groups' order
+# decoder's long plan), the merge on the tensor cores (8 partials: 4 runs, 4 empty)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp,group", [(CFG, MAX_LEN, 100, False, (0, 0)),
                                                             (CFG3, 256, 1, False, (3, 2)),
                                                             (CFG3, 256, 129, True, (0, 0)),
                                                             (CFG3, 512, 450, True, (4, 3)),
                                                             (CFG3, 512, 450, True, (4, 3, "bf16", "hold1")),
-                                                            (CFG3, 512, 450, True, (4, 3, "qgroup")),
                                                             (CFG3, 256, 1, False, (8, 8, "bf16", "mma")),
                                                             (CFG3, 512, 450, True, (8, 8, "bf16", "mma"))])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp, group):
@@ -320,7 +318,7 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
                        fuse_mlp=fuse_mlp, hold_slots=hold, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
                        down_rotate=fuse_mlp, qkv_ld=fuse_mlp, group_ctas=group[0], group_splits=group[1],
-                       xchg_bf16="bf16" in group, mma_merge="mma" in group, qkv_by_group="qgroup" in group)
+                       xchg_bf16="bf16" in group, mma_merge="mma" in group)
     plan.check()
     assert plan.grouped == (group[1] > 1)
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
@@ -351,40 +349,6 @@ def test_fused_groups_cover_every_output_row_tile_once(ctas, kv_heads):
     assert plan.res_tiles == max(b - a for a, b in map(plan.out_tiles, range(plan.out_group)))
 
 
-@pytest.mark.parametrize("model,ctas", [("1b", 132), ("1b", 128), ("7b_like", 132), ("3_members", 40)])
-def test_qkv_by_group_gives_each_group_its_own_heads_rows(model, ctas):
-    """qkv_by_group: every unit of W_qkv exactly once, each CTA's units among its group's KV head's
-    q, k and v row tiles only (row tiles of the q/k/v region, laid out as [all q | all k | all v],
-    counted independently here), and the CTAs past the groups none."""
-    cfg = {"1b": dataclasses.replace(CFG3, hidden_size=2048, num_heads=32, num_kv_heads=8, mlp_dim=8192),
-           "7b_like": dataclasses.replace(CFG, hidden_size=1024, num_heads=8, num_kv_heads=4, mlp_dim=1024),
-           "3_members": dataclasses.replace(CFG3, hidden_size=1024, num_heads=16, num_kv_heads=4, mlp_dim=1024)}[model]
-    plan = mk.plan_for(cfg, 256, ctas=ctas, fuse_out=True, qkv_by_group=True)
-    hd, g_heads, steps = plan.head_dim, plan.groups, plan.hidden // plan.block_k
-    th = hd // mk.BLOCK_F
-
-    def owner(tile):  # the KV head whose q, k or v this row tile of the q/k/v region holds
-        q_tiles, k_tiles = plan.heads * th, plan.kv_heads * th
-        if tile < q_tiles:
-            return tile // th // g_heads
-        return (tile - q_tiles) // th if tile < q_tiles + k_tiles else (tile - q_tiles - k_tiles) // th
-
-    seen = []
-    for c in range(ctas):
-        a, b = mk.qkv_span(plan, c)
-        units = [int(mk.qkv_unit(plan, g)) for g in range(a, b)]
-        seen += units
-        if c >= plan.kv_heads * plan.out_group:
-            assert units == []
-        for u in units:
-            assert owner(u // steps) == c // plan.out_group
-    assert sorted(seen) == list(range(plan.units("qkv")))
-    # (the same under jnp: the kernel maps traced places)
-    g = jnp.arange(plan.units("qkv"))
-    np.testing.assert_array_equal(np.asarray(mk.qkv_unit(plan, g)), [int(mk.qkv_unit(plan, int(i))) for i in g])
-    assert mk.qkv_span(dataclasses.replace(plan, ctas=1), 0) == (0, plan.units("qkv"))
-
-
 def test_fused_output_projection_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="fuse_out needs attn_splits=1"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, attn_splits=2).check()
@@ -396,10 +360,6 @@ def test_fused_output_projection_refuses_what_it_cannot_run():
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, group_splits=4, xchg_bf16=True, mma_merge=True).check()
     # (inert where no group splits its positions: the decoder sets them over every bucket's plan)
     mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, xchg_bf16=True, mma_merge=True).check()
-    with pytest.raises(ValueError, match="qkv_by_group gives each of fuse_out's groups"):
-        mk.plan_for(CFG3, 256, x_stages=8, qkv_by_group=True).check()
-    with pytest.raises(ValueError, match="qkv_by_group needs a CTA per group member: ctas=6 >= kv_heads x out_group = 8"):
-        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=6, group_ctas=4, qkv_by_group=True).check()
     with pytest.raises(ValueError, match="group_ctas and group_splits must be >= 0"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, group_ctas=-1).check()
     with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):

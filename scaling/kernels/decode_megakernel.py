@@ -180,13 +180,6 @@ class MegaPlan:
     # reduction each, instead of a chain of 16 loads, exps and adds per partial that waited on each
     # other (at 251 registers). Needs group_splits a multiple of 8 (whole 64-row operand tiles)
     mma_merge: bool = False
-    # (fuse_out) each KV head's q/k/v rows computed by its own group of CTAs (its q, k and v row tiles
-    # spread over the group's members, `qkv_span`), so a group's attention waits only for its own
-    # members' q/k/v (a semaphore per layer and KV head) instead of a grid barrier: one grid-wide
-    # wait fewer per layer. The CTAs past the groups take no q/k/v units. Measured level with the
-    # grid barrier (the 1b at prompt 2048 on the H200, three alternating pairs; docs/benchmarks.md,
-    # twenty-seventh session): what one barrier fewer saves, the next one waits for
-    qkv_by_group: bool = False
 
     @property
     def out_group(self) -> int:
@@ -393,11 +386,6 @@ class MegaPlan:
             raise ValueError(f"mma_merge needs xchg_bf16 and group_splits a multiple of {BLOCK_F // ROWS} (whole "
                              f"{BLOCK_F}-row operand tiles of 8 columns per partial), got xchg_bf16={self.xchg_bf16}, "
                              f"group_splits={self.group_splits}")
-        if self.qkv_by_group and not self.fuse_out:
-            raise ValueError("qkv_by_group gives each of fuse_out's groups its KV head's q/k/v: it needs fuse_out")
-        if self.qkv_by_group and 1 < self.ctas < self.kv_heads * self.out_group:
-            raise ValueError(f"qkv_by_group needs a CTA per group member: ctas={self.ctas} >= kv_heads x out_group = "
-                             f"{self.kv_heads * self.out_group} (or one CTA, the interpreter's)")
         if self.group_splits > self.out_group:
             raise ValueError(f"group_splits={self.group_splits} must be at most the group's {self.out_group} CTAs "
                              f"(group_ctas, or ctas // kv_heads)")
@@ -473,49 +461,6 @@ def cta_span(c, units: int, ctas: int, first: int = 0):
     if isinstance(c, int):
         return (a, b) if k >= 0 else (0, 0)
     return jnp.where(k >= 0, a, 0), jnp.where(k >= 0, b, 0)
-
-
-def qkv_row_tile(plan: MegaPlan, t):
-    """(qkv_by_group) The row tile of W_qkv at place t of the group-major order: KV head h's G q
-    heads', its k's and its v's row tiles (places h P .. h P + P - 1, P = (G + 2) head_dim / 64), as
-    the q/k/v region lays them out (all q heads, then all k, then all v)."""
-    th = plan.head_dim // BLOCK_F
-    per = (plan.groups + 2) * th
-    h, i = t // per, t % per
-    q_rows, k_rows = plan.heads * th, plan.kv_heads * th
-    q = h * plan.groups * th + i
-    k = q_rows + h * th + (i - plan.groups * th)
-    v = q_rows + k_rows + h * th + (i - (plan.groups + 1) * th)
-    if isinstance(t, int):
-        return q if i < plan.groups * th else (k if i < (plan.groups + 1) * th else v)
-    return jnp.where(i < plan.groups * th, q, jnp.where(i < (plan.groups + 1) * th, k, v))
-
-
-def qkv_unit(plan: MegaPlan, g):
-    """W_qkv's unit (row tile t, K step j: t steps + j) at place g of the phase's order: the same
-    unless plan.qkv_by_group (places of group-major row tiles, `qkv_row_tile`)."""
-    if not plan.qkv_by_group:
-        return g
-    steps = plan.hidden // plan.block_k
-    return qkv_row_tile(plan, g // steps) * steps + g % steps
-
-
-def qkv_span(plan: MegaPlan, c):
-    """[a, b): CTA c's places of the q/k/v phase (`qkv_unit` maps them to units). qkv_by_group:
-    member m = c mod out_group of group h = c div out_group takes the m-th even share of KV head h's
-    places; CTAs past the groups none; the interpreter's one CTA all."""
-    units = plan.units("qkv")
-    if not plan.qkv_by_group:
-        return cta_span(c, units, plan.ctas)
-    if plan.ctas == 1:
-        return 0, units
-    per, gs = units // plan.kv_heads, plan.out_group
-    a, b = cta_span(c % gs, per, gs)
-    inside = c < plan.kv_heads * gs
-    base = (c // gs) * per
-    if isinstance(c, int):
-        return (base + a, base + b) if inside else (0, 0)
-    return jnp.where(inside, base + a, 0), jnp.where(inside, base + b, 0)
 
 
 def default_block_k(cfg, x_stages: int) -> int:
@@ -623,8 +568,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
     fused, gs = plan.fuse_out, plan.out_group
     head_sem = 1 + n_ph * plan.layers  # (loop) the head's logits are written: the next token can be picked
     group_sem0 = head_sem + loop  # (grouped) then one per (layer, KV head): its members' partials are written
-    qkv_sem0 = group_sem0 + (plan.layers * plan.kv_heads if plan.grouped else 0)  # (qkv_by_group) one per (layer, KV head)
-    n_sems = qkv_sem0 + (plan.layers * plan.kv_heads if plan.qkv_by_group else 0)
+    n_sems = group_sem0 + (plan.layers * plan.kv_heads if plan.grouped else 0)
     done = pl.get_global(plgpu.SemaphoreType.REGULAR((n_sems,))) if sync else None
 
     def wait(index, before: str = "", count=None):  # before: the phase it opens (the profile's region name)
@@ -693,8 +637,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         if loop and name == "head":  # whole row tiles: a CTA's logits are final, and so is its argmax
             a, b = cta_span(c, plan.vocab_rows // BLOCK_F, ctas)
             return a * (plan.hidden // bk), b * (plan.hidden // bk)
-        if name == "qkv":
-            return qkv_span(plan, c)
         return cta_span(c, plan.units(name), ctas, plan.out_first_cta if name == "out" else 0)
 
     def down_unit(i, k):  # (fuse_mlp) slice i's k-th down unit, in the consumer's and producer's order
@@ -823,8 +765,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
 
         def segment(carry):
             g, r, best, best_row = carry
-            j0 = lax.rem(g, steps)  # (a segment: one row tile's K steps from j0)
-            t = qkv_unit(plan, g) // steps if name == "qkv" else g // steps
+            t, j0 = g // steps, lax.rem(g, steps)
             n = jnp.minimum(steps - j0, b - g)
             if res_base is not None:  # the residual tile, or (not the tile's first K step) zeros
                 src = jnp.where(j0 == 0, res_base + t * BLOCK_F, plan.zero_off)
@@ -1059,8 +1000,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 writes_row = takes_new = j == splits - 1  # the split that adds the new position and writes its row
                 lo, hi = split_blocks(j, pos)
                 held_from = hi
-            if plan.qkv_by_group:  # (fused: its group's members have written its KV head's q/k/v)
-                wait(qkv_sem0 + layer * n_kv + kvh, "attn", count=expect_group[0])
             with jax.named_scope("a_qkv"):
                 srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
                 srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
@@ -1557,17 +1496,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 with jax.named_scope("qkv"):
                     r, m = gemv("qkv", l, r, x_base=h_in, y_base=plan.region("qkv", l), hold=hold,
                                 all_x=plan.norm_in_qkv)
-                if plan.qkv_by_group:  # (its group's semaphore: attention waits for its own group only)
-                    pl.when(c < plan.kv_heads * gs)(lambda: signal(qkv_sem0 + l * plan.kv_heads + c // gs))
-                else:
-                    signal(sem)
+                signal(sem)
                 release(r, m)  # (every signal is followed by freeing the slots its phase held)
                 r_norm = None
                 if plan.norm_in_qkv:
                     with jax.named_scope("norm"):
                         r_norm = held_norm("qkv")
-                if not plan.qkv_by_group:  # (else each attention unit waits for its group: `attention`)
-                    wait(sem, "attn")
+                wait(sem, "attn")
                 h1 = plan.region("h1", l)
                 with jax.named_scope("attn"):  # (fuse_out: and the output projection)
                     r, m = attention(l, r, h_in, pos, r_norm)
@@ -1716,8 +1651,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def stream(name, layer, r):
             w = weights[name]
             a, b = span(name)
-            unit = functools.partial(qkv_unit, plan) if name == "qkv" else (lambda g: g)
-            return lax.fori_loop(a, b, lambda g, r: fetch(w.at[g] if name == "head" else w.at[layer, unit(g)], r), r)
+            return lax.fori_loop(a, b, lambda g, r: fetch(w.at[g] if name == "head" else w.at[layer, g], r), r)
 
         def heads(layer, r, pos):
             def unit(u, r):  # its split's tiles of the positions before pos (this step's row comes in registers)
