@@ -280,6 +280,16 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "ctas128": {"ctas": 128}}
 
 
+def race_other(plan: mk.MegaPlan, variant: str, against_base: bool) -> mk.MegaPlan | None:
+    """The plan a variant's race check compares with (None: no check): the same variant without
+    held ring slots (where it holds some), or, against_base, the base plan (for every variant but
+    base itself)."""
+    vplan = dataclasses.replace(plan, **variant_fields(variant))
+    if against_base:
+        return None if variant == "base" else plan
+    return dataclasses.replace(vplan, hold_slots=0) if vplan.hold_slots else None
+
+
 def variant_fields(variant: str) -> dict:
     """The MegaPlan fields of a --variants entry ("a+b": both)."""
     fields: dict = {}
@@ -471,9 +481,8 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     res[f"check_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                     print(res[f"check_{variant}_error"], flush=True)
-            if args.race_steps and (variant != "base" if args.race_base else vplan.hold_slots):
+            if args.race_steps and (other := race_other(plan, variant, args.race_base)) is not None:
                 try:
-                    other = plan if args.race_base else dataclasses.replace(vplan, hold_slots=0)
                     res[f"race_{variant}"] = race_check(vplan, other, inv_freq, args.start, args.race_steps)
                     print(name, variant, "race check", res[f"race_{variant}"], flush=True)
                 except Exception as e:  # noqa: BLE001

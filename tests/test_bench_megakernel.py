@@ -119,3 +119,14 @@ def test_cta_drift_tells_the_same_slow_ctas_every_layer_from_noise():
     noise = bm.cta_drift(_phase_table([[10 + (c + l) % 2 for l in range(4)] for c in range(4)]))
     assert noise["drift_mlp_layer_corr"] == pytest.approx(-1.0) and noise["drift_mlp_max_us"] == 10.5
     assert "drift_qkv_p50_us" not in noise
+
+
+def test_race_check_pairs_each_variant_with_the_plan_it_must_match():
+    plan = mk.plan_for(bm.preset("1b"), 384, ctas=132, hold_slots=2)
+    # (its own hold 0 by default; none where it holds nothing)
+    assert bm.race_other(plan, "xbf16", False) == dataclasses.replace(plan, xchg_bf16=True, hold_slots=0)
+    assert bm.race_other(plan, "hold1", False) == dataclasses.replace(plan, hold_slots=0)
+    assert bm.race_other(dataclasses.replace(plan, hold_slots=0), "base", False) is None
+    # (--race-base: the base plan, for every variant but base)
+    assert bm.race_other(plan, "ctas128", True) == plan
+    assert bm.race_other(plan, "base", True) is None
