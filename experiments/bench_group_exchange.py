@@ -15,7 +15,11 @@ GPU (a lower bound for the kernel, whose exchange runs while the memory system i
   group    the same with one semaphore per cluster of 8 (the grouped plan's exchange);
   cluster  every CTA stores its partial into its own shared memory, fences at cluster scope,
            arrives on the cluster barrier, waits, and reads its 7 peers' partials (and its own)
-           through `plgpu.cluster_ref`.
+           through `plgpu.cluster_ref`;
+  tagged   every thread stores its words of the partial straight from registers, each word's
+           lowest bit set to the round's parity, and polls its words of the cluster's 8 partials
+           with volatile loads until all show it (`scaling.kernels.tagged_exchange`): no fence,
+           no semaphore, no copy (twenty-eighth session).
 
 Measured on an H200 (docs/benchmarks.md, twenty-seventh session): with one CTA per SM, the 16
 clusters of 8 are not all resident at once, so `grid` never finishes there (it runs with
@@ -36,7 +40,9 @@ the CPU. Prints and writes $OUT/bench_group_exchange.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import os
 import time
 from pathlib import Path
@@ -46,7 +52,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-MODES = ("grid", "group", "cluster")
+from scaling.kernels.tagged_exchange import tagged_load, tagged_store
+
+MODES = ("grid", "group", "cluster", "tagged")
 MEMBERS = 8  # CTAs per cluster (Hopper's portable maximum)
 
 
@@ -70,6 +78,7 @@ def exchange(mode: str, rounds: int, *, clusters: int = 16, floats: int = 512, p
         raise ValueError(f"floats must be a multiple of 256 (a TMA box's longest side), got {floats}")
     rows = floats // 256  # (a partial as rows of 256 f32: TMA boxes take at most 256 per dimension)
     L = plgpu.Layout.WG_STRIDED((256,), vec_size=2)
+    Lt = plgpu.Layout.WG_STRIDED((rows, 256), vec_size=4)  # (tagged: a partial as one array)
 
     def _fence(ctx):  # (every thread's stores, then a fence at cluster scope)
         mgpu.utils.warpgroup_barrier()
@@ -83,8 +92,20 @@ def exchange(mode: str, rounds: int, *, clusters: int = 16, floats: int = 512, p
         me = g * MEMBERS + x
         done = None if mode == "cluster" else pl.get_global(plgpu.SemaphoreType.REGULAR((clusters,)))
         ones = plgpu.layout_cast(jnp.ones((256,), jnp.float32), L)
+        if mode == "tagged":  # zeros into both of its slots, seen by the cluster before round 0
+            ones_t = plgpu.layout_cast(jnp.ones((rows, 256), jnp.float32), Lt)
+            for par in range(2):
+                tagged_store(xchg_ref.at[g, par, x], ones_t * 0.0, 0, Lt)
+            plgpu.semaphore_signal(done.at[g], 1, memory_scope="gpu")
+            plgpu.semaphore_wait(done.at[g], MEMBERS, decrement=False, memory_scope="gpu")
 
         def one_round(i, acc, par):  # (par static: a peer's buffer at a static offset)
+            if mode == "tagged":  # (a buffer's rounds alternate parity: 1, 0, 1, ...; zeros are "round -1")
+                parity = lax.rem(i // 2 + 1, 2)
+                v = ones_t * ((i + 1) * (x + 1)).astype(jnp.float32)
+                tagged_store(xchg_ref.at[g, par, x], v, parity, Lt)
+                parts = tagged_load(xchg_ref.at[g, par], parity, Lt, (rows, 256), MEMBERS)
+                return (acc[0] + functools.reduce(operator.add, parts),)
             v = ones * ((i + 1) * (x + 1)).astype(jnp.float32)
             acc = list(acc)
             if mode == "cluster":
@@ -115,10 +136,12 @@ def exchange(mode: str, rounds: int, *, clusters: int = 16, floats: int = 512, p
             plgpu.commit_smem()  # (every thread has read `gather` before the next copy lands)
             return tuple(acc)
 
-        acc = lax.fori_loop(0, rounds // 2, lambda j, acc: one_round(2 * j + 1, one_round(2 * j, acc, 0), 1),
-                            tuple(ones * 0.0 for _ in range(rows)))
+        acc0 = (ones_t * 0.0,) if mode == "tagged" else tuple(ones * 0.0 for _ in range(rows))
+        acc = lax.fori_loop(0, rounds // 2, lambda j, acc: one_round(2 * j + 1, one_round(2 * j, acc, 0), 1), acc0)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for r in range(rows):
+        if mode == "tagged":
+            own.at[0][...] = acc[0]
+        for r in range(rows if mode != "tagged" else 0):
             own.at[0, r][...] = acc[r]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(own.at[0], out_ref.at[me])
@@ -154,7 +177,7 @@ def time_mode(mode: str, rounds: int, reps: int, **kw) -> tuple[float, bool]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", default="200,800", help="two round counts (time per round: their difference)")
-    ap.add_argument("--modes", default="group,cluster", help=f"of {MODES} (grid: hangs where the clusters are not "
+    ap.add_argument("--modes", default="group,tagged,cluster", help=f"of {MODES} (grid: hangs where the clusters are not "
                     "all resident at once, as with one CTA per SM on the H200)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--floats", type=int, default=512, help="a partial's f32 values (the 1b's: 512 + 16)")
