@@ -18,12 +18,14 @@ GPU (a lower bound for the kernel, whose exchange runs while the memory system i
            through `plgpu.cluster_ref`;
   tagged   every thread stores its words of the partial straight from registers, each word's
            lowest bit set to the round's parity, and polls its words of the cluster's 8 partials
-           with volatile loads until all show it (`scaling.kernels.tagged_exchange`): no fence,
+           with volatile loads until all show it (experiments/tagged_exchange.py): no fence,
            no semaphore, no copy (twenty-eighth session).
 
 Measured on an H200 (docs/benchmarks.md, twenty-seventh session): with one CTA per SM, the 16
 clusters of 8 are not all resident at once, so `grid` never finishes there (it runs with
-`--pad-kib 16`, where several CTAs share an SM); it is left out of the default modes.
+`--pad-kib 16`, where several CTAs share an SM); it is left out of the default modes. `tagged`
+is no faster than `group` (twenty-eighth session: 2.9 against 2.4 µs a round at 160 KiB, 1.56
+against 1.63 at 16 KiB).
 
 Each kernel runs `rounds` rounds (two buffers, alternating) on 16 clusters of 8 CTAs (128, one
 per SM: every CTA also reserves `--pad-kib` of shared memory, as the megakernel's ring does).
@@ -52,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scaling.kernels.tagged_exchange import tagged_load, tagged_store
+from tagged_exchange import tagged_load, tagged_store
 
 MODES = ("grid", "group", "cluster", "tagged")
 MEMBERS = 8  # CTAs per cluster (Hopper's portable maximum)

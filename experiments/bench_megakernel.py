@@ -277,12 +277,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (and merged on the tensor cores: one wgmma over the [8 S, H] tile of partials)
             "mma": {"xchg_bf16": True, "mma_merge": True},
             # (128 CTAs on 132 SMs: 16 per KV head's group, none spare; what a cluster of 8 would need)
-            "ctas128": {"ctas": 128},
-            # (K steps of the first MLP slice held in the producer's registers through the window,
-            # stored into their slots by 16-byte stores in the TMA's swizzle: more bytes in flight)
-            **{f"staged{n}": {"staged_ksteps": n} for n in (1, 2)},
-            # (and issued only once the layer's q/k/v barrier has passed)
-            "late": {"staged_after_qkv": True}}
+            "ctas128": {"ctas": 128}}
 
 
 def race_other(plan: mk.MegaPlan, variant: str, against_base: bool) -> mk.MegaPlan | None:

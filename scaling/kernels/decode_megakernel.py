@@ -180,24 +180,6 @@ class MegaPlan:
     # reduction each, instead of a chain of 16 loads, exps and adds per partial that waited on each
     # other (at 251 registers). Needs group_splits a multiple of 8 (whole 64-row operand tiles)
     mma_merge: bool = False
-    # (fuse_mlp) K steps of the CTA's first MLP slice (a gate and an up tile each) that the producer
-    # warpgroup loads into its own registers as it reaches the MLP (when its ring is full of the
-    # window's tiles), and stores into their ring slots when their turn comes: more weight bytes in
-    # flight through the window from the q/k/v barrier to the MLP than the shared memory holds.
-    # Each thread loads 16-byte runs of the tile and stores them where the TMA's 128-byte swizzle
-    # puts them (inline PTX: Mosaic GPU stores into a swizzled ref only from the wgmma layout, 4 bytes
-    # a thread, which made the twenty-second session's staged tiles 8-19% slower). They are the K
-    # steps from `staged_from` on, past what the ring holds then
-    staged_ksteps: int = 0
-    # (staged_ksteps) the producer issues them only once the layer's q/k/v barrier has passed (it
-    # waits on the barrier's semaphore itself): then no CTA still streams W_qkv, whose last tiles
-    # are the barrier's critical path, and attention moves few bytes
-    staged_after_qkv: bool = False
-
-    @property
-    def staged_from(self) -> int:
-        """(staged_ksteps) The first staged K step: past the ring's (stages / 2 K steps of two tiles)."""
-        return max(0, min(-(-self.stages // 2), self.hidden // self.block_k - self.staged_ksteps))
 
     @property
     def out_group(self) -> int:
@@ -425,9 +407,6 @@ class MegaPlan:
                              f"GEMVs' K / block_k = {k_most // bk} <= x_stages = {self.x_stages}")
         if self.down_rotate and not self.fuse_mlp:
             raise ValueError("down_rotate orders the fused MLP's down units: it needs fuse_mlp")
-        if self.staged_ksteps and (not self.fuse_mlp or not 0 < self.staged_ksteps <= self.hidden // bk):
-            raise ValueError(f"staged_ksteps stages K steps of the fused MLP's gate/up tiles: it needs fuse_mlp and "
-                             f"1..hidden / block_k = {self.hidden // bk} of them, got {self.staged_ksteps}")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
@@ -554,51 +533,6 @@ def rope_table(pos, inv_freq):
 
 
 # ------------------------------------------------------------------------------------ the kernel
-
-
-def swizzled_store(slot, tile):
-    """Store tile (a [64, bk] 16-bit array in WG_STRIDED layout, 8 elements = 16 bytes a register)
-    into the ring slot `slot` (smem [64, bk], tiling (8, 64), 128-byte swizzle) where a TMA copy of
-    the same tile would put it: one 16-byte store per register (inline PTX; Mosaic GPU stores into
-    a swizzled ref only from the wgmma layout, 4 bytes at a time).
-
-    The slot holds [8, 64] tiles of 1 KiB, row-major over the [64 / 8, bk / 64] grid; in a tile, row
-    i is 128 bytes whose 16-byte chunk q sits at chunk q ^ i (the swizzle)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    rows, bk = tile.shape
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-    def fn(ctx, ref, x):
-        from jax._src.lib import mlir
-        from jax._src.lib.mlir.dialects import arith, gpu, llvm, vector
-
-        from jax.experimental.mosaic.gpu import utils
-
-        del ctx
-        ir = mlir.ir
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        base = llvm.ptrtoint(i64, utils.memref_ptr(ref))
-        tid = arith.index_cast(i32, arith.remui(gpu.thread_id(gpu.Dimension.x), utils.c(128, ir.IndexType.get())))
-        per_row = bk // 8  # 16-byte chunks in a row of the tile
-
-        def c32(v):
-            return utils.c(v, i32)
-
-        for j, reg in enumerate(x.registers.flat):
-            chunk = arith.addi(tid, c32(j * 128))  # (register j of thread t: the tile's chunk 128 j + t)
-            r, q_all = arith.divui(chunk, c32(per_row)), arith.remui(chunk, c32(per_row))
-            tr, i = arith.divui(r, c32(8)), arith.remui(r, c32(8))
-            tc, q = arith.divui(q_all, c32(8)), arith.remui(q_all, c32(8))
-            off = arith.muli(arith.addi(arith.muli(tr, c32(bk // 64)), tc), c32(1024))
-            off = arith.addi(off, arith.addi(arith.muli(i, c32(128)), arith.muli(arith.xori(q, i), c32(16))))
-            addr = arith.addi(base, arith.extui(i64, off))
-            words = vector.bitcast(ir.VectorType.get((4,), i32), reg)
-            vals = [vector.extract(words, [], [k]) for k in range(4)]
-            utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", addr, *vals, has_side_effects=True)
-
-    plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=tiled), plgpu.Layout.WG_STRIDED((rows, bk), vec_size=8)))(
-        fn)(slot, tile)
 
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage,
@@ -1748,59 +1682,18 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                                      r)
             return lax.fori_loop(0, n_mine, lambda i, r: unit(c + i * ctas, r), r)
 
-        def fill(tile, r):  # (staged_ksteps) a tile from the registers into its slot
-            slot = lax.rem(r, plan.stages)
-
-            @pl.when(r >= plan.stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
-            if interpret:
-                ring.at[slot][...] = tile
-            else:
-                swizzled_store(ring.at[slot], tile)
-            plgpu.commit_smem()  # (every thread's stores, visible to the tensor cores' reads)
-            plgpu.barrier_arrive(w_full.at[slot])
-            return r + 1
-
-        def stage_tiles(layer):  # (staged_ksteps) the first slice's staged gate and up tiles, as loads under way
+        def mlp_slices(layer, r):  # (fuse_mlp) per slice: its gate and up tiles by K step, then its down units
             steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
-            i = jnp.minimum(c, n_f - 1)  # (a CTA without a slice loads one it never stores)
-            tiles = []
-            for j in range(plan.staged_from, plan.staged_from + plan.staged_ksteps):
-                for g in (i, n_f + i):
-                    src = wgu.at[layer, g * steps + j]
-                    tiles.append(src[...] if interpret else
-                                 plgpu.load(src, layout=L.WG_STRIDED((BLOCK_F, bk), vec_size=8), optimized=False))
-            return tiles
 
-        def mlp_slices(layer, r, s):  # (fuse_mlp) per slice: its gate and up tiles by K step, then its down units
-            steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
-            if plan.staged_ksteps and plan.staged_after_qkv and sync:  # (as the consumers' wait: step s's count)
-                plgpu.semaphore_wait(done.at[1 + n_ph * layer], ctas * (s + 1) if loop else ctas, decrement=False,
-                                     memory_scope="gpu")
-            staged = stage_tiles(layer) if plan.staged_ksteps else ()
-
-            def slice_(i, r, staged=()):
+            def slice_(i, r):
                 def kstep(j, r):
                     r = fetch(wgu.at[layer, i * steps + j], r)
                     return fetch(wgu.at[layer, (n_f + i) * steps + j], r)
 
-                if staged:  # (the first slice: those K steps' tiles from the registers)
-                    a, b = plan.staged_from, plan.staged_from + plan.staged_ksteps
-                    r = lax.fori_loop(0, a, kstep, r)
-                    for tile in staged:
-                        r = fill(tile, r)
-                    r = lax.fori_loop(b, steps, kstep, r)
-                else:
-                    r = lax.fori_loop(0, steps, kstep, r)
+                r = lax.fori_loop(0, steps, kstep, r)
                 return lax.fori_loop(0, steps, lambda k, r: fetch(wd.at[layer, i * steps + down_unit(i, k)], r), r)
 
-            mine = pl.cdiv(n_f - c, ctas)
-            if staged:
-                r = lax.fori_loop(0, jnp.minimum(mine, 1), lambda k, r: slice_(c, r, staged), r)
-                return lax.fori_loop(1, mine, lambda k, r: slice_(c + k * ctas, r), r)
-            return lax.fori_loop(0, mine, lambda k, r: slice_(c + k * ctas, r), r)
+            return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
 
         def step(s, r):
             pos = jnp.minimum(pos0 + s, plan.max_len - 1) if loop else pos0
@@ -1811,7 +1704,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 if not plan.fuse_out:
                     r = stream("out", l, r)
                 if plan.fuse_mlp:
-                    return mlp_slices(l, r, s)
+                    return mlp_slices(l, r)
                 for name in ("gate_up", "down"):
                     r = stream(name, l, r)
                 return r

@@ -1,41 +1,37 @@
-"""Values that carry their own validity tag: an exchange between CTAs with no fence and no semaphore.
+"""Values that carry their own validity tag: an exchange between CTAs with no fence and no semaphore
+(experiments/bench_group_exchange.py's `tagged` mode; measured, not used by the megakernel).
 
-Why (docs/decoding.md, twenty-eighth session): the megakernel's long-cache plan has a KV head's 16
-CTAs exchange their softmax partials every layer. Behind a semaphore that round is four dependent
-trips through L2: the partial's TMA store and its completion, the signal's release fence (which
-also waits for every TMA load the SM has in flight) and atomic, the wait, then the copy back.
-~2.5 µs on an idle H200 (experiments/bench_group_exchange.py).
+Why it was tried (docs/decoding.md, twenty-eighth session): the megakernel's long-cache plan has a
+KV head's 16 CTAs exchange their softmax partials every layer. Behind a semaphore that round is a
+chain of trips through L2: the partial's TMA store and its completion, the signal's release fence
+and atomic, the wait, then the copy back.
 
 Here every 32-bit word a writer stores carries the exchange's parity in its lowest bit; the reader
 clears it again, so a value arrives with its last mantissa bit 0 (one unit in the last place at
 most; a value whose last bit is 0 arrives exact). A reader polls the words themselves with
-volatile loads until every one it needs shows the parity it expects, so the round is one store
-and one load trip. This is the idea of NCCL's low-latency protocol (a flag beside the data in
-every 8 bytes), with the flag folded into each word, which a 32-bit access always moves whole.
+volatile loads until every one it holds shows the parity it expects. This is the idea of NCCL's
+low-latency protocol (a flag beside the data in every 8 bytes), with the flag folded into each
+word, which a 32-bit access always moves whole.
 
 Why one bit is enough: a slot is written once per round, and a reader reads it once per round.
-Before round r's write the slot holds round r - 1's value (parity differs) or, at the kernel's
-start, zeros, which the caller makes the parity of "round -1" by starting at parity 1. A slot
-cannot still hold round r - 2's value for a reader of round r: that reader already read round
-r - 1's there, and a location's values are seen in one order (coherence). The caller must zero the
-slots and order that before the first round (the megakernel's start-up barrier does).
+Before round r's write the slot holds round r - 1's value (parity differs) or, at the start,
+zeros, which the caller makes the parity of "round -1" by starting at parity 1. A slot cannot still
+hold round r - 2's value for a reader of round r: that reader already read round r - 1's there,
+and a location's values are seen in one order (coherence). The caller zeroes the slots and orders
+that before the first round.
 
-GPU only (Mosaic GPU, inline PTX): interpret mode has no other CTAs to poll; callers keep their
-semaphore path there. tests/test_tagged_exchange.py lowers both for sm_90 on the CPU.
+Measured on an H200 (docs/benchmarks.md, twenty-eighth session): no faster than the semaphore's
+round (2.9 against 2.4 µs with one CTA per SM, 1.56 against 1.63 µs with several). A round is bound
+by how long a store takes to reach another SM's load, which both ways pay once. Polling one word
+at a time cost a trip per late partial (~10 µs a round); all of a thread's words are re-read
+together.
+
+GPU only (inline PTX through `plgpu.inline_mgpu`); tests lower it for sm_90 on the CPU.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-
-# (experiments) the PTX of the polling load and of the store; SPIN=0 skips the check (timing only)
-LOAD = os.environ.get("TAGGED_LOAD", "ld.volatile.global")
-STORE = os.environ.get("TAGGED_STORE", "st.volatile.global")
-SPIN = os.environ.get("TAGGED_SPIN", "1") == "1"
-FENCE = os.environ.get("TAGGED_FENCE", "")  # (experiments) a fence after the stores, e.g. fence.acq_rel.gpu
-SLEEP = int(os.environ.get("TAGGED_SLEEP", "0"))  # ns between polls (0: none)
 
 
 def _lin(idx, strides, i64):
@@ -94,22 +90,17 @@ def _parity(par):
 
 
 def _load_ptx(regs, addr):
-    """PTX reading len(regs) consecutive words at addr (a .b64 register) into regs."""
-    n = len(regs)
-    if LOAD == "atom":  # (each word by an atomic, performed where the line lives)
-        return [f"atom.global.or.b32 {r}, [{addr}+{4 * k}], 0;" for k, r in enumerate(regs)]
-    if n == 1:
-        return [f"{LOAD}.b32 {regs[0]}, [{addr}];"]
-    return [f"{LOAD}.v{n}.b32 {{{', '.join(regs)}}}, [{addr}];"]
+    """PTX reading len(regs) consecutive words at addr (a .b64 register) into regs, volatile (past L1;
+    a weak load's poll never saw the store in 100 s, twenty-eighth session)."""
+    if len(regs) == 1:
+        return [f"ld.volatile.global.b32 {regs[0]}, [{addr}];"]
+    return [f"ld.volatile.global.v{len(regs)}.b32 {{{', '.join(regs)}}}, [{addr}];"]
 
 
 def _store_ptx(words, addr):
-    n = len(words)
-    if STORE == "atom":
-        return [f"atom.global.exch.b32 d, [{addr}+{4 * k}], {w};" for k, w in enumerate(words)]
-    if n == 1:
-        return [f"{STORE}.b32 [{addr}], {words[0]};"]
-    return [f"{STORE}.v{n}.b32 [{addr}], {{{', '.join(words)}}};"]
+    if len(words) == 1:
+        return [f"st.volatile.global.b32 [{addr}], {words[0]};"]
+    return [f"st.volatile.global.v{len(words)}.b32 [{addr}], {{{', '.join(words)}}};"]
 
 
 def store_fn(layout, shape):
@@ -127,11 +118,9 @@ def store_fn(layout, shape):
         ptrs, width = _ptrs(ref, x.layout, shape)
         for ptr, reg in zip(ptrs, x.registers.flat):
             words = [arith.ori(arith.andi(w, keep), p) for w in _elements(reg)]
-            lines = ["{", ".reg .b64 a;", ".reg .b32 d;", "mov.b64 a, $0;"]
+            lines = ["{", ".reg .b64 a;", "mov.b64 a, $0;"]
             lines += _store_ptx([f"${k + 1}" for k in range(width)], "a") + ["}"]
             utils.inline_ptx("\n".join(lines), ptr, *words, has_side_effects=True)
-        if FENCE:
-            utils.inline_ptx(f"{FENCE};", has_side_effects=True)
 
     return fn
 
@@ -164,7 +153,7 @@ def load_fn(layout, shape, count):
         # then all words checked at once, and all re-read while any lacks the parity (the re-reads of
         # one try in flight together: a register at a time would cost a trip per late partial)
         flat = [w for _, _, words in loads for w in words]
-        flat = _poll(flat, [(ptr, width) for ptr, width, _ in loads], p, i32, utils, arith, ir) if SPIN else flat
+        flat = _poll(flat, [(ptr, width) for ptr, width, _ in loads], p, i32, utils, arith, ir)
         keep = utils.c(-2, i32)
         arrays, per, at = [], len(loads) // count, 0
         for k in range(count):
@@ -199,9 +188,8 @@ def _poll(words, regs, p, i32, utils, arith, ir):
     after = loop.after.blocks.append(*types)
     with ir.InsertionPoint(after):
         new = []
-        for i, (ptr, width) in enumerate(regs):
+        for ptr, width in regs:
             lines = ["{", ".reg .b64 a;", f"mov.b64 a, ${width};"]
-            lines += [f"nanosleep.u32 {SLEEP};"] if SLEEP and i == 0 else []
             lines += _load_ptx([f"${k}" for k in range(width)], "a") + ["}"]
             out = utils.inline_ptx("\n".join(lines), ptr, result_types=[i32] * width, has_side_effects=True)
             new += list(out) if isinstance(out, tuple) else [out]
