@@ -22,9 +22,9 @@ that before the first round.
 
 Measured on an H200 (docs/benchmarks.md, twenty-eighth session): no faster than the semaphore's
 round (2.9 against 2.4 µs with one CTA per SM, 1.56 against 1.63 µs with several). A round is bound
-by how long a store takes to reach another SM's load, which both ways pay once. Polling one word
-at a time cost a trip per late partial (~10 µs a round); all of a thread's words are re-read
-together.
+by how long a store takes to reach another SM's load, which both ways pay once. Polling one 16-byte
+register at a time cost a trip per late partial (~10 µs a round); all of a thread's words are
+re-read together.
 
 GPU only (inline PTX through `plgpu.inline_mgpu`); tests lower it for sm_90 on the CPU.
 """
@@ -97,6 +97,13 @@ def _load_ptx(regs, addr):
     return [f"ld.volatile.global.v{len(regs)}.b32 {{{', '.join(regs)}}}, [{addr}];"]
 
 
+def _load_words(ptr, width, i32, utils):
+    """One register's `width` words at ptr, by one volatile (vector) load: a list of i32 values."""
+    lines = ["{", ".reg .b64 a;", f"mov.b64 a, ${width};"] + _load_ptx([f"${k}" for k in range(width)], "a") + ["}"]
+    out = utils.inline_ptx("\n".join(lines), ptr, result_types=[i32] * width, has_side_effects=True)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
 def _store_ptx(words, addr):
     if len(words) == 1:
         return [f"st.volatile.global.b32 [{addr}], {words[0]};"]
@@ -144,12 +151,7 @@ def load_fn(layout, shape, count):
         loads = []
         for k in range(count):
             ptrs, width = _ptrs(ref, layout, shape, lead=(k,))
-            for ptr in ptrs:
-                lines = ["{", ".reg .b64 a;", f"mov.b64 a, ${width};"]
-                lines += _load_ptx([f"${k}" for k in range(width)], "a") + ["}"]
-                words = utils.inline_ptx("\n".join(lines), ptr, result_types=[i32] * width, has_side_effects=True)
-                words = words if isinstance(words, tuple) else (words,)
-                loads.append((ptr, width, list(words)))
+            loads += [(ptr, width, _load_words(ptr, width, i32, utils)) for ptr in ptrs]
         # then all words checked at once, and all re-read while any lacks the parity (the re-reads of
         # one try in flight together: a register at a time would cost a trip per late partial)
         flat = [w for _, _, words in loads for w in words]
@@ -187,13 +189,7 @@ def _poll(words, regs, p, i32, utils, arith, ir):
         scf.condition(late, list(before.arguments))
     after = loop.after.blocks.append(*types)
     with ir.InsertionPoint(after):
-        new = []
-        for ptr, width in regs:
-            lines = ["{", ".reg .b64 a;", f"mov.b64 a, ${width};"]
-            lines += _load_ptx([f"${k}" for k in range(width)], "a") + ["}"]
-            out = utils.inline_ptx("\n".join(lines), ptr, result_types=[i32] * width, has_side_effects=True)
-            new += list(out) if isinstance(out, tuple) else [out]
-        scf.yield_(new)
+        scf.yield_([w for ptr, width in regs for w in _load_words(ptr, width, i32, utils)])
     return list(loop.results)
 
 
