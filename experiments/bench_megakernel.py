@@ -277,12 +277,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (and merged on the tensor cores: one wgmma over the [8 S, H] tile of partials)
             "mma": {"xchg_bf16": True, "mma_merge": True},
             # (128 CTAs on 132 SMs: 16 per KV head's group, none spare; what a cluster of 8 would need)
-            "ctas128": {"ctas": 128},
-            # (the long plan's partials stored and loaded by the consumer itself: no gather buffer,
-            # and the shared memory it held as a sixth ring slot)
-            "mld": {"merge_ld": True}, "mld6": {"merge_ld": True, "stages": 6},
-            # (and no group semaphore: the partials' words carry the layer's parity, polled for)
-            "tag": {"merge_ld": True, "xchg_tagged": True}}
+            "ctas128": {"ctas": 128}}
 
 
 def race_other(plan: mk.MegaPlan, variant: str, against_base: bool) -> mk.MegaPlan | None:

@@ -303,14 +303,11 @@ CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, ml
 # At pos 1 the cache holds one tile: every member reads it (its own partial, through the exchange
 # buffer); at 450, 4 tiles in 3 runs (1, 1, 2), the fourth member reads none; 3 members share W_o's
 # 8 row tiles 2, 3, 3. Options after the group: the partials in bf16, one slot held per phase (the
-# decoder's long plan), the merge on the tensor cores (8 partials: 4 runs, 4 empty); "ld": the
-# partials stored and loaded by the consumer itself (merge_ld), at pos 1 (each member's own, and
-# the entries after it) and at 450
+# decoder's long plan), the merge on the tensor cores (8 partials: 4 runs, 4 empty)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp,group", [(CFG, MAX_LEN, 100, False, (0, 0)),
                                                             (CFG3, 256, 1, False, (3, 2)),
-                                                            (CFG3, 256, 1, False, (3, 2, "ld")),
                                                             (CFG3, 256, 129, True, (0, 0)),
-                                                            (CFG3, 512, 450, True, (4, 3, "ld")),
+                                                            (CFG3, 512, 450, True, (4, 3)),
                                                             (CFG3, 512, 450, True, (4, 3, "bf16", "hold1")),
                                                             (CFG3, 256, 1, False, (8, 8, "bf16", "mma")),
                                                             (CFG3, 512, 450, True, (8, 8, "bf16", "mma"))])
@@ -321,7 +318,7 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
                        fuse_mlp=fuse_mlp, hold_slots=hold, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
                        down_rotate=fuse_mlp, qkv_ld=fuse_mlp, group_ctas=group[0], group_splits=group[1],
-                       xchg_bf16="bf16" in group, mma_merge="mma" in group, merge_ld="ld" in group)
+                       xchg_bf16="bf16" in group, mma_merge="mma" in group)
     plan.check()
     assert plan.grouped == (group[1] > 1)
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
@@ -338,7 +335,7 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     # the fused reference's rounding (each stream's share on its own) is still the same attention
     unfused, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
                                          plan=dataclasses.replace(plan, fuse_out=False, group_splits=0, xchg_bf16=False,
-                                                                   mma_merge=False, merge_ld=False))
+                                                                   mma_merge=False))
     assert _rel(want, unfused) < 2e-2
 
 
@@ -426,8 +423,6 @@ def test_fused_mlp_refuses_what_it_cannot_run():
                     x_stages=8, fuse_mlp=True, one_operand=True).check()
     with pytest.raises(ValueError, match="down_rotate orders the fused MLP's down units: it needs fuse_mlp"):
         mk.plan_for(CFG3, 256, x_stages=8, down_rotate=True).check()
-    with pytest.raises(ValueError, match="merge_ld reads f32 partials for the chain merge"):
-        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, group_splits=2, merge_ld=True, xchg_bf16=True).check()
     with pytest.raises(ValueError, match="hold_slots must be 0..stages=3, got 4"):
         mk.plan_for(CFG3, 256, x_stages=8, hold_slots=4).check()
     plan = mk.plan_for(CFG3, 256, x_stages=8, fuse_mlp=True)

@@ -69,7 +69,6 @@ import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -181,22 +180,6 @@ class MegaPlan:
     # reduction each, instead of a chain of 16 loads, exps and adds per partial that waited on each
     # other (at 251 registers). Needs group_splits a multiple of 8 (whole 64-row operand tiles)
     mma_merge: bool = False
-    # (grouped, f32 partials, chain merge) the partials go through global memory by the consumer's
-    # own stores and loads, every load issued before any is used (one trip through L2 for all),
-    # instead of TMA copies through a gather buffer in shared memory: that frees the 33 KiB of one
-    # more ring slot (the long plan's sixth)
-    merge_ld: bool = False
-    # (merge_ld) no group semaphore: every word of a partial carries the exchange's parity in its
-    # lowest bit (the parity of the slot's writes since the kernel zeroed it: one a layer), and the
-    # merge polls the group's partials until all show it (experiments/tagged_exchange.py). No
-    # signal, so no release fence waiting for the SM's TMA loads in flight
-    xchg_tagged: bool = False
-
-    @property
-    def gather_slots(self) -> int:
-        """(grouped) Partials the gather buffer in shared memory holds: `gathered`, or none (merge_ld:
-        a member stores its own partial from registers too)."""
-        return 0 if self.grouped and self.merge_ld else self.gathered
 
     @property
     def out_group(self) -> int:
@@ -362,8 +345,7 @@ class MegaPlan:
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
                 + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
-                + (self.gather_slots * (hd * jnp.dtype(self.xchg_dtype).itemsize + 2 * 4) * ROWS + 16
-                   if self.grouped else 0)  # the partials
+                + (self.gathered * (hd * jnp.dtype(self.xchg_dtype).itemsize + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
                 # (mma_merge) their weights, and the two swizzled buffers' alignment (1 KiB each; measured
                 # 1.2 KiB over the rest of this estimate on the 1b)
                 + (self.gathered * ROWS * ROWS * 2 + 2048 if self.mma_merged else 0)
@@ -404,10 +386,6 @@ class MegaPlan:
             raise ValueError(f"mma_merge needs xchg_bf16 and group_splits a multiple of {BLOCK_F // ROWS} (whole "
                              f"{BLOCK_F}-row operand tiles of 8 columns per partial), got xchg_bf16={self.xchg_bf16}, "
                              f"group_splits={self.group_splits}")
-        if self.xchg_tagged and not self.merge_ld:
-            raise ValueError("xchg_tagged polls the partials the consumer stores itself: it needs merge_ld")
-        if self.merge_ld and (self.mma_merge or self.xchg_bf16):
-            raise ValueError("merge_ld reads f32 partials for the chain merge: it cannot go with mma_merge or xchg_bf16")
         if self.group_splits > self.out_group:
             raise ValueError(f"group_splits={self.group_splits} must be at most the group's {self.out_group} CTAs "
                              f"(group_ctas, or ctas // kv_heads)")
@@ -557,169 +535,6 @@ def rope_table(pos, inv_freq):
 # ------------------------------------------------------------------------------------ the kernel
 
 
-def _f32_ptrs(mem, lay, shape, base):
-    """(inline Mosaic GPU) Per register of an f32 array of `shape` in the layout lay, held
-    row-major from element `base` of the memref mem on: (its address, its vector width)."""
-    from jax._src.lib import mlir
-    from jax._src.lib.mlir.dialects import arith
-
-    from jax.experimental.mosaic.gpu import utils
-
-    ir = mlir.ir
-    i64, f32 = ir.IntegerType.get_signless(64), ir.F32Type.get()
-    ptr0 = utils.memref_ptr(mem)
-    width = ir.VectorType(lay.registers_element_type(f32)).shape[0]
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    out = []
-    for idx in lay.thread_idxs(shape):
-        off = utils.c(base, i64)
-        for i, st in zip(idx, strides):
-            off = arith.addi(off, arith.muli(arith.index_cast(i64, i), utils.c(st, i64)))
-        out.append((utils.getelementptr(ptr0, [off], f32), width))
-    return out
-
-
-def _parity_array(parity):
-    """A traced i32 parity (0 or 1) as an array inline_mgpu takes (one value a thread)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu.layout_cast(jnp.full((128,), parity, jnp.int32), plgpu.Layout.WG_STRIDED((128,), vec_size=1))
-
-
-def store_partial(o_ref, ml_ref, o, m, l, parity=None):
-    """(merge_ld) One partial into the exchange buffers' global memory from registers: o ([H, 8]
-    f32, wgmma layout) row-major into o_ref, m and l (wgmma column layout) into ml_ref's [m | l].
-    Plain stores, which the group's semaphore signal (a release) makes visible; or (parity, a traced
-    0 or 1: xchg_tagged) volatile stores of words whose lowest bit is the parity, which readers poll
-    for (load_partials), with no signal."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    L = plgpu.Layout
-    hd = o.shape[0]
-    tagged = parity is not None
-
-    def fn(ctx, o_mem, ml_mem, o_arr, m_arr, l_arr, *par):
-        from jax._src.lib import mlir
-        from jax._src.lib.mlir.dialects import arith, vector
-
-        from jax.experimental.mosaic.gpu import utils
-
-        del ctx
-        ir = mlir.ir
-        i32 = ir.IntegerType.get_signless(32)
-        if tagged:
-            p = vector.extract(par[0].registers.flat[0], [], [0])
-        for arr, mem, base in ((o_arr, o_mem, 0), (m_arr, ml_mem, 0), (l_arr, ml_mem, ROWS)):
-            shape = (hd, ROWS) if arr is o_arr else (ROWS,)
-            for (ptr, width), reg in zip(_f32_ptrs(mem, arr.layout, shape, base), arr.registers.flat):
-                if tagged:  # (every bit but the lowest, then the parity)
-                    words = vector.bitcast(ir.VectorType.get((width,), i32), reg)
-                    vals = [arith.ori(arith.andi(vector.extract(words, [], [k]), utils.c(-2, i32)), p)
-                            for k in range(width)]
-                else:
-                    vals = [vector.extract(reg, [], [k]) for k in range(width)]
-                kind, ty = ("st.volatile.global", "b32") if tagged else ("st.global", "f32")
-                ins = ", ".join(f"${k + 1}" for k in range(width))
-                op = f"{kind}.v{width}.{ty} [$0], {{{ins}}}" if width > 1 else f"{kind}.{ty} [$0], $1"
-                utils.inline_ptx(f"{op};", ptr, *vals, has_side_effects=True)
-
-    args = (o_ref, ml_ref, o, m, l) + ((_parity_array(parity),) if tagged else ())
-    types = (plgpu.RefType(), plgpu.RefType(), L.WGMMA, L.WGMMA.reduce(0), L.WGMMA.reduce(0))
-    types += (L.WG_STRIDED((128,), vec_size=1),) if tagged else ()
-    plgpu.inline_mgpu(arg_types=types)(fn)(*args)
-
-
-def _poll(words, ptrs, p, i32, utils, arith, ir):
-    """(xchg_tagged) The words, all re-read (volatile) while any lacks the parity p in its lowest
-    bit: one loop per thread, each try's loads in flight together (a register at a time costs a
-    trip through L2 per late partial: experiments/tagged_exchange.py, twenty-eighth session)."""
-    from jax._src.lib.mlir.dialects import scf
-
-    types = [i32] * len(words)
-    loop = scf.WhileOp(types, words)
-    before = loop.before.blocks.append(*types)
-    with ir.InsertionPoint(before):
-        acc = None
-        for w in before.arguments:
-            x = arith.xori(w, p)
-            acc = x if acc is None else arith.ori(acc, x)
-        late = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(acc, utils.c(1, i32)), utils.c(0, i32))
-        scf.condition(late, list(before.arguments))
-    after = loop.after.blocks.append(*types)
-    with ir.InsertionPoint(after):
-        scf.yield_([w for ptr, width in ptrs for w in _ld_words(ptr, width, i32, utils, volatile=True)])
-    return list(loop.results)
-
-
-def _ld_words(ptr, width, ty, utils, volatile=False):
-    """One register's `width` words at ptr by one (vector) load, as values of type ty."""
-    kind, suffix = ("ld.volatile.global", "b32") if volatile else ("ld.global", "f32")
-    outs = ", ".join(f"${k}" for k in range(width))
-    op = f"{kind}.v{width}.{suffix} {{{outs}}}" if width > 1 else f"{kind}.{suffix} $0"
-    vals = utils.inline_ptx(f"{op}, [${width}];", ptr, result_types=[ty] * width, has_side_effects=True)
-    return list(vals) if isinstance(vals, tuple) else [vals]
-
-
-def load_partials(o_ref, ml_ref, n: int, hd: int, parity=None):
-    """(merge_ld) n partials from the exchange buffers' global memory: o_ref holds n partials' o
-    ([H, 8] f32 each, row-major, whatever the ref's shape), ml_ref their [m (8) | l (8)] f32.
-    Returns [(o in the wgmma layout, m, l in its column layout)] * n. Every load is an inline-PTX
-    `ld.global` issued before the first is used, so they are in flight together (Mosaic's own
-    loads waited on each other: 0.15 µs a partial, twenty-third session). They follow the group's
-    semaphore wait (an acquire), which makes the partials visible to weak loads. With parity
-    (xchg_tagged): volatile loads, all re-read until every word shows the parity, which is then
-    cleared (a value's last mantissa bit 0)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    L = plgpu.Layout
-    o_layout, v_layout = L.WGMMA, L.WGMMA.reduce(0)
-    tagged = parity is not None
-
-    def fn(ctx, o_mem, ml_mem, *par):
-        from jax._src.lib import mlir
-        from jax._src.lib.mlir.dialects import arith, vector
-
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils
-
-        del ctx
-        ir = mlir.ir
-        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-        lo, lv = o_layout.to_mgpu(), v_layout.to_mgpu()
-        specs = []  # (mem, layout, shape, base) per array, in the order returned
-        for k in range(n):
-            specs += [(o_mem, lo, (hd, ROWS), k * hd * ROWS), (ml_mem, lv, (ROWS,), 2 * ROWS * k),
-                      (ml_mem, lv, (ROWS,), 2 * ROWS * k + ROWS)]
-        ptrs = [_f32_ptrs(*spec) for spec in specs]
-        words = [[_ld_words(ptr, width, i32 if tagged else f32, utils, volatile=tagged) for ptr, width in ps]
-                 for ps in ptrs]  # (every load issued before any is used)
-        if tagged:
-            p = vector.extract(par[0].registers.flat[0], [], [0])
-            flat = _poll([w for arr in words for reg in arr for w in reg], [pw for ps in ptrs for pw in ps],
-                         p, i32, utils, arith, ir)
-            at = 0
-            for arr in words:
-                for reg in arr:
-                    reg[:] = [arith.bitcast(f32, arith.andi(w, utils.c(-2, i32))) for w in flat[at:at + len(reg)]]
-                    at += len(reg)
-        out = []  # (flat: the warpgroup lowering takes no nested results)
-        for (mem, lay, shape, base), arr in zip(specs, words):
-            regs = [vector.from_elements(ir.VectorType.get((len(reg),), f32), reg) for reg in arr]
-            regs = np.array(regs, dtype=object).reshape(lay.registers_shape(shape))
-            out.append(mgpu.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None))
-        return tuple(out)
-
-    ret = []
-    for _ in range(n):
-        ret += [plgpu.ShapeDtypeStruct((hd, ROWS), jnp.float32, layout=o_layout),
-                plgpu.ShapeDtypeStruct((ROWS,), jnp.float32, layout=v_layout),
-                plgpu.ShapeDtypeStruct((ROWS,), jnp.float32, layout=v_layout)]
-    types = (plgpu.RefType(), plgpu.RefType()) + ((L.WG_STRIDED((128,), vec_size=1),) if tagged else ())
-    args = (o_ref, ml_ref) + ((_parity_array(parity),) if tagged else ())
-    flat = plgpu.inline_mgpu(arg_types=types, return_type=tuple(ret))(fn)(*args)
-    return [tuple(flat[3 * k:3 * k + 3]) for k in range(n)]
-
-
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage,
           ring, part, res, obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full,
           misc, res_full, ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, wmerge=None, *,
@@ -783,23 +598,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
 
     def cast(x, layout):
         return x if interpret else plgpu.layout_cast(x, layout)
-
-    def write_partial(at, o, m, l, parity=None):
-        """(merge_ld) Partial `at` of the exchange buffers: o [H, 8], m and l [8], from registers
-        (parity: tagged, xchg_tagged)."""
-        if interpret:
-            xchg_o.at[at][...] = o
-            xchg_ml.at[pl.ds(at * 2 * ROWS, ROWS)][...] = m
-            xchg_ml.at[pl.ds(at * 2 * ROWS + ROWS, ROWS)][...] = l
-        else:
-            store_partial(xchg_o.at[at], xchg_ml.at[pl.ds(at * 2 * ROWS, 2 * ROWS)], o, m, l, parity)
-
-    xstep = [0]  # (xchg_tagged) the step within this launch (layers_and_head's)
-
-    def xparity(layer):
-        """(xchg_tagged, GPU) The parity of this layer's writes of a partial's slot: the slot is
-        written once a layer since the kernel zeroed it (parity 0, so the first write's is 1)."""
-        return None if interpret or not plan.xchg_tagged else lax.rem(xstep[0] * plan.layers + layer + 1, 2)
 
     def iota(shape, dim):
         if interpret:
@@ -1307,11 +1105,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 with jax.named_scope("a_part"):
                     # (by TMA from the gather buffer's first entry, free until merged_out: the same
                     # path as every other exchange between CTAs, ordered by the group's signal)
-                    at = kvh * gs + member
-                    if plan.merge_ld:  # (from registers; the group's signal releases them)
-                        write_partial(at, compact(o), m, l, xparity(layer))
-                        return r
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous unit's are read)
+                    at = kvh * gs + member
                     if plan.mma_merged:  # o transposed ([8, H]: the merge's operand rows), m and l planar
                         gather_o.at[pl.ds(0, ROWS)].T[...] = compact(o).astype(gather_o.dtype)
                         gather_ml.at[pl.ds(0, ROWS)][...] = m
@@ -1366,35 +1161,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             Two TMA copies into shared memory: plain loads from global memory waited on each other
             (0.15 µs a partial on the H200, twenty-third session). Returns (top, total, o)."""
             n_g = plan.gathered
-            if plan.merge_ld:  # (all n_g partials' loads issued before any is used)
-                if interpret:
-                    loaded = [(xchg_o[first + k], xchg_ml[pl.ds((first + k) * 2 * ROWS, ROWS)],
-                               xchg_ml[pl.ds((first + k) * 2 * ROWS + ROWS, ROWS)]) for k in range(n_g)]
-                else:
-                    loaded = load_partials(xchg_o.at[pl.ds(first, n_g)],
-                                           xchg_ml.at[pl.ds(first * 2 * ROWS, n_g * 2 * ROWS)], n_g, hd,
-                                           xparity(layer))
-                release(r, held)
+            plgpu.copy_gmem_to_smem(xchg_o.at[pl.ds(first, n_g)], flat_o(gather_o, n_g), gather_full.at[0])
+            plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first * 2 * ROWS, n_g * 2 * ROWS)], gather_ml,
+                                    gather_full.at[1])
+            plgpu.barrier_wait(gather_full.at[0])
+            plgpu.barrier_wait(gather_full.at[1])
+            release(r, held)
 
-                def ml(k, at):
-                    return loaded[k][1 if at == 0 else 2]
-
-                def o_of(k):
-                    return loaded[k][0]
-            else:
-                plgpu.copy_gmem_to_smem(xchg_o.at[pl.ds(first, n_g)], flat_o(gather_o, n_g), gather_full.at[0])
-                plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first * 2 * ROWS, n_g * 2 * ROWS)], gather_ml,
-                                        gather_full.at[1])
-                plgpu.barrier_wait(gather_full.at[0])
-                plgpu.barrier_wait(gather_full.at[1])
-                release(r, held)
-
-                def ml(k, at):  # partial k's m (at 0) or l (at ROWS)
-                    ref = gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)]
-                    return ref[...] if interpret else plgpu.load(ref, layout=L.WGMMA.reduce(0), optimized=False)
-
-                def o_of(k):
-                    return gather_o[k] if interpret else plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)
+            def ml(k, at):  # partial k's m (at 0) or l (at ROWS)
+                ref = gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)]
+                return ref[...] if interpret else plgpu.load(ref, layout=L.WGMMA.reduce(0), optimized=False)
 
             counted = jnp.where(ns > 1, 1.0, 0.0)
             m_0 = ml(0, 0)
@@ -1403,7 +1179,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 top = jnp.maximum(top, ml(k, 0) * counted + m_0 * (1.0 - counted))
             total = o = None
             for k in range(n_g):
-                o_k = o_of(k).astype(jnp.float32)
+                o_k = (gather_o[k] if interpret else
+                       plgpu.load(gather_o.at[k], layout=L.WGMMA, optimized=False)).astype(jnp.float32)
                 if k == 0:
                     w = jnp.exp(m_0 - top)
                 else:
@@ -1460,17 +1237,13 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             kvh, member = u // gs, lax.rem(u, gs)
             residual_tiles(layer, kvh, member)
             ns = group_count(pos)
-            if not plan.xchg_tagged:  # (tagged: the loads poll the partials themselves)
-                pl.when(ns > 1)(lambda: wait(group_sem0 + layer * n_kv + kvh, "group", count=expect_group[0]))
+            pl.when(ns > 1)(lambda: wait(group_sem0 + layer * n_kv + kvh, "group", count=expect_group[0]))
             with jax.named_scope("a_gather"):
                 # S > 1: partials 0..group_splits-1, every one written this step (those past S empty:
                 # m NEG, l and o 0); S = 1: its own, the first of those copied from its own on (the
                 # rest counted 0 by arithmetic, which needs them finite: the buffers are zeroed at
                 # the kernel's start)
-                # (xchg_tagged: always the group's, every one written this layer; with S = 1 they are
-                # all the same attention, and partial 0 counts alone. Its own on would reach slots past
-                # the groups, never written, which a poll would wait on forever)
-                first = kvh * gs + (0 if plan.xchg_tagged else jnp.where(ns > 1, 0, member))
+                first = kvh * gs + jnp.where(ns > 1, 0, member)
                 top, total, o = (mma_merge if plan.mma_merged else chain_merge)(first, ns, r, held)
                 plgpu.commit_smem()  # (every thread has read the partials before the buffer is reused)
             with jax.named_scope("a_merge"):
@@ -1482,7 +1255,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         n_mine = pl.cdiv(units - c, ctas)
         r = lax.fori_loop(0, n_mine, lambda i, r: unit(c + i * ctas, r), r)
         if plan.grouped:  # every unit's partial is written: signal, then merge
-            @pl.loop(0, 0 if plan.xchg_tagged else n_mine)
+            @pl.loop(0, n_mine)
             def _(i):
                 signal(group_sem0 + layer * n_kv + (c + i * ctas) // gs)
 
@@ -1664,15 +1437,8 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             signal(0)
 
         def zero_exchange():
-            """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers
-            (merge_ld: from registers)."""
-            if plan.merge_ld:
-                @pl.loop(c, plan.xchg_entries, step=ctas)
-                def _(i):
-                    zero_v = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
-                    write_partial(i, zero_acc(hd), zero_v, zero_v)
-                return
-            for k in range(plan.gather_slots):
+            """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers."""
+            for k in range(plan.gathered):
                 if plan.mma_merged:
                     gather_o.at[pl.ds(k * ROWS, ROWS)].T[...] = zero_acc(hd).astype(gather_o.dtype)
                 else:
@@ -1682,9 +1448,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                                                                              L.WGMMA.reduce(0))
             plgpu.commit_smem()
 
-            @pl.loop(c, plan.xchg_entries // plan.gather_slots, step=ctas)
+            @pl.loop(c, plan.xchg_entries // plan.gathered, step=ctas)
             def _(i):
-                n_g = plan.gather_slots
+                n_g = plan.gathered
                 if plan.mma_merged:  # (o's rows; m's and l's planes from the zeros' two halves)
                     plgpu.copy_smem_to_gmem(gather_o, xchg_o.at[pl.ds(i * e8, e8)])
                     plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, e8)], xchg_ml.at[pl.ds(i * e8, e8)])
@@ -1718,7 +1484,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         # (named scopes: the regions of the on-device profile, `profile_dir`; no code without it)
         def layers_and_head(r, pos, s):
             """The step's layers, then its head. Returns r (and, loop, the CTA's best logit and row)."""
-            xstep[0] = s
             def layer(l, r):
                 sem = 1 + n_ph * l  # this layer's phases signal sem, sem + 1, ...
 
@@ -2077,8 +1842,8 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each (else 64-byte placeholders)
         # (mma_merge: o as the merge's operand, [8 S, H] tiled, row 8 k + c partial k's column c)
         plgpu.SMEM((plan.gathered * ROWS, hd), plan.xchg_dtype, transforms=tiled) if plan.mma_merged else
-        plgpu.SMEM((max(plan.gather_slots, 1), hd if plan.grouped and plan.gather_slots else 1, ROWS), plan.xchg_dtype),
-        plgpu.SMEM((max(plan.gather_slots, 1) * 2 * ROWS,), jnp.float32),  # ([m | l] per partial: 1D, so no tiling is inferred)
+        plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), plan.xchg_dtype),
+        plgpu.SMEM((plan.gathered * 2 * ROWS,), jnp.float32),  # ([m | l] per partial: 1D, so no tiling is inferred)
         plgpu.Barrier(num_barriers=3 if plan.mma_merged else 2),
         # (mma_merge) the merge's weights [8, 8 S] (the 1b's 6-slot plan has no bytes to spare for a placeholder)
         *([plgpu.SMEM((ROWS, plan.gathered * ROWS), dtype, transforms=tiled)] if plan.mma_merged else []),
