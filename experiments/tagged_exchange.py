@@ -24,7 +24,8 @@ Measured on an H200 (docs/benchmarks.md, twenty-eighth session): no faster than 
 round (2.9 against 2.4 µs with one CTA per SM, 1.56 against 1.63 µs with several). A round is bound
 by how long a store takes to reach another SM's load, which both ways pay once. Polling one 16-byte
 register at a time cost a trip per late partial (~10 µs a round); all of a thread's words are
-re-read together.
+re-read together. Built into the megakernel's grouped exchange (commit fbb2033, `xchg_tagged`), it was
+level with the semaphore's too.
 
 GPU only (inline PTX through `plgpu.inline_mgpu`); tests lower it for sm_90 on the CPU.
 """
