@@ -405,7 +405,8 @@ def main(argv=None) -> int:
                     help="decode variants, comma-separated: ATTN or ATTN:LAYERS, ATTN in pallas/xla/fused, "
                          "LAYERS in auto/xla/pallas/pallas_tma/megakernel (default auto); megakernel may take plan "
                          "options as megakernel/FIELD=INT/... (decode.parse_megakernel_options; booleans 0/1), "
-                         "e.g. pallas:megakernel/qkv_ld=0/norm_in_qkv=0")
+                         "e.g. pallas:megakernel/qkv_ld=0/norm_in_qkv=0; short_reach=N sets the decoder's "
+                         "megakernel_short_reach (0: off)")
     ap.add_argument("--gemv-blocks", default="", help="tiles of the Pallas layer kernels, a decode_gemv.LayerBlocks.parse spec")
     ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
     ap.add_argument("--hf-models", default="1b,llama2_7b", help="models to run transformers on")
@@ -469,9 +470,11 @@ def main(argv=None) -> int:
 
             blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
             layer_impl, *spec = layer_impl.split("/")
-            options = dict(_option(o) for o in spec) or None
+            options = dict(_option(o) for o in spec)
+            # (short_reach: the decoder's megakernel_short_reach, not a plan field)
+            reach = {"megakernel_short_reach": options.pop("short_reach")} if "short_reach" in options else {}
             dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl or "auto",
-                                 gemv_blocks=blocks, megakernel_options=options)
+                                 gemv_blocks=blocks, megakernel_options=options or None, **reach)
             if dec.auto_megakernel_reason:
                 print(f"{name} {impl}: auto runs no megakernel: {dec.auto_megakernel_reason}", flush=True)
             wbytes = decode.weight_bytes_per_step(dec.weights)

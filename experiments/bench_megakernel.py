@@ -277,14 +277,27 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (and merged on the tensor cores: one wgmma over the [8 S, H] tile of partials)
             "mma": {"xchg_bf16": True, "mma_merge": True},
             # (128 CTAs on 132 SMs: 16 per KV head's group, none spare; what a cluster of 8 would need)
-            "ctas128": {"ctas": 128}}
+            "ctas128": {"ctas": 128},
+            # (--decoder-plan: the plan the decoder runs a long cache's first steps on, those that attend
+            # at most decode.MEGAKERNEL_SHORT_REACH positions; no fields of its own, see `variant_base`)
+            "short": {}}
 
 
-def race_other(plan: mk.MegaPlan, variant: str, against_base: bool) -> mk.MegaPlan | None:
+def variant_base(plan: mk.MegaPlan, variant: str, short: mk.MegaPlan | None) -> mk.MegaPlan:
+    """The plan a variant's fields replace: `short` for a variant with "short" in it, else plan."""
+    if "short" in variant.split("+"):
+        if short is None:
+            raise ValueError("the variant 'short' needs --decoder-plan (the decoder's plan for a long cache's first steps)")
+        return short
+    return plan
+
+
+def race_other(plan: mk.MegaPlan, variant: str, against_base: bool,
+               short: mk.MegaPlan | None = None) -> mk.MegaPlan | None:
     """The plan a variant's race check compares with (None: no check): the same variant without
     held ring slots (where it holds some), or, against_base, the base plan (for every variant but
-    base itself)."""
-    vplan = dataclasses.replace(plan, **variant_fields(variant))
+    base itself). short: the "short" variant's plan (variant_base)."""
+    vplan = dataclasses.replace(variant_base(plan, variant, short), **variant_fields(variant))
     if against_base:
         return None if variant == "base" else plan
     return dataclasses.replace(vplan, hold_slots=0) if vplan.hold_slots else None
@@ -458,7 +471,9 @@ def main(argv=None) -> int:
             from scaling import decode
 
             plan = decode.megakernel_plan(cfg, args.max_len)
+            short = decode.megakernel_plan(cfg, args.max_len, reach=decode.MEGAKERNEL_SHORT_REACH)
         else:
+            short = None
             plan = mk.plan_for(cfg, args.max_len, ctas=versions["sms"] or 132,
                                stages=args.stages, x_stages=args.x_stages)
         res: dict = {"plan": dataclasses.asdict(plan)}
@@ -473,7 +488,12 @@ def main(argv=None) -> int:
         result["models"][name] = res
         for variant in args.variants.split(","):
             key = "decode" if variant == "base" else f"decode_{variant}"
-            vplan = dataclasses.replace(plan, **variant_fields(variant))
+            if key in res:  # (a variant timed again: its own key, so every run is kept)
+                key += f"#{sum(k.split('#')[0] == key for k in res) + 1}"
+            try:
+                vplan = dataclasses.replace(variant_base(plan, variant, short), **variant_fields(variant))
+            except ValueError as e:
+                ap.error(str(e))
             if args.check and variant != "base":  # (every variant's own check: a layout or a split may differ)
                 try:
                     res[f"check_2_layers_{variant}"] = check(dataclasses.replace(vplan, layers=2), check_positions,
@@ -481,7 +501,7 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     res[f"check_{variant}_error"] = f"{type(e).__name__}: {str(e)[:800]}"
                     print(res[f"check_{variant}_error"], flush=True)
-            if args.race_steps and (other := race_other(plan, variant, args.race_base)) is not None:
+            if args.race_steps and (other := race_other(plan, variant, args.race_base, short)) is not None:
                 try:
                     res[f"race_{variant}"] = race_check(vplan, other, inv_freq, args.start, args.race_steps)
                     print(name, variant, "race check", res[f"race_{variant}"], flush=True)

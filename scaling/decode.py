@@ -175,6 +175,11 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
     return impl
 
 
+# A long cache's first steps, up to this many positions, on the plan of a cache that short
+# (megakernel_plan's reach): its attention without the long plan's exchange between CTAs (the
+# 1b on the H200 at start 128 in a cache of 2304: ~0.58 against ~0.635 ms; docs/decoding.md,
+# twenty-ninth session)
+MEGAKERNEL_SHORT_REACH = 511
 MEGAKERNEL_CHECK_LEN = 256  # a cache length every megakernel plan takes (whole tiles of 64 or 128 positions)
 # layers="auto" runs batch-1 steps on the megakernel on a Hopper GPU (the decoder's 1b at batch 1:
 # 1.29x the per-layer kernels on the H100, 1.43-1.45x on the H200; the 7b 1.10x and 1.17x;
@@ -246,15 +251,18 @@ def parse_megakernel_options(options) -> tuple[tuple[str, int | bool], ...]:
     return tuple(sorted(out))
 
 
-def megakernel_plan(cfg: ModelConfig, max_len: int, options: tuple = ()) -> decode_megakernel.MegaPlan:
+def megakernel_plan(cfg: ModelConfig, max_len: int, options: tuple = (),
+                    reach: int | None = None) -> decode_megakernel.MegaPlan:
     """The megakernel's plan for a step over a cache of max_len positions: one CTA per SM on the
     GPU, one CTA in the CPU's interpreter. options (`parse_megakernel_options`): fields set over the
     measured choices below, with the deepest ring that fits unless they set `stages` (the plan's
-    check then says whether it runs)."""
+    check then says whether it runs). reach: the most positions the steps attend (their last
+    position + 1), where fewer than max_len: the plan measured for a cache that short, over this
+    cache (any position still runs correctly on it, only slower past reach)."""
     if not options:
-        return _measured_plan(cfg, max_len)
+        return _measured_plan(cfg, max_len, reach)
     given = dict(options)
-    plan = dataclasses.replace(_measured_plan(cfg, max_len), **given)
+    plan = dataclasses.replace(_measured_plan(cfg, max_len, reach), **given)
     if "stages" in given or plan.smem_bytes() <= decode_megakernel.SMEM_BYTES:
         return plan
     # (options that take shared memory, as group_splits' partials: the deepest ring that fits)
@@ -266,7 +274,7 @@ def megakernel_plan(cfg: ModelConfig, max_len: int, options: tuple = ()) -> deco
     return plan
 
 
-def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan:
+def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> decode_megakernel.MegaPlan:
     gpu = jax.default_backend() == "gpu"
     ctas = (getattr(jax.devices()[0], "core_count", None) or 132) if gpu else 1
     x_stages = 8 if gpu else 4
@@ -276,8 +284,10 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     # positions over several units takes a 2048-position step from 83% to 92% of the copy
     # bandwidth (7b, H100, 4 splits) and the 1b's from 53% to 63% (H200, 8 splits), and costs <1%
     # at 128 positions. So a split per 256 positions of the cache, as many as the x stages and the
-    # CTAs hold. (norm_prefetch: level with paired positions, so left off.)
-    splits = max(1, min(max_len // 256, x_stages, max(1, ctas // cfg.num_kv_heads)))
+    # CTAs hold. (norm_prefetch: level with paired positions, so left off.) Those the steps read:
+    # a long cache's early steps read as few as a short one's (`reach`).
+    span = min(max_len, reach) if reach else max_len
+    splits = max(1, min(span // 256, x_stages, max(1, ctas // cfg.num_kv_heads)))
     # Without splits, attention and the output projection as one phase where a KV head's q heads
     # are one K step of W_o (the 1b at prompt 128: 1.08x on the H200, 1.06x on the H100;
     # docs/benchmarks.md, eighteenth session)
@@ -334,10 +344,12 @@ def _measured_plan(cfg: ModelConfig, max_len: int) -> decode_megakernel.MegaPlan
     return plan  # (its check names what it cannot run)
 
 
-def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, options: tuple = ()):
-    """A batch-1 step by decode_megakernel: cache {"kv": plan.cache_shape} (megakernel_cache)."""
+def _megakernel_step(weights, cache, tokens_b, write_b, *, cfg: ModelConfig, options: tuple = (),
+                     reach: int | None = None):
+    """A batch-1 step by decode_megakernel: cache {"kv": plan.cache_shape} (megakernel_cache);
+    reach: megakernel_plan's."""
     kv = cache["kv"]
-    plan = megakernel_plan(cfg, _cache_len(cache, cfg), options)
+    plan = megakernel_plan(cfg, _cache_len(cache, cfg), options, reach)
     # (the kernel reads the token's embedding row and pos's RoPE row itself: no other kernel runs
     # before it; the table of every position is loop-invariant, so XLA computes it once per chunk)
     rope_all = decode_megakernel.rope_tables(plan.max_len, layers.rope_frequencies(cfg))
@@ -545,9 +557,10 @@ def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, 
 
 def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_impl: DecodeAttentionImpl,
                   layer_impl: DecodeLayerImpl = DecodeLayerImpl.xla, blocks: decode_gemv.LayerBlocks | None = None,
-                  tma: decode_tma.TmaSettings | None = None, mk_options: tuple = ()):
+                  tma: decode_tma.TmaSettings | None = None, mk_options: tuple = (), mk_reach: int | None = None):
     """One token per row at position pos[b] -> logits [B, V]; its K/V written in place. tma: the
-    TMA kernels' settings (layers="pallas_tma"); mk_options: the megakernel's plan options."""
+    TMA kernels' settings (layers="pallas_tma"); mk_options, mk_reach: the megakernel's plan options
+    and reach (megakernel_plan)."""
     b = tokens_b.shape[0]
     s = _cache_len(cache, cfg)
     inv_freq = layers.rope_frequencies(cfg)
@@ -556,7 +569,7 @@ def _step_forward(weights, cache, tokens_b, pos_b, *, cfg: ModelConfig, attn_imp
     write_b = jnp.minimum(pos_b, s - 1)
     lengths_b = write_b + 1
     if layer_impl == DecodeLayerImpl.megakernel:
-        return _megakernel_step(weights, cache, tokens_b, write_b, cfg=cfg, options=mk_options)
+        return _megakernel_step(weights, cache, tokens_b, write_b, cfg=cfg, options=mk_options, reach=mk_reach)
     if layer_impl in (DecodeLayerImpl.pallas, DecodeLayerImpl.pallas_tma):
         return _pallas_step(weights, cache, tokens_b, write_b, cfg=cfg, attn_impl=attn_impl, inv_freq=inv_freq,
                             blocks=layer_blocks(cfg, b, blocks),
@@ -737,20 +750,22 @@ def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "attn_impl", "layer_impl", "blocks", "sampling", "n_steps", "tma", "mk_options"),
+    jax.jit, static_argnames=("cfg", "attn_impl", "layer_impl", "blocks", "sampling", "n_steps", "tma", "mk_options",
+                     "mk_reach"),
     donate_argnames=("state",)
 )
 def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, layer_impl=DecodeLayerImpl.xla,
-                  blocks=None, tma=None, mk_options=()):
+                  blocks=None, tma=None, mk_options=(), mk_reach=None):
     loop = layer_impl == DecodeLayerImpl.megakernel and sampling.greedy
-    if loop and _loop_runs(cfg, _cache_len(state["cache"], cfg), mk_options):  # (one launch for the chunk)
-        return _megakernel_greedy_chunk(weights, state, params, cfg=cfg, n_steps=n_steps, options=mk_options)
+    if loop and _loop_runs(cfg, _cache_len(state["cache"], cfg), mk_options, mk_reach):  # (one launch for the chunk)
+        return _megakernel_greedy_chunk(weights, state, params, cfg=cfg, n_steps=n_steps, options=mk_options,
+                                        reach=mk_reach)
     seed_key = jax.random.wrap_key_data(params["key"])
 
     def step(state, _):
         logits, cache = _step_forward(weights, state["cache"], state["token"], state["pos"], cfg=cfg,
                                       attn_impl=attn_impl, layer_impl=layer_impl, blocks=blocks, tma=tma,
-                                      mk_options=mk_options)
+                                      mk_options=mk_options, mk_reach=mk_reach)
         tok, lp = sample(logits, _row_keys(seed_key, state["count"]), params["temperature"], params["top_p"], sampling)
         state, tok, lp = _advance(dict(state, cache=cache), tok, lp, params)
         return state, (tok, lp)
@@ -759,22 +774,22 @@ def _decode_chunk(weights, state, params, *, cfg, attn_impl, sampling, n_steps, 
     return state, toks.T, lps.T  # [B, n_steps]
 
 
-def _loop_runs(cfg: ModelConfig, max_len: int, options: tuple = ()) -> bool:
+def _loop_runs(cfg: ModelConfig, max_len: int, options: tuple = (), reach: int | None = None) -> bool:
     """Whether megakernel_loop runs this model's plan (else greedy chunks go step by step)."""
     try:
-        decode_megakernel.loop_check(megakernel_plan(cfg, max_len, options))
+        decode_megakernel.loop_check(megakernel_plan(cfg, max_len, options, reach))
         return True
     except ValueError:
         return False
 
 
-def _megakernel_greedy_chunk(weights, state, params, *, cfg, n_steps, options: tuple = ()):
+def _megakernel_greedy_chunk(weights, state, params, *, cfg, n_steps, options: tuple = (), reach: int | None = None):
     """_decode_chunk's greedy batch-1 steps as one launch of decode_megakernel.megakernel_loop
     (the kernel picks each next token itself), then the chunk's book-keeping at once: the same
     tokens, log-probs and state as n_steps of `sample` and `_advance`. Steps after the row
     finishes run and are discarded, as in the step-by-step chunk."""
     cache = state["cache"]
-    plan = megakernel_plan(cfg, _cache_len(cache, cfg), options)
+    plan = megakernel_plan(cfg, _cache_len(cache, cfg), options, reach)
     rope_all = decode_megakernel.rope_tables(plan.max_len, layers.rope_frequencies(cfg))
     pos0 = state["pos"][0]
     toks, raw, r, kv = decode_megakernel.megakernel_loop(
@@ -840,6 +855,9 @@ class Decoder:
     megakernel_options: (layers="megakernel") MegaPlan fields to set over the measured plan,
         e.g. {"qkv_ld": False} (`parse_megakernel_options` says which; the plan's check, which
         values run).
+    megakernel_short_reach: chunks whose steps attend at most this many positions run on the plan
+        of a cache that short (megakernel_plan's reach), where it differs from the cache's own;
+        0: every chunk on the cache's own plan.
     """
 
     def __init__(
@@ -856,6 +874,7 @@ class Decoder:
         gemv_blocks: decode_gemv.LayerBlocks | None = None,
         tma: decode_tma.TmaSettings | None = None,
         megakernel_options: dict | None = None,
+        megakernel_short_reach: int = MEGAKERNEL_SHORT_REACH,
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -898,6 +917,9 @@ class Decoder:
             raise ValueError(f"megakernel_options set the megakernel's plan: they need layers='megakernel', got "
                              f"layers={self.layer_impl.value!r}")
         self.mk_options = parse_megakernel_options(megakernel_options)
+        if not isinstance(megakernel_short_reach, int) or megakernel_short_reach < 0:
+            raise ValueError(f"megakernel_short_reach must be an int >= 0 (0: off), got {megakernel_short_reach!r}")
+        self.short_reach = megakernel_short_reach
         if self.mk_options:
             try:
                 megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options).check()
@@ -938,6 +960,15 @@ class Decoder:
             tma = self.layer_impl == DecodeLayerImpl.pallas_tma or self.auto_tma
             return DecodeLayerImpl.pallas_tma if tma else DecodeLayerImpl.pallas
         return DecodeLayerImpl.xla
+
+    def _chunk_reach(self, max_len: int, bound: int) -> int | None:
+        """The megakernel's reach for a chunk whose steps attend at most `bound` positions of a
+        cache of max_len: the decoder's short reach where they stay within it and its plan differs
+        from the cache's own (one more compile per cache length), else None."""
+        if bound > self.short_reach or bound >= max_len:
+            return None
+        short = megakernel_plan(self.cfg, max_len, self.mk_options, self.short_reach)
+        return self.short_reach if short != megakernel_plan(self.cfg, max_len, self.mk_options) else None
 
     def bucket(self, n_rows: int) -> int:
         """The batch a call of n_rows prompts runs at: a power of two, padded to the minimum of
@@ -1051,17 +1082,22 @@ class Decoder:
         finished = bool(all_done)
         steps_left = max_new_tokens - 1
         pending = None
+        # (the megakernel: positions the chunk's steps attend at most, the prompt's and the chunks' so far)
+        reach_bound = longest
         while True:
             launched = None
             if not finished and steps_left > 0:
                 step_layers = self._step_layers(b)
+                reach_bound += self.chunk
                 weights = self.megakernel_weights if step_layers == DecodeLayerImpl.megakernel else self.weights
                 state, toks, lps = _decode_chunk(weights, state, params, cfg=cfg, attn_impl=self.attn_impl,
                                                  layer_impl=step_layers, blocks=self.gemv_blocks,
                                                  sampling=sampling, n_steps=self.chunk,
                                                  tma=self.tma if step_layers == DecodeLayerImpl.pallas_tma else None,
                                                  mk_options=self.mk_options
-                                                 if step_layers == DecodeLayerImpl.megakernel else ())
+                                                 if step_layers == DecodeLayerImpl.megakernel else (),
+                                                 mk_reach=self._chunk_reach(s, reach_bound)
+                                                 if step_layers == DecodeLayerImpl.megakernel else None)
                 steps_left -= self.chunk
                 launched = (toks, lps, jnp.all(state["done"]))
                 if timing is not None:

@@ -515,6 +515,40 @@ def test_greedy_chunk_book_keeping_matches_advance_step_by_step(monkeypatch, cou
         assert got_state[key].tolist() == want_state[key].tolist(), key
 
 
+def test_decoder_runs_a_long_caches_first_chunks_on_the_short_plan(monkeypatch):
+    """The chunks whose steps attend at most megakernel_short_reach positions run megakernel_plan's
+    reach plan, the later ones the cache's own, with the same tokens and log-probs as every chunk on
+    the cache's own plan. (One CTA in the interpreter splits no cache, so here the reach plan differs
+    by its held slots, which change when slots are freed, not what is computed.)"""
+    measured = decode._measured_plan
+
+    def differing(cfg, max_len, reach=None):
+        plan = measured(cfg, max_len, reach)
+        return dataclasses.replace(plan, hold_slots=0) if reach and reach < max_len else plan
+
+    monkeypatch.setattr(decode, "_measured_plan", differing)
+    model = build_model(dataclasses.replace(CFG2, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+
+    def run(short_reach):
+        dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2,
+                             megakernel_short_reach=short_reach)
+        reaches, chunk = [], decode._decode_chunk
+        monkeypatch.setattr(decode, "_decode_chunk", lambda *a, **k: reaches.append(k["mk_reach"]) or chunk(*a, **k))
+        try:
+            return dec.generate(prompts, 7), reaches
+        finally:
+            monkeypatch.setattr(decode, "_decode_chunk", chunk)
+
+    (got, reaches), (want, own) = run(12), run(0)
+    # after the prompt's 8 positions, chunks of 2 steps attend at most 10, 12, 14 positions
+    assert reaches == [12, 12, None] and own == [None] * 3
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+    with pytest.raises(ValueError, match="megakernel_short_reach must be an int >= 0"):
+        decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", megakernel_short_reach=-1)
+
+
 def test_measured_plans_split_long_caches_within_the_groups(monkeypatch):
     """The decoder's plans on an H100/H200 (132 SMs), without compiling: the 1b's long cache is
     split within fuse_out's groups (docs/benchmarks.md, twenty-third session), its short one is not,
@@ -532,6 +566,12 @@ def test_measured_plans_split_long_caches_within_the_groups(monkeypatch):
     assert short_1b.fuse_out and not short_1b.grouped
     long_7b = decode.megakernel_plan(seven_b, 2304)
     assert not long_7b.fuse_out and long_7b.attn_splits == 4
+    # a long cache's first steps (reach: the positions they attend) on the short cache's plan
+    for cfg, long in ((one_b, long_1b), (seven_b, long_7b)):
+        early = decode.megakernel_plan(cfg, 2304, reach=decode.MEGAKERNEL_SHORT_REACH)
+        assert early == dataclasses.replace(decode.megakernel_plan(cfg, 384), max_len=2304) != long
+        assert early.cache_shape == long.cache_shape  # (the same cache, read by either plan)
+        assert decode.megakernel_plan(cfg, 2304, reach=2304) == long
     # llama3_8b: 29 operand slots (its down projection's K steps per CTA) leave room for 2 ring slots
     eight_b = load_config(presets / "llama3_8b.yaml").model
     short_8b = decode.megakernel_plan(eight_b, 384)
