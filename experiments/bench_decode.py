@@ -4,7 +4,7 @@
     python experiments/bench_decode.py --quick    # 1b, batch 1 and 8, prompt 128
 
 Random bf16 weights of the preset shapes (configs/models/*.yaml). For each (model, batch, prompt):
-prefill, then `--new-tokens` greedy decode steps; a short warm-up call compiles first.
+prefill, then `--new-tokens` greedy decode steps; a warm-up call of the same steps compiles first.
 
 Roofline: a decode step must read every weight once (the embedding table only for the tied
 head) plus, per row, the K/V cache it attends to. bytes/step over the bandwidth of a large
@@ -114,7 +114,9 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
 def bench_ours(dec: decode.Decoder, cfg: ModelConfig, batch: int, prompt: int, new: int, rng) -> dict:
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
     max_len = -(-(prompt + new) // 128) * 128  # the same cache shape for warm-up and timed call
-    dec.generate(prompts, dec.chunk + 1, max_len=max_len)  # compile prefill and one chunk
+    # (warm-up over the same steps: a long cache's first chunks run on another plan, which compiles
+    # apart, Decoder.megakernel_short_reach)
+    dec.generate(prompts, new, max_len=max_len)
     g = dec.generate(prompts, new, max_len=max_len)
     assert all(len(t) == new for t in g.tokens), [len(t) for t in g.tokens]
     step_s = g.decode_s / g.decode_steps

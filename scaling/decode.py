@@ -175,11 +175,14 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
     return impl
 
 
+# Caches (or steps, megakernel_plan's reach) of at least this many positions split a KV head's
+# positions within fuse_out's groups (`_measured_plan`)
+GROUPS_FROM = 768
 # A long cache's first steps, up to this many positions, on the plan of a cache that short
-# (megakernel_plan's reach): its attention without the long plan's exchange between CTAs (the
-# 1b on the H200 at start 128 in a cache of 2304: ~0.58 against ~0.635 ms; docs/decoding.md,
-# twenty-ninth session)
-MEGAKERNEL_SHORT_REACH = 511
+# (megakernel_plan's reach), where the cache's own splits its positions within fuse_out's groups:
+# its attention without the exchange between CTAs (the 1b on the H200 in a cache of 2304: 1.09x at
+# start 128, 1.035x at 448, 1.024x at 640; docs/decoding.md, twenty-ninth session)
+MEGAKERNEL_SHORT_REACH = GROUPS_FROM - 1
 MEGAKERNEL_CHECK_LEN = 256  # a cache length every megakernel plan takes (whole tiles of 64 or 128 positions)
 # layers="auto" runs batch-1 steps on the megakernel on a Hopper GPU (the decoder's 1b at batch 1:
 # 1.29x the per-layer kernels on the H100, 1.43-1.45x on the H200; the 7b 1.10x and 1.17x;
@@ -317,8 +320,14 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # H200: 0.627-0.630 against 0.633-0.642 ms in three alternating pairs, 1.016x; the kernel
     # alone 1.01x; 3 held 0.669 against 0.650-0.656; twenty-sixth session)
     grouped = dataclasses.replace(fused, group_splits=fused.out_group, hold_slots=1)
+    # Below GROUPS_FROM positions every member of a group reads all of its head's positions
+    # instead, with no exchange (the 1b: 1.09x at 128, 1.035x at 448-511, 1.024x at 640, level
+    # at 768, 0.99x at 896 on the H200; twenty-ninth session). Models without fuse_out (the 7b,
+    # whose split is faster already at 448) keep their splits from 512.
     candidates = ((fused, plan) if splits == 1 else
                   (grouped, dataclasses.replace(plan, attn_splits=splits), plan))
+    if splits > 1 and span < GROUPS_FROM:
+        candidates = (fused,) + candidates
     # With the MLP fused, one operand slot makes room for a sixth ring slot (the 1b at prompt 128 on
     # the H200: 1.017-1.028x in two runs; one operand alone at 5 slots level; docs/benchmarks.md,
     # twenty-first session); else the deepest ring that fits
@@ -967,8 +976,10 @@ class Decoder:
         from the cache's own (one more compile per cache length), else None."""
         if bound > self.short_reach or bound >= max_len:
             return None
+        own = megakernel_plan(self.cfg, max_len, self.mk_options)
         short = megakernel_plan(self.cfg, max_len, self.mk_options, self.short_reach)
-        return self.short_reach if short != megakernel_plan(self.cfg, max_len, self.mk_options) else None
+        # (only a grouped plan's: the 7b's attn_splits, unsplit, are slower already at 448 positions)
+        return self.short_reach if own.grouped and short != own else None
 
     def bucket(self, n_rows: int) -> int:
         """The batch a call of n_rows prompts runs at: a power of two, padded to the minimum of

@@ -11,6 +11,7 @@
 
 import dataclasses
 import functools
+import types
 from pathlib import Path
 
 import jax
@@ -518,8 +519,9 @@ def test_greedy_chunk_book_keeping_matches_advance_step_by_step(monkeypatch, cou
 def test_decoder_runs_a_long_caches_first_chunks_on_the_short_plan(monkeypatch):
     """The chunks whose steps attend at most megakernel_short_reach positions run megakernel_plan's
     reach plan, the later ones the cache's own, with the same tokens and log-probs as every chunk on
-    the cache's own plan. (One CTA in the interpreter splits no cache, so here the reach plan differs
-    by its held slots, which change when slots are freed, not what is computed.)"""
+    the cache's own plan. (One CTA in the interpreter splits no cache, so here the plans are grouped by
+    options, and the reach plan differs by its held slots, which change when slots are freed, not
+    what is computed.)"""
     measured = decode._measured_plan
 
     def differing(cfg, max_len, reach=None):
@@ -527,11 +529,12 @@ def test_decoder_runs_a_long_caches_first_chunks_on_the_short_plan(monkeypatch):
         return dataclasses.replace(plan, hold_slots=0) if reach and reach < max_len else plan
 
     monkeypatch.setattr(decode, "_measured_plan", differing)
-    model = build_model(dataclasses.replace(CFG2, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
+    model = build_model(dataclasses.replace(CFG, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16), seed=5)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
 
     def run(short_reach):
         dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2,
+                             megakernel_options={"group_ctas": 2, "group_splits": 2},
                              megakernel_short_reach=short_reach)
         reaches, chunk = [], decode._decode_chunk
         monkeypatch.setattr(decode, "_decode_chunk", lambda *a, **k: reaches.append(k["mk_reach"]) or chunk(*a, **k))
@@ -567,11 +570,21 @@ def test_measured_plans_split_long_caches_within_the_groups(monkeypatch):
     long_7b = decode.megakernel_plan(seven_b, 2304)
     assert not long_7b.fuse_out and long_7b.attn_splits == 4
     # a long cache's first steps (reach: the positions they attend) on the short cache's plan
-    for cfg, long in ((one_b, long_1b), (seven_b, long_7b)):
-        early = decode.megakernel_plan(cfg, 2304, reach=decode.MEGAKERNEL_SHORT_REACH)
-        assert early == dataclasses.replace(decode.megakernel_plan(cfg, 384), max_len=2304) != long
-        assert early.cache_shape == long.cache_shape  # (the same cache, read by either plan)
-        assert decode.megakernel_plan(cfg, 2304, reach=2304) == long
+    # below GROUPS_FROM positions the 1b's groups split nothing (each member reads them all)
+    assert not decode.megakernel_plan(one_b, 640).grouped and decode.megakernel_plan(one_b, 768).grouped
+    assert decode.megakernel_plan(seven_b, 640).attn_splits == 2  # (no fuse_out: its splits from 512)
+    # a long cache's first steps (reach: the positions they attend) on the short cache's plan
+    reach = decode.MEGAKERNEL_SHORT_REACH
+    early = decode.megakernel_plan(one_b, 2304, reach=reach)
+    assert early == dataclasses.replace(decode.megakernel_plan(one_b, 640), max_len=2304) != long_1b
+    assert early.cache_shape == long_1b.cache_shape  # (the same cache, read by either plan)
+    assert decode.megakernel_plan(one_b, 2304, reach=2304) == long_1b
+    # which the decoder takes for the grouped plans only (the 7b's splits are faster by 448)
+    for cfg, want in ((one_b, reach), (seven_b, None)):
+        dec = types.SimpleNamespace(cfg=cfg, mk_options=(), short_reach=reach)
+        assert decode.Decoder._chunk_reach(dec, 2304, 700) == want
+        assert decode.Decoder._chunk_reach(dec, 2304, reach + 1) is None
+        assert decode.Decoder._chunk_reach(dec, 640, 600) is None  # (its own plan is the short one)
     # llama3_8b: 29 operand slots (its down projection's K steps per CTA) leave room for 2 ring slots
     eight_b = load_config(presets / "llama3_8b.yaml").model
     short_8b = decode.megakernel_plan(eight_b, 384)
