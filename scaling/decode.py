@@ -176,7 +176,8 @@ def resolve_layer_impl(impl: DecodeLayerImpl | str, cfg: ModelConfig, attn: Deco
 
 
 # Caches (or steps, megakernel_plan's reach) of at least this many positions split a KV head's
-# positions within fuse_out's groups (`_measured_plan`)
+# positions within fuse_out's groups (`_measured_plan`; the H200's crossover: the H100's is nearer
+# 640, where it costs at most ~1.5% up to 767; docs/benchmarks.md, twenty-ninth session)
 GROUPS_FROM = 768
 # A long cache's first steps, up to this many positions, on the plan of a cache that short
 # (megakernel_plan's reach), where the cache's own splits its positions within fuse_out's groups:
