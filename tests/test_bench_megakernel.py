@@ -130,3 +130,10 @@ def test_race_check_pairs_each_variant_with_the_plan_it_must_match():
     # (--race-base: the base plan, for every variant but base)
     assert bm.race_other(plan, "ctas128", True) == plan
     assert bm.race_other(plan, "base", True) is None
+    # `short`: the decoder's plan for a long cache's early steps, with the other parts' fields over it
+    short = dataclasses.replace(plan, stages=4)
+    assert bm.variant_base(plan, "short+hold1", short) is short and bm.variant_base(plan, "hold1", short) is plan
+    assert bm.race_other(plan, "short", False, short) == dataclasses.replace(short, hold_slots=0)
+    assert bm.race_other(plan, "short", True, short) == plan
+    with pytest.raises(ValueError, match="'short' needs --decoder-plan"):
+        bm.variant_base(plan, "short", None)
