@@ -272,10 +272,6 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (fuse_out with a KV head's positions split over up to n of its group's CTAs, which
             # exchange their partials behind a group semaphore: long caches without attn_splits' combine)
             **{f"group{n}": {"fuse_out": True, "attn_splits": 1, "group_splits": n} for n in (4, 8, 16)},
-            # (the grouped plan's partials' o exchanged in bf16: half the bytes read back per member)
-            "xbf16": {"xchg_bf16": True},
-            # (and merged on the tensor cores: one wgmma over the [8 S, H] tile of partials)
-            "mma": {"xchg_bf16": True, "mma_merge": True},
             # (128 CTAs on 132 SMs: 16 per KV head's group, none spare; what a cluster of 8 would need)
             "ctas128": {"ctas": 128},
             # (--decoder-plan: the plan the decoder runs a long cache's first steps on, those that attend

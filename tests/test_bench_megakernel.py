@@ -124,7 +124,7 @@ def test_cta_drift_tells_the_same_slow_ctas_every_layer_from_noise():
 def test_race_check_pairs_each_variant_with_the_plan_it_must_match():
     plan = mk.plan_for(bm.preset("1b"), 384, ctas=132, hold_slots=2)
     # (its own hold 0 by default; none where it holds nothing)
-    assert bm.race_other(plan, "xbf16", False) == dataclasses.replace(plan, xchg_bf16=True, hold_slots=0)
+    assert bm.race_other(plan, "qld", False) == dataclasses.replace(plan, qkv_ld=True, hold_slots=0)
     assert bm.race_other(plan, "hold1", False) == dataclasses.replace(plan, hold_slots=0)
     assert bm.race_other(dataclasses.replace(plan, hold_slots=0), "base", False) is None
     # (--race-base: the base plan, for every variant but base)

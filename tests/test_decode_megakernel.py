@@ -303,23 +303,19 @@ CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, ml
 # group (group_ctas, group_splits): a KV head's members split its tiles and merge their partials.
 # At pos 1 the cache holds one tile: every member reads it (its own partial, through the exchange
 # buffer); at 450, 4 tiles in 3 runs (1, 1, 2), the fourth member reads none; 3 members share W_o's
-# 8 row tiles 2, 3, 3. Options after the group: the partials in bf16, one slot held per phase (the
-# decoder's long plan), the merge on the tensor cores (8 partials: 4 runs, 4 empty)
+# 8 row tiles 2, 3, 3. "hold1": one slot held per phase (the decoder's long plan)
 @pytest.mark.parametrize("cfg,max_len,pos,fuse_mlp,group", [(CFG, MAX_LEN, 100, False, (0, 0)),
                                                             (CFG3, 256, 1, False, (3, 2)),
                                                             (CFG3, 256, 129, True, (0, 0)),
                                                             (CFG3, 512, 450, True, (4, 3)),
-                                                            (CFG3, 512, 450, True, (4, 3, "bf16", "hold1")),
-                                                            (CFG3, 256, 1, False, (8, 8, "bf16", "mma")),
-                                                            (CFG3, 512, 450, True, (8, 8, "bf16", "mma"))])
+                                                            (CFG3, 512, 450, True, (4, 3, "hold1"))])
 def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_len, pos, fuse_mlp, group):
     model = build_model(dataclasses.replace(cfg, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     hold = (1 if "hold1" in group else 2) if fuse_mlp else 0
     plan = mk.plan_for(cfg, max_len, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8, fuse_out=True,
                        fuse_mlp=fuse_mlp, hold_slots=hold, norm_in_qkv=fuse_mlp, one_operand=fuse_mlp,
-                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp, group_ctas=group[0], group_splits=group[1],
-                       xchg_bf16="bf16" in group, mma_merge="mma" in group)
+                       down_rotate=fuse_mlp, qkv_ld=fuse_mlp, group_ctas=group[0], group_splits=group[1])
     plan.check()
     assert plan.grouped == (group[1] > 1)
     assert plan.phases_per_layer == 4 - fuse_mlp and plan.ppr == (1 if cfg is CFG else 2)
@@ -335,8 +331,7 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     np.testing.assert_array_equal(np.asarray(mk.unpack_cache(packed, plan.ppr)), np.asarray(want_cache))
     # the fused reference's rounding (each stream's share on its own) is still the same attention
     unfused, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
-                                         plan=dataclasses.replace(plan, fuse_out=False, group_splits=0, xchg_bf16=False,
-                                                                   mma_merge=False))
+                                         plan=dataclasses.replace(plan, fuse_out=False, group_splits=0))
     assert _rel(want, unfused) < 2e-2
 
 
@@ -357,10 +352,6 @@ def test_fused_output_projection_refuses_what_it_cannot_run():
         mk.plan_for(CFG3, 256, x_stages=8, group_splits=2).check()
     with pytest.raises(ValueError, match="group_splits=5 must be at most the group's 4 CTAs"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, group_splits=5).check()
-    with pytest.raises(ValueError, match="mma_merge needs xchg_bf16 and group_splits a multiple of 8"):
-        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, group_splits=4, xchg_bf16=True, mma_merge=True).check()
-    # (inert where no group splits its positions: the decoder sets them over every bucket's plan)
-    mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, xchg_bf16=True, mma_merge=True).check()
     with pytest.raises(ValueError, match="group_ctas and group_splits must be >= 0"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, group_ctas=-1).check()
     with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):

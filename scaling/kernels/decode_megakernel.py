@@ -65,7 +65,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -168,18 +167,6 @@ class MegaPlan:
     # caches, where each member would otherwise read all of its head's tiles one after another,
     # without the two extra grid barriers of attn_splits' combine phase
     group_splits: int = 0
-    # (grouped) the partials' o exchanged in bf16 instead of f32: half the bytes each member reads
-    # back from L2 (the gather: 33 -> 17 KiB for 16 partials), half the write, and 16 KiB of shared
-    # memory free; m and l stay f32. The o is rounded once, before the merge (the operand it ends
-    # in is bf16 too)
-    xchg_bf16: bool = False
-    # (grouped, xchg_bf16) the partials merged on the tensor cores: each member's o stored transposed
-    # ([8 columns, H] bf16), so its group's S partials land as one [8 S, H] operand tile, and one
-    # wgmma takes sum_k w_k o_k with the weights w_k = exp(m_k - max m) per column (bf16) in a
-    # block-diagonal [8 S, 8] operand; the weights and the largest m from two vector loads and one
-    # reduction each, instead of a chain of 16 loads, exps and adds per partial that waited on each
-    # other (at 251 registers). Needs group_splits a multiple of 8 (whole 64-row operand tiles)
-    mma_merge: bool = False
 
     @property
     def out_group(self) -> int:
@@ -205,16 +192,6 @@ class MegaPlan:
         its own on, which stays inside, and every one it copies is finite."""
         n = self.gathered
         return -(-(self.kv_heads * self.out_group + n - 1) // n) * n if self.grouped else 1
-
-    @property
-    def xchg_dtype(self):
-        """(grouped) The exchanged partials' o: bf16 (xchg_bf16) or f32."""
-        return jnp.bfloat16 if self.xchg_bf16 else jnp.float32
-
-    @property
-    def mma_merged(self) -> bool:
-        """The grouped plan's partials merged on the tensor cores (mma_merge; inert without groups)."""
-        return self.grouped and self.mma_merge
 
     def out_tiles(self, member):
         """(fuse_out) [a, b): the row tiles of W_o that member m of a KV head's group takes."""
@@ -345,10 +322,7 @@ class MegaPlan:
                 + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
                 + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
                 + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
-                + (self.gathered * (hd * jnp.dtype(self.xchg_dtype).itemsize + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
-                # (mma_merge) their weights, and the two swizzled buffers' alignment (1 KiB each; measured
-                # 1.2 KiB over the rest of this estimate on the 1b)
-                + (self.gathered * ROWS * ROWS * 2 + 2048 if self.mma_merged else 0)
+                + (self.gathered * (hd * 4 + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
                 + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
                 + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
 
@@ -382,10 +356,6 @@ class MegaPlan:
             raise ValueError(f"group_ctas and group_splits must be >= 0, got {self.group_ctas}, {self.group_splits}")
         if self.group_splits > 1 and not self.fuse_out:
             raise ValueError("group_splits splits the positions within fuse_out's groups: it needs fuse_out")
-        if self.mma_merge and self.grouped and not (self.xchg_bf16 and self.group_splits % (BLOCK_F // ROWS) == 0):
-            raise ValueError(f"mma_merge needs xchg_bf16 and group_splits a multiple of {BLOCK_F // ROWS} (whole "
-                             f"{BLOCK_F}-row operand tiles of 8 columns per partial), got xchg_bf16={self.xchg_bf16}, "
-                             f"group_splits={self.group_splits}")
         if self.group_splits > self.out_group:
             raise ValueError(f"group_splits={self.group_splits} must be at most the group's {self.out_group} CTAs "
                              f"(group_ctas, or ctas // kv_heads)")
@@ -537,7 +507,7 @@ def rope_table(pos, inv_freq):
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage,
           ring, part, res, obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full,
-          misc, res_full, ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, wmerge=None, *,
+          misc, res_full, ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, *,
           plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -558,8 +528,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
     loop = steps > 0
     view, expect = [buf_all], [plan.ctas]
     expect_group = [plan.out_group]  # (grouped) a group semaphore's count once the current step's members signalled
-    e8 = plan.gathered * ROWS  # (mma_merge) the l's offset in gather_ml
-    l_plane = plan.xchg_entries * ROWS  # (mma_merge) the l plane's offset in xchg_ml (the m plane's is 0)
 
     def vbuf():
         return view[0]
@@ -1107,16 +1075,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     # path as every other exchange between CTAs, ordered by the group's signal)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the previous unit's are read)
                     at = kvh * gs + member
-                    if plan.mma_merged:  # o transposed ([8, H]: the merge's operand rows), m and l planar
-                        gather_o.at[pl.ds(0, ROWS)].T[...] = compact(o).astype(gather_o.dtype)
-                        gather_ml.at[pl.ds(0, ROWS)][...] = m
-                        gather_ml.at[pl.ds(e8, ROWS)][...] = l
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(gather_o.at[pl.ds(0, ROWS)], xchg_o.at[pl.ds(at * ROWS, ROWS)])
-                        plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, ROWS)], xchg_ml.at[pl.ds(at * ROWS, ROWS)])
-                        plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(e8, ROWS)],
-                                                xchg_ml.at[pl.ds(l_plane + at * ROWS, ROWS)])
-                        return r
                     gather_o.at[0][...] = compact(o).astype(gather_o.dtype)
                     gather_ml.at[pl.ds(0, ROWS)][...] = m
                     gather_ml.at[pl.ds(ROWS, ROWS)][...] = l
@@ -1189,45 +1147,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 total, o = (ml(k, ROWS) * w, term) if k == 0 else (total + ml(k, ROWS) * w, o + term)
             return top, total, o
 
-        def mma_merge(first, ns, r, held):
-            """(plan.mma_merged) chain_merge's (top, total, o) on the tensor cores. The S partials'
-            o land as one [8 S, H] tile (row 8 k + c: partial k's column c) and their m and l as two
-            [8 S] vectors in the same order; row r of the weights' operand holds w_k = exp(m_k - top)
-            (bf16) in column c = r mod 8 only, so o = tileᵀ weights sums each column's partials.
-            Partial 0 always counts; the others only for S > 1. Returns (top, total, o)."""
-            n_r = plan.gathered * ROWS
-            plgpu.copy_gmem_to_smem(xchg_o.at[pl.ds(first * ROWS, n_r)], gather_o, gather_full.at[0])
-            plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(first * ROWS, n_r)], gather_ml.at[pl.ds(0, n_r)],
-                                    gather_full.at[1])
-            plgpu.copy_gmem_to_smem(xchg_ml.at[pl.ds(l_plane + first * ROWS, n_r)], gather_ml.at[pl.ds(e8, n_r)],
-                                    gather_full.at[2])
-            row, col = iota((BLOCK_F, ROWS), 0), iota((BLOCK_F, ROWS), 1)
-            diag = lax.rem(row, ROWS) == col
-            many = row * 0 + ns > 1  # (an array: Mosaic GPU's `where` takes a scalar predicate only for scalars)
-
-            def rows_of(at):  # n_r values from gather_ml[at..] as [64, 8] tiles, row r's value in every column
-                out = []
-                for t in range(n_r // BLOCK_F):
-                    ref = gather_ml.at[pl.ds(at + t * BLOCK_F, BLOCK_F)]
-                    v = ref[...] if interpret else plgpu.load(ref, layout=L.WGMMA.reduce(1), optimized=False)
-                    out.append(lax.broadcast_in_dim(v, (BLOCK_F, ROWS), [0]))
-                return out
-
-            plgpu.barrier_wait(gather_full.at[1])
-            plgpu.barrier_wait(gather_full.at[2])
-            keep = [diag & (many | (row < ROWS)) if t == 0 else diag & many for t in range(n_r // BLOCK_F)]
-            ms = [jnp.where(k_, m_, NEG) for k_, m_ in zip(keep, rows_of(0))]
-            top = jnp.max(functools.reduce(jnp.maximum, ms), axis=0)
-            top_b = lax.broadcast_in_dim(top, (BLOCK_F, ROWS), [1])
-            ws = [jnp.exp(m_ - top_b).astype(wmerge.dtype) for m_ in ms]  # (0 off the diagonal and past S)
-            total = jnp.sum(functools.reduce(operator.add, [w.astype(jnp.float32) * l_ for w, l_ in
-                                                            zip(ws, rows_of(e8))]), axis=0)
-            wmerge.T[...] = jnp.concatenate(ws, axis=0)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(gather_full.at[0])
-            release(r, held)
-            return top, total, product(zero_acc(hd), gather_o, wmerge, a_t=True)
-
         def merged_out(u, r, held=0):
             """(plan.grouped) Unit u's output projection from its group's S partials (S = 1: its
             own), once every member has signalled: their online-softmax states merged per column.
@@ -1244,7 +1163,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 # rest counted 0 by arithmetic, which needs them finite: the buffers are zeroed at
                 # the kernel's start)
                 first = kvh * gs + jnp.where(ns > 1, 0, member)
-                top, total, o = (mma_merge if plan.mma_merged else chain_merge)(first, ns, r, held)
+                top, total, o = chain_merge(first, ns, r, held)
                 plgpu.commit_smem()  # (every thread has read the partials before the buffer is reused)
             with jax.named_scope("a_merge"):
                 fused_operand(top, total, o)
@@ -1439,10 +1358,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def zero_exchange():
             """(grouped) Zeros into the CTA's share of the exchange buffers, from the gather buffers."""
             for k in range(plan.gathered):
-                if plan.mma_merged:
-                    gather_o.at[pl.ds(k * ROWS, ROWS)].T[...] = zero_acc(hd).astype(gather_o.dtype)
-                else:
-                    gather_o.at[k][...] = zero_acc(hd).astype(gather_o.dtype)
+                gather_o.at[k][...] = zero_acc(hd).astype(gather_o.dtype)
                 for at in (0, ROWS):
                     gather_ml.at[pl.ds(2 * ROWS * k + at, ROWS)][...] = cast(jnp.zeros((ROWS,), jnp.float32),
                                                                              L.WGMMA.reduce(0))
@@ -1451,11 +1367,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             @pl.loop(c, plan.xchg_entries // plan.gathered, step=ctas)
             def _(i):
                 n_g = plan.gathered
-                if plan.mma_merged:  # (o's rows; m's and l's planes from the zeros' two halves)
-                    plgpu.copy_smem_to_gmem(gather_o, xchg_o.at[pl.ds(i * e8, e8)])
-                    plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(0, e8)], xchg_ml.at[pl.ds(i * e8, e8)])
-                    plgpu.copy_smem_to_gmem(gather_ml.at[pl.ds(e8, e8)], xchg_ml.at[pl.ds(l_plane + i * e8, e8)])
-                    return
                 plgpu.copy_smem_to_gmem(flat_o(gather_o, n_g), xchg_o.at[pl.ds(i * n_g, n_g)])
                 plgpu.copy_smem_to_gmem(gather_ml, xchg_ml.at[pl.ds(i * n_g * 2 * ROWS, n_g * 2 * ROWS)])
 
@@ -1840,22 +1751,17 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
         plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
         # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each (else 64-byte placeholders)
-        # (mma_merge: o as the merge's operand, [8 S, H] tiled, row 8 k + c partial k's column c)
-        plgpu.SMEM((plan.gathered * ROWS, hd), plan.xchg_dtype, transforms=tiled) if plan.mma_merged else
-        plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), plan.xchg_dtype),
+        plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), jnp.float32),
         plgpu.SMEM((plan.gathered * 2 * ROWS,), jnp.float32),  # ([m | l] per partial: 1D, so no tiling is inferred)
-        plgpu.Barrier(num_barriers=3 if plan.mma_merged else 2),
-        # (mma_merge) the merge's weights [8, 8 S] (the 1b's 6-slot plan has no bytes to spare for a placeholder)
-        *([plgpu.SMEM((ROWS, plan.gathered * ROWS), dtype, transforms=tiled)] if plan.mma_merged else []),
+        plgpu.Barrier(num_barriers=2),
     )
     buf, *_ = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
         out_type=(jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
                   # (grouped) the partials' o, and their m and l
-                  jax.ShapeDtypeStruct((plan.xchg_entries * ROWS, plan.head_dim) if plan.mma_merged else
-                                       (plan.xchg_entries, *(((plan.head_dim, ROWS) if interpret else
+                  jax.ShapeDtypeStruct((plan.xchg_entries, *(((plan.head_dim, ROWS) if interpret else
                                                               (plan.head_dim * ROWS // PAD, PAD)) if plan.grouped
-                                                             else (1, 16))), plan.xchg_dtype),
+                                                             else (1, 16))), jnp.float32),
                   jax.ShapeDtypeStruct((plan.xchg_entries * 2 * ROWS,), jnp.float32)),
         scratch_types=scratch, grid=(plan.ctas,), grid_names=("c",), num_threads=2, thread_name="wg",
         interpret=interpret_params(interpret),
@@ -1944,13 +1850,9 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
                     takes_new = j == ns - 1
                     m, lsum, o = (jnp.where(takes_new, m_new, m), jnp.where(takes_new, lsum * alpha + p_new, lsum),
                                   jnp.where(takes_new, o * alpha + p_new * v.astype(bf).astype(f32)[:, None, :], o))
-                if plan.grouped and plan.xchg_bf16:  # (the exchanged partial's o, rounded)
-                    o = o.astype(bf).astype(f32)
                 parts.append((m, lsum, o))
             top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
             weights = [jnp.exp(m - top) for m, _, _ in parts]
-            if plan.mma_merged:  # (the weights are a bf16 operand of the merge's product)
-                weights = [w.astype(bf).astype(f32) for w in weights]
             streams.append((top, sum(w * l_ for w, (_, l_, _) in zip(weights, parts)),
                             sum(w * o_ for w, (_, _, o_) in zip(weights, parts))))
         top = functools.reduce(jnp.maximum, [m for m, _, _ in streams])
