@@ -334,10 +334,13 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # twenty-first session); else the deepest ring that fits
     # (the grouped split's partials take a slot's shared memory: 5 slots with one operand slot, level
     # with 6 at prompt 2048 on the H200, twenty-third session)
-    # (without it, the plan's ring, or 2 slots where the operand slots leave no room for more:
-    # llama3_8b, whose CTAs take up to 29 K steps of its 14336-wide down projection)
-    rings = ((6, True), (5, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else ((plan.stages, False),
-                                                                                               (2, False))
+    # Without it, the deepest ring up to 6 slots too (2 for llama3_8b, whose CTAs take up to 29 K
+    # steps of its 14336-wide down projection: its operand slots leave no room for more). The
+    # decoder at prompt 128 on the H200 against the 3 slots it had: tinyllama_1.1b 6 slots of
+    # 16 KiB 1.017x (1.026x at prompt 2048), the 350m 5 of 32 KiB 1.016-1.026x, the 25m and 125m
+    # level; docs/benchmarks.md, thirtieth session
+    rings = ((6, True), (5, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else tuple(
+        (n, False) for n in range(6, 1, -1))
     # With the MLP fused, attention's critical path shortened: its norm statistic computed by every
     # CTA while it waits at the q/k/v barrier, and q/k/v read by plain loads, not TMA copies queued
     # behind the weight tiles (the 1b at prompt 128 on the H200: 1.005-1.03x in two kernel runs, the

@@ -293,6 +293,29 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
     assert _rel(want, want1) < 2e-2
 
 
+# 8 q heads per KV head (tinyllama_1.1b's GQA): the q operand's 8 columns all taken, one position
+# per cache row (head_dim 64 at block_k 128); 100: no split, 200: 3 splits and their combine
+CFG8 = ModelConfig(vocab_size=200, hidden_size=256, num_layers=2, num_heads=16, num_kv_heads=2, head_dim=64,
+                   mlp_dim=512, init_std=0.05, compute_dtype=DType.float32)
+
+
+@pytest.mark.parametrize("pos,splits", [(100, 1), (200, 3)])
+def test_eight_q_heads_per_kv_head_match_reference_in_interpret_mode(pos, splits):
+    model = build_model(dataclasses.replace(CFG8, param_dtype=DType.bfloat16), seed=3)
+    rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
+    plan = mk.plan_for(CFG8, 256, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=4, attn_splits=splits)
+    assert (plan.groups, plan.ppr) == (8, 1)
+    cache = (jax.random.normal(jax.random.key(4), (CFG8.num_layers, 256, CFG8.num_kv_heads, 2 * plan.head_dim))
+             * 0.5).astype(jnp.bfloat16)
+    x = rows["embed_vd"][7].astype(jnp.float32)
+    rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG8))
+    logits, _, new_cache = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
+        x, rope, jnp.int32(pos), mk.prepare(rows, plan.block_k), cache)
+    want, want_cache = mk.megakernel_reference(x, rope, jnp.int32(pos), mk.row_weights(rows), cache, plan=plan)
+    assert _rel(logits, want) < 2e-3
+    np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(want_cache))
+
+
 # fuse_out: a KV head's q heads are one K step of W_o. CFG: head_dim 128, 2 q heads (one position
 # per cache row); CFG3: head_dim 64, 4 q heads at block_k 256 (paired positions, as the 1b)
 CFG3 = dataclasses.replace(CFG, hidden_size=512, num_heads=8, num_kv_heads=2, mlp_dim=512)
@@ -621,3 +644,11 @@ def test_auto_takes_the_megakernel_where_it_runs_and_its_copy_fits(setup, monkey
     tiny = dataclasses.replace(one_b, num_heads=4, num_kv_heads=4, head_dim=32)
     assert "head_dim must be a multiple of 64" in decode.auto_megakernel_reason(
         tiny, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None)
+    # tinyllama_1.1b: 8 q heads per KV head fill the q operand's 8 columns (one position per cache
+    # row); no fused phase fits it, so its plan is the unfused one with the deepest ring up to 6
+    tl = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "tinyllama_1.1b.yaml").model
+    assert decode.auto_megakernel_reason(tl, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None) is None
+    tl_plan = decode.megakernel_plan(tl, 384)
+    assert (tl_plan.groups, tl_plan.ppr, tl_plan.stages, tl_plan.fuse_out, tl_plan.fuse_mlp) == (8, 1, 6, False, False)
+    assert "at most 8 q heads per KV head" in decode.auto_megakernel_reason(
+        dataclasses.replace(tl, num_heads=64), jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None)

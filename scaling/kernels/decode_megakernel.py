@@ -331,9 +331,8 @@ class MegaPlan:
         bk, hd = self.block_k, self.head_dim
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
-        if self.groups > min(ROWS, self.x_stages - 1):
-            raise ValueError(f"at most {min(ROWS, self.x_stages - 1)} q heads per KV head (wgmma's N; x_stages - 1), "
-                             f"got {self.groups}")
+        if self.groups > ROWS:  # (its q heads are the q operand's columns)
+            raise ValueError(f"at most {ROWS} q heads per KV head (wgmma's N), got {self.groups}")
         if hd % 64:  # (its vectors: whole 64-row tiles of the wgmma register layout)
             raise ValueError(f"head_dim must be a multiple of 64, got {hd}")
         if bk not in (2 * hd, 4 * hd):
