@@ -300,11 +300,19 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # H200: 1.05x; then 4 ring slots against 3 1.02x, 5 against 4 ~1.006x, each in its own run;
     # docs/benchmarks.md, nineteenth session). It fixes W_down's layout, so it depends on the model
     # only, not on max_len.
+    # Also wherever the slices take one wave, however many CTAs that leaves idle (the decoder on the
+    # H200 with the options that come with it below, against the unfused plan: tinyllama_1.1b's 88
+    # slices on 132 SMs 1.14-1.18x at prompt 128 and 1.15-1.20x at 2048; the 350m's 44 1.03x, the
+    # 125m's 32 and the 25m's 16 level; thirtieth session). The x stages then hold all of h1 (16
+    # chunks at tinyllama's block_k 128).
     slices = cfg.mlp_dim // decode_megakernel.BLOCK_F
-    if -(-slices // ctas) * ctas <= 1.05 * slices:
+    waves = -(-slices // ctas)
+    busy = slices / (waves * ctas)
+    if busy * 1.05 >= 1 or waves == 1:
+        stages_for_h1 = max(plan.x_stages, cfg.hidden_size // plan.block_k) if gpu else plan.x_stages
         try:
-            dataclasses.replace(plan, fuse_mlp=True).check()
-            plan = dataclasses.replace(plan, fuse_mlp=True)
+            dataclasses.replace(plan, fuse_mlp=True, x_stages=stages_for_h1).check()
+            plan = dataclasses.replace(plan, fuse_mlp=True, x_stages=stages_for_h1)
         except ValueError:
             pass
     # Each phase's last 2 ring slots freed only after its signal, whose release fence otherwise
@@ -320,7 +328,7 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # attn_splits. There one slot held per phase, not 2 (the decoder's 1b at prompt 2048 on the
     # H200: 0.627-0.630 against 0.633-0.642 ms in three alternating pairs, 1.016x; the kernel
     # alone 1.01x; 3 held 0.669 against 0.650-0.656; twenty-sixth session)
-    grouped = dataclasses.replace(fused, group_splits=fused.out_group, hold_slots=1)
+    grouped = dataclasses.replace(fused, group_splits=min(fused.out_group, decode_megakernel.MAX_GATHERED), hold_slots=1)
     # Below GROUPS_FROM positions every member of a group reads all of its head's positions
     # instead, with no exchange (the 1b: 1.09x at 128, 1.035x at 448-511, 1.024x at 640, level
     # at 768, 0.99x at 896 on the H200; twenty-ninth session). Models without fuse_out (the 7b,
@@ -339,6 +347,7 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # decoder at prompt 128 on the H200 against the 3 slots it had: tinyllama_1.1b 6 slots of
     # 16 KiB 1.017x (1.026x at prompt 2048), the 350m 5 of 32 KiB 1.016-1.026x, the 25m and 125m
     # level; docs/benchmarks.md, thirtieth session
+    # (tinyllama_1.1b's 16 KiB slots: 10 of them level with 6, thirtieth session)
     rings = ((6, True), (5, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else tuple(
         (n, False) for n in range(6, 1, -1))
     # With the MLP fused, attention's critical path shortened: its norm statistic computed by every

@@ -78,7 +78,8 @@ def test_lowers_for_hopper_with_several_ctas(setup):
 
 
 @pytest.mark.parametrize("preset,block_k,fuse", [("1b", 256, False), ("llama2_7b", 256, False),
-                                                ("1b", 256, 384), ("1b", 256, 2304)])
+                                                ("1b", 256, 384), ("1b", 256, 2304), ("tinyllama_1.1b", 128, 2304),
+                                                ("350m", 256, 2304)])
 def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fuse, monkeypatch):
     """The presets bench_megakernel.py times (the 1b: head_dim 64, block_k 256 with paired
     positions, 4 q heads per KV head; the 7b: head_dim 128, one q head per KV head) with
@@ -94,7 +95,11 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
         monkeypatch.setattr(decode.jax, "devices", lambda *a: [type("H200", (), {"core_count": 132})()])
         plan = decode.megakernel_plan(cfg, fuse)
         monkeypatch.undo()
-        assert plan.fuse_mlp and plan.stages == (6 if fuse == 384 else 5) and plan.grouped == (fuse == 2304)
+        if preset == "1b":
+            assert plan.fuse_mlp and plan.stages == (6 if fuse == 384 else 5) and plan.grouped == (fuse == 2304)
+        # (tinyllama: 16 x stages, 8 attention splits; the 350m: 33 CTAs per KV head's group, of which
+        # 16 split its positions, as many partials as one TMA copy of their m and l holds)
+        assert plan.block_k == block_k and (preset != "350m" or (plan.out_group, plan.group_splits) == (33, 16))
     else:
         plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, attn_splits=2, hold_slots=1)
     plan.check()
@@ -294,23 +299,28 @@ def test_paired_positions_match_reference_in_interpret_mode(setup_pairs, pos, sp
 
 
 # 8 q heads per KV head (tinyllama_1.1b's GQA): the q operand's 8 columns all taken, one position
-# per cache row (head_dim 64 at block_k 128); 100: no split, 200: 3 splits and their combine
+# per cache row (head_dim 64 at block_k 128); 100: no split, 200: 3 splits and their combine;
+# "mlp": the decoder's plan for tinyllama (the MLP fused, one operand slot over x stages for W_o's 8
+# K steps, attention's statistic during the q/k/v barrier and its q/k/v by plain loads)
 CFG8 = ModelConfig(vocab_size=200, hidden_size=256, num_layers=2, num_heads=16, num_kv_heads=2, head_dim=64,
                    mlp_dim=512, init_std=0.05, compute_dtype=DType.float32)
 
 
-@pytest.mark.parametrize("pos,splits", [(100, 1), (200, 3)])
-def test_eight_q_heads_per_kv_head_match_reference_in_interpret_mode(pos, splits):
+@pytest.mark.parametrize("pos,splits,mlp", [(100, 1, False), (200, 3, "mlp")])
+def test_eight_q_heads_per_kv_head_match_reference_in_interpret_mode(pos, splits, mlp):
     model = build_model(dataclasses.replace(CFG8, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
-    plan = mk.plan_for(CFG8, 256, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=4, attn_splits=splits)
-    assert (plan.groups, plan.ppr) == (8, 1)
+    fused = bool(mlp)
+    plan = mk.plan_for(CFG8, 256, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8 if fused else 4, attn_splits=splits,
+                       fuse_mlp=fused, one_operand=fused, norm_in_qkv=fused, qkv_ld=fused, hold_slots=2 * fused,
+                       stages=6 if fused else 3)
+    assert (plan.groups, plan.ppr, plan.phases_per_layer) == (8, 1, 5 - fused + (splits > 1))
     cache = (jax.random.normal(jax.random.key(4), (CFG8.num_layers, 256, CFG8.num_kv_heads, 2 * plan.head_dim))
              * 0.5).astype(jnp.bfloat16)
     x = rows["embed_vd"][7].astype(jnp.float32)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(CFG8))
     logits, _, new_cache = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
-        x, rope, jnp.int32(pos), mk.prepare(rows, plan.block_k), cache)
+        x, rope, jnp.int32(pos), mk.prepare(rows, plan.block_k, plan.fuse_mlp), cache)
     want, want_cache = mk.megakernel_reference(x, rope, jnp.int32(pos), mk.row_weights(rows), cache, plan=plan)
     assert _rel(logits, want) < 2e-3
     np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(want_cache))
@@ -375,6 +385,8 @@ def test_fused_output_projection_refuses_what_it_cannot_run():
         mk.plan_for(CFG3, 256, x_stages=8, group_splits=2).check()
     with pytest.raises(ValueError, match="group_splits=5 must be at most the group's 4 CTAs"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=8, group_splits=5).check()
+    with pytest.raises(ValueError, match="group_splits=17: at most 16"):
+        mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=72, group_splits=17).check()
     with pytest.raises(ValueError, match="group_ctas and group_splits must be >= 0"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, group_ctas=-1).check()
     with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):
@@ -645,10 +657,15 @@ def test_auto_takes_the_megakernel_where_it_runs_and_its_copy_fits(setup, monkey
     assert "head_dim must be a multiple of 64" in decode.auto_megakernel_reason(
         tiny, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None)
     # tinyllama_1.1b: 8 q heads per KV head fill the q operand's 8 columns (one position per cache
-    # row); no fused phase fits it, so its plan is the unfused one with the deepest ring up to 6
+    # row); its 88 MLP slices take one wave of the 132 CTAs, so the MLP is fused, with x stages
+    # for all 16 of h1's chunks; W_o's K step cannot hold its 8 q heads, so attention is not
     tl = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "tinyllama_1.1b.yaml").model
     assert decode.auto_megakernel_reason(tl, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None) is None
     tl_plan = decode.megakernel_plan(tl, 384)
-    assert (tl_plan.groups, tl_plan.ppr, tl_plan.stages, tl_plan.fuse_out, tl_plan.fuse_mlp) == (8, 1, 6, False, False)
+    assert (tl_plan.groups, tl_plan.ppr, tl_plan.fuse_out, tl_plan.fuse_mlp, tl_plan.x_stages, tl_plan.stages,
+            tl_plan.one_operand) == (8, 1, False, True, 16, 6, True)
+    # the 7b's 172 slices take two uneven waves: not fused, its ring what fits (3 slots of 32 KiB)
+    seven_b = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama2_7b.yaml").model
+    assert (decode.megakernel_plan(seven_b, 384).fuse_mlp, decode.megakernel_plan(seven_b, 384).stages) == (False, 3)
     assert "at most 8 q heads per KV head" in decode.auto_megakernel_reason(
         dataclasses.replace(tl, num_heads=64), jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None)

@@ -79,6 +79,7 @@ PAD = 256  # regions of the flat buffer start at multiples of this many f32 (a T
 NO_ROW = 2.0**30  # (loop's argmax) no row: larger than every row number, exact in f32
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
 MOSAIC_OVERHEAD = 6144  # Mosaic's reduction scratch (2 KiB) and alignment (a 7b variant measured 5376 B)
+MAX_GATHERED = 16  # (grouped) partials a member gathers: their m and l, 2 * ROWS floats each, in one TMA copy of <= 256
 NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
 PROFILE_EVENTS = 512  # profiled regions per warpgroup (a 32-layer step records ~390 per consumer)
 PROFILE_BYTES = 2 * 16 * PROFILE_EVENTS  # the profiler's buffer: 4 i32 per region, two warpgroups
@@ -355,6 +356,9 @@ class MegaPlan:
             raise ValueError(f"group_ctas and group_splits must be >= 0, got {self.group_ctas}, {self.group_splits}")
         if self.group_splits > 1 and not self.fuse_out:
             raise ValueError("group_splits splits the positions within fuse_out's groups: it needs fuse_out")
+        if self.group_splits > MAX_GATHERED:
+            raise ValueError(f"group_splits={self.group_splits}: at most {MAX_GATHERED} (a member reads the partials' "
+                             f"m and l, 2 x 8 floats each, in one TMA copy of at most 256)")
         if self.group_splits > self.out_group:
             raise ValueError(f"group_splits={self.group_splits} must be at most the group's {self.out_group} CTAs "
                              f"(group_ctas, or ctas // kv_heads)")
