@@ -1,0 +1,35 @@
+"""experiments/bench_decode.py on the CPU: bench_ours times `reps` generate calls and reports the
+median one, with the bytes a step reads; the CLI refuses --reps below 1."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+import bench_decode as bd  # noqa: E402
+from scaling import decode  # noqa: E402
+from scaling.config import ModelConfig  # noqa: E402
+from scaling.model import build_model  # noqa: E402
+
+CFG = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128)
+
+
+def test_bench_ours_reports_the_median_of_its_timed_runs():
+    dec = decode.Decoder(build_model(CFG, seed=0), layers="xla", chunk=4)
+    r = bd.bench_ours(dec, CFG, batch=2, prompt=5, new=6, rng=np.random.default_rng(0), reps=3)
+    assert len(r["step_ms_runs"]) == 3
+    assert r["step_ms"] == pytest.approx(sorted(r["step_ms_runs"])[1], abs=1e-3)
+    # bytes: the weights once, and each row's bf16 cache over the mean attended length: 5 + (steps + 1) / 2
+    steps = dec.generate([[1] * 5] * 2, 6, max_len=128).decode_steps
+    kv = 2 * (5 + (steps + 1) / 2) * bd.kv_bytes_per_token(CFG)
+    assert r["kv_bytes"] == pytest.approx(kv) and r["weight_bytes"] == decode.weight_bytes_per_step(dec.weights)
+    assert r["tok_s"] == pytest.approx(2 / (r["step_ms"] / 1e3), rel=1e-9)
+
+
+def test_cli_refuses_fewer_than_one_rep(capsys):
+    with pytest.raises(SystemExit):
+        bd.main(["--reps", "0"])
+    assert "--reps must be >= 1, got 0" in capsys.readouterr().err
