@@ -307,8 +307,7 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # chunks at tinyllama's block_k 128).
     slices = cfg.mlp_dim // decode_megakernel.BLOCK_F
     waves = -(-slices // ctas)
-    busy = slices / (waves * ctas)
-    if busy * 1.05 >= 1 or waves == 1:
+    if waves == 1 or waves * ctas <= 1.05 * slices:
         stages_for_h1 = max(plan.x_stages, cfg.hidden_size // plan.block_k) if gpu else plan.x_stages
         try:
             dataclasses.replace(plan, fuse_mlp=True, x_stages=stages_for_h1).check()
@@ -341,13 +340,13 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # the H200: 1.017-1.028x in two runs; one operand alone at 5 slots level; docs/benchmarks.md,
     # twenty-first session); else the deepest ring that fits
     # (the grouped split's partials take a slot's shared memory: 5 slots with one operand slot, level
-    # with 6 at prompt 2048 on the H200, twenty-third session)
-    # Without it, the deepest ring up to 6 slots too (2 for llama3_8b, whose CTAs take up to 29 K
-    # steps of its 14336-wide down projection: its operand slots leave no room for more). The
-    # decoder at prompt 128 on the H200 against the 3 slots it had: tinyllama_1.1b 6 slots of
-    # 16 KiB 1.017x (1.026x at prompt 2048), the 350m 5 of 32 KiB 1.016-1.026x, the 25m and 125m
-    # level; docs/benchmarks.md, thirtieth session
-    # (tinyllama_1.1b's 16 KiB slots: 10 of them level with 6, thirtieth session)
+    # with 6 at prompt 2048 on the H200, twenty-third session; tinyllama_1.1b's 16 KiB slots: 10
+    # level with 6, thirtieth session).
+    # Without the fused MLP, the deepest ring up to 6 slots too (the decoder at prompt 128 on the H200
+    # against the 3 slots it had, measured while they were unfused: tinyllama_1.1b 1.017x, 1.026x at
+    # prompt 2048, the 350m 1.016-1.026x, the 25m and 125m level; thirtieth session). The 7b fits 3,
+    # llama3_8b 2: its CTAs take up to 29 K steps of its 14336-wide down projection, whose operand
+    # slots leave no room for more.
     rings = ((6, True), (5, True), (5, False), (4, False), (3, False)) if plan.fuse_mlp else tuple(
         (n, False) for n in range(6, 1, -1))
     # With the MLP fused, attention's critical path shortened: its norm statistic computed by every
