@@ -98,8 +98,8 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
         if preset == "1b":
             assert plan.fuse_mlp and plan.stages == (6 if fuse == 384 else 5) and plan.grouped == (fuse == 2304)
         # (tinyllama: 16 x stages, 8 attention splits; the 350m: 33 CTAs per KV head's group, of which
-        # 16 split its positions, as many partials as one TMA copy of their m and l holds; the 125m:
-        # MegaPlan.smem_bytes is 3.2 KiB short of what Mosaic allocates for it, 1.7 KiB below the limit)
+        # 16 split its positions, as many partials as one TMA copy of their m and l holds; the 125m's
+        # plan is 1.7 KiB below the shared-memory limit)
         assert plan.block_k == block_k and (preset != "350m" or (plan.out_group, plan.group_splits) == (33, 16))
     else:
         plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, attn_splits=2, hold_slots=1)
@@ -122,6 +122,34 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
         abstract((), jnp.int32), abstract((), jnp.int32), bf16(cfg.vocab_size, plan.hidden),
         abstract((plan.max_len, 2, plan.head_dim), jnp.float32), weights, bf16(*plan.cache_shape)).mlir_module()
     assert module.count("mosaic_gpu_v2") == 1
+
+
+@pytest.mark.parametrize("preset,max_len,stages", [("1b", 2304, 6), ("tinyllama_1.1b", 384, 12)])
+def test_shared_memory_estimate_is_what_mosaic_allocates(preset, max_len, stages, monkeypatch):
+    """MegaPlan.smem_bytes against Mosaic GPU's own count: a decoder plan (the 1b's grouped long plan,
+    tinyllama's) pushed one ring slot or more past the limit, lowered with the plan's check relaxed, so
+    Mosaic's error names the bytes it needs."""
+    import re
+
+    from scaling.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / f"{preset}.yaml").model
+    monkeypatch.setattr(decode.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(decode.jax, "devices", lambda *a: [type("H200", (), {"core_count": 132})()])
+    plan = dataclasses.replace(decode.megakernel_plan(cfg, max_len), stages=stages)
+    monkeypatch.undo()
+    assert plan.smem_bytes() > mk.SMEM_BYTES
+    monkeypatch.setattr(mk, "SMEM_BYTES", 10**7)
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    weights = {name: bf16(*(() if name == "head" else (plan.layers,)), plan.units(name), mk.BLOCK_F, plan.block_k)
+               for name in plan.gemvs()}
+    abstract = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda x, r, p, w, c: mk.megakernel_step(x, r, p, w, c, plan=plan))
+    with pytest.raises(Exception, match="exceeds available shared memory") as err:
+        export.export(fn, platforms=["cuda"])(
+            abstract((plan.hidden,), jnp.float32), abstract((2, plan.head_dim), jnp.float32),
+            abstract((), jnp.int32), weights, bf16(*plan.cache_shape))
+    assert int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1)) == plan.smem_bytes()
 
 
 # pos 64: a tile holding one position; 100: a partly masked one. 3 splits of 2 tiles: one empty

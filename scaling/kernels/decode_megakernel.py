@@ -78,7 +78,7 @@ BLOCK_F = 64  # weight rows per unit (wgmma's M); also cache positions per atten
 PAD = 256  # regions of the flat buffer start at multiples of this many f32 (a TMA box's longest side)
 NO_ROW = 2.0**30  # (loop's argmax) no row: larger than every row number, exact in f32
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
-MOSAIC_OVERHEAD = 6144  # Mosaic's reduction scratch (2 KiB) and alignment (a 7b variant measured 5376 B)
+MOSAIC_RESERVED = 2048  # Mosaic GPU's own reduction scratch, beyond the kernel's buffers (MegaPlan.smem_bytes)
 MAX_GATHERED = 16  # (grouped) partials a member gathers: their m and l, 2 * ROWS floats each, in one TMA copy of <= 256
 NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
 PROFILE_EVENTS = 512  # profiled regions per warpgroup (a 32-layer step records ~390 per consumer)
@@ -311,21 +311,21 @@ class MegaPlan:
         return max(n, self.hidden // self.block_k) if self.fuse_mlp else n  # (fuse_mlp: all of h1)
 
     def smem_bytes(self, profile: bool = False) -> int:
-        """Shared memory per CTA (an estimate with Mosaic's measured overhead); profile: with the
-        on-device profiler's buffer."""
-        bk, hd = self.block_k, self.head_dim
-        return (self.x_slots() * ROWS * bk * 2  # operands (bf16)
-                + (self.x_stages + self.up_stages) * bk * 4  # x and the SwiGLU's up stages, f32
-                + self.stages * BLOCK_F * bk * 2  # the weight / cache ring
-                + (BLOCK_F * (1 + self.res_tiles) + bk) * 4  # a partial, its residuals, an attention output
-                + (self.groups + 2) * hd * 4 + (self.groups + 1) * 2 * hd * 4  # q/k/v, the rotations
-                + 2 * hd * 4 + 2 * hd * 2  # the rope table, the new row
-                + ROWS * BLOCK_F * 2 + PAD * 4 + 256  # p, zeros, pos
-                + BLOCK_F * ROWS * 4  # the streams' m and l (fuse_out)
-                + PAD * 4 + 64  # a chunk of the input's row (f32 at most); the interpreter's read-add-write (16 f32)
-                + (self.gathered * (hd * 4 + 2 * 4) * ROWS + 16 if self.grouped else 0)  # the partials
-                + 8 * (2 * self.x_stages + 2 * self.stages + self.groups + 8 + self.res_tiles)
-                + MOSAIC_OVERHEAD + (PROFILE_BYTES if profile else 0))
+        """Shared memory per CTA as Mosaic GPU (jax 0.11.2) lays it out: `_launch`'s scratch buffers
+        each at a 1 KiB boundary, then its barriers (8 bytes each), then 2 KiB of its own reduction
+        scratch. Exact on nine plans of five presets, grouped or not (lowered past the limit, whose
+        error names the size; docs/decoding.md, thirtieth session). profile: with the on-device
+        profiler's buffer."""
+        bk, hd, g, p = self.block_k, self.head_dim, self.groups, self.x_stages
+        buffers = (self.x_slots() * ROWS * bk * 2, p * bk * 4, self.up_stages * bk * 4,  # operands, x and up stages
+                   self.stages * BLOCK_F * bk * 2, BLOCK_F * 4, BLOCK_F * self.res_tiles * 4,  # ring, partial, residuals
+                   max(bk, PAD) * 4, (g + 2) * hd * 4, (g + 1) * 2 * hd * 4, 2 * hd * 4,  # output, q/k/v, rotations, rope
+                   2 * hd * 2, ROWS * BLOCK_F * 2, PAD * 4, 2 * 32 * 4,  # new row, p, zeros, pos
+                   BLOCK_F * ROWS * 4, PAD * 4, max(bk, PAD) * 4,  # m and l, the input's row (f32 at most), rmw
+                   self.gathered * (hd if self.grouped else 1) * ROWS * 4, self.gathered * 2 * ROWS * 4)  # partials
+        barriers = 2 * p + 2 * self.stages + g + 2 + 6 + self.res_tiles + 2
+        return (sum(-(-b // 1024) * 1024 for b in buffers) + 8 * barriers + MOSAIC_RESERVED
+                + (PROFILE_BYTES if profile else 0))
 
     def check(self) -> None:
         """Raise ValueError naming what this kernel cannot run."""
