@@ -308,6 +308,7 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     slices = cfg.mlp_dim // decode_megakernel.BLOCK_F
     waves = -(-slices // ctas)
     if waves == 1 or waves * ctas <= 1.05 * slices:
+        # (the CPU's interpreter plans keep their 4 x stages: fused only where h1 fits them, as before)
         stages_for_h1 = max(plan.x_stages, cfg.hidden_size // plan.block_k) if gpu else plan.x_stages
         try:
             dataclasses.replace(plan, fuse_mlp=True, x_stages=stages_for_h1).check()
