@@ -37,6 +37,16 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _assert_cache(got, want, pos):
+    """The cache [L, S, KV, 2H]: every row but pos untouched; the new rows as the reference's, to
+    within one bf16 step (a later layer's row follows f32 sums taken in another order, whose last
+    bit can move its rounding)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    rest = np.arange(got.shape[1]) != pos
+    np.testing.assert_array_equal(got[:, rest], want[:, rest])
+    np.testing.assert_allclose(got[:, pos], want[:, pos], rtol=2.0**-7, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def setup():
     model = build_model(dataclasses.replace(CFG, param_dtype=DType.bfloat16), seed=3)
@@ -124,7 +134,7 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
     assert module.count("mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("preset,max_len,stages", [("1b", 2304, 6), ("tinyllama_1.1b", 384, 12)])
+@pytest.mark.parametrize("preset,max_len,stages", [("1b", 2304, 6), ("tinyllama_1.1b", 384, 13)])
 def test_shared_memory_estimate_is_what_mosaic_allocates(preset, max_len, stages, monkeypatch):
     """MegaPlan.smem_bytes against Mosaic GPU's own count: a decoder plan (the 1b's grouped long plan,
     tinyllama's) pushed one ring slot or more past the limit, lowered with the plan's check relaxed, so
@@ -352,7 +362,7 @@ def test_eight_q_heads_per_kv_head_match_reference_in_interpret_mode(pos, splits
         x, rope, jnp.int32(pos), mk.prepare(rows, plan.block_k, plan.fuse_mlp), cache)
     want, want_cache = mk.megakernel_reference(x, rope, jnp.int32(pos), mk.row_weights(rows), cache, plan=plan)
     assert _rel(logits, want) < 2e-3
-    np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(want_cache))
+    _assert_cache(new_cache, want_cache, pos)
 
 
 # fuse_out: a KV head's q heads are one K step of W_o. CFG: head_dim 128, 2 q heads (one position
@@ -386,11 +396,17 @@ def test_fused_output_projection_matches_reference_in_interpret_mode(cfg, max_le
     x = rows["embed_vd"][7].astype(jnp.float32)
     units, ref_w = mk.prepare(rows, plan.block_k, fuse_mlp), mk.row_weights(rows)
     rope = mk.rope_table(jnp.int32(pos), layers.rope_frequencies(cfg))
-    logits, _, packed = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
+    logits, buf, packed = jax.jit(lambda *a: mk.megakernel_step(*a, plan=plan, interpret=True))(
         x, rope, jnp.int32(pos), units, mk.pack_cache(cache, plan.ppr))
-    want, want_cache = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache, plan=plan)
-    assert _rel(logits, want) < 2e-3
-    np.testing.assert_array_equal(np.asarray(mk.unpack_cache(packed, plan.ppr)), np.asarray(want_cache))
+    want, want_cache, want_h = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache, plan=plan, hidden=True)
+    # the first layer's output as the reference's (CFG at pos 100: 8e-6; p rounded to bf16 against
+    # each tile's own running max instead of the pair's: 3.7e-3); the second layer starts from
+    # activations rounded to bf16, where those last bits can flip a value to its neighbour, and each
+    # flip moves the logits by ~2e-4 here (CFG at pos 100: 2.4e-3 with two cache tiles a step)
+    h0 = buf[plan.region("in", 1): plan.region("in", 1) + plan.hidden]
+    assert _rel(h0, want_h[0]) < 1e-4
+    assert _rel(logits, want) < 4e-3
+    _assert_cache(mk.unpack_cache(packed, plan.ppr), want_cache, pos)
     # the fused reference's rounding (each stream's share on its own) is still the same attention
     unfused, _ = mk.megakernel_reference(x, rope, jnp.int32(pos), ref_w, cache,
                                          plan=dataclasses.replace(plan, fuse_out=False, group_splits=0))

@@ -243,6 +243,17 @@ class MegaPlan:
     def qkv_rows(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
+    @property
+    def qkv_stored(self) -> int:
+        """The q/k/v region's floats: each q and k head stored twice over, [v | v], so that a load
+        of H values from H / 2 on is RoPE's rotate-half partner of v; v once."""
+        return self.qkv_rows + (self.heads + self.kv_heads) * self.head_dim
+
+    def qkv_at(self, row):
+        """Where q/k/v's output row `row` (its first copy) sits in the q/k/v region (a traced row too)."""
+        hd, qk = self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        return jnp.where(row < qk, row // hd * 2 * hd + row % hd, row + qk)
+
     # flat buffer: [r_final, then zeros | h_in | layer 0 | layer 1 | ... | logits]; per layer
     # [qkv | parts (attn_splits > 1) | attn | h1 | gate_up (not with fuse_mlp) | h2], so layer l's input is the region
     # just before its block
@@ -257,7 +268,7 @@ class MegaPlan:
         off, regions = 0, {}
         parts = self.attn_splits * self.heads * self.block_k if self.attn_splits > 1 else 0
         gate_up = 0 if self.fuse_mlp else 2 * self.mlp  # (fuse_mlp keeps gate/up in registers: nothing to zero)
-        for name, n in (("qkv", self.qkv_rows), ("parts", parts), ("attn", self.heads * self.head_dim),
+        for name, n in (("qkv", self.qkv_stored), ("parts", parts), ("attn", self.heads * self.head_dim),
                         ("h1", self.hidden), ("gate_up", gate_up), ("h2", self.hidden)):
             regions[name] = off
             off += _pad(n)
@@ -319,8 +330,8 @@ class MegaPlan:
         bk, hd, g, p = self.block_k, self.head_dim, self.groups, self.x_stages
         buffers = (self.x_slots() * ROWS * bk * 2, p * bk * 4, self.up_stages * bk * 4,  # operands, x and up stages
                    self.stages * BLOCK_F * bk * 2, BLOCK_F * 4, BLOCK_F * self.res_tiles * 4,  # ring, partial, residuals
-                   max(bk, PAD) * 4, (g + 2) * hd * 4, (g + 1) * 2 * hd * 4, 2 * hd * 4,  # output, q/k/v, rotations, rope
-                   2 * hd * 2, ROWS * BLOCK_F * 2, PAD * 4, 2 * 32 * 4,  # new row, p, zeros, pos
+                   max(bk, PAD) * 4, (g + 2) * 2 * hd * 4, 2 * hd * 4,  # output, q/k/v, rope
+                   2 * hd * 2, 2 * ROWS * BLOCK_F * 2, PAD * 4, 2 * 32 * 4,  # new row, p, zeros, pos
                    BLOCK_F * ROWS * 4, PAD * 4, max(bk, PAD) * 4,  # m and l, the input's row (f32 at most), rmw
                    self.gathered * (hd if self.grouped else 1) * ROWS * 4, self.gathered * 2 * ROWS * 4)  # partials
         barriers = 2 * p + 2 * self.stages + g + 2 + 6 + self.res_tiles + 2
@@ -509,7 +520,7 @@ def rope_table(pos, inv_freq):
 
 
 def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_o, xchg_ml, x_smem, stage, ustage,
-          ring, part, res, obuf, qkv_a, rot, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full,
+          ring, part, res, obuf, qkv_a, rope_s, kv_row, p_smem, zeros, pos_s, x_full, u_full, w_full, free, a_full,
           misc, res_full, ml_smem, x_row, rmw, gather_o, gather_ml, gather_full, *,
           plan: MegaPlan, interpret: bool, steps: int = 0, vocab: int = 0):
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -588,6 +599,20 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             plgpu.wgmma(acc_ref, a_ref.T if a_t else a_ref, b_ref.T)
 
         return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+    def products(accs, pairs, a_t=False):
+        """Each accs[i] + sum_j A_ij B_ijᵀ (pairs[i]: a list of (A ref, B ref)), as product's: every
+        wgmma issued before any is waited for."""
+        if interpret:
+            return [acc + sum(jnp.dot(a[...].T if a_t else a[...], b[...].T, preferred_element_type=jnp.float32)
+                              for a, b in ab) for acc, ab in zip(accs, pairs)]
+
+        def issue(acc_refs):
+            for acc_ref, ab in zip(acc_refs, pairs):
+                for a, b in ab:
+                    plgpu.wgmma(acc_ref, a.T if a_t else a, b.T)
+
+        return list(pl.run_state(issue)([plgpu.ACC.init(acc) for acc in accs]))
 
     def to_operand(slot, v):
         """An f32 [bk] vector -> bf16 column 0 of x_smem[slot] (the other columns zero)."""
@@ -776,6 +801,11 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 y = jnp.where(rows < float(vocab), y, -jnp.inf)
                 better = y > best  # (tiles in increasing order: the first row wins a tie)
                 best, best_row = jnp.where(better, y, best), jnp.where(better, rows, best_row)
+            elif name == "qkv":  # (q and k rows twice: `MegaPlan.qkv_stored`)
+                dst = y_base + plan.qkv_at(t * BLOCK_F)
+                reduce_add(part, vbuf().at[pl.ds(dst, BLOCK_F)])
+                pl.when(t * BLOCK_F < (plan.heads + plan.kv_heads) * hd)(
+                    lambda: reduce_add(part, vbuf().at[pl.ds(dst + hd, BLOCK_F)]))
             else:
                 reduce_add(part, vbuf().at[pl.ds(y_base + t * BLOCK_F, BLOCK_F)])
             return g + n, r + n, best, best_row
@@ -840,12 +870,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         n_q, n_kv = plan.heads, plan.kv_heads
         cs, sn = vec(rope_s.at[0]), vec(rope_s.at[1])
 
-        def rope(vs):  # each v * [cos, cos] + [x2, x1] * [-sin, sin]: all through smem at once
-            for n, v in enumerate(vs):
-                rot.at[n, pl.ds(0, hd)][...] = v
-                rot.at[n, pl.ds(hd, hd)][...] = v
-            plgpu.commit_smem()
-            return [v * cs + vec(rot.at[n, pl.ds(hd // 2, hd)]) * sn for n, v in enumerate(vs)]
+        def rope(vs, rolls):
+            """Each v * [cos, cos] + [x2, x1] * [-sin, sin], with rolls: each v's [x2, x1] (read as
+            such from the q/k/v region, `MegaPlan.qkv_stored`: no exchange between threads)."""
+            return [v * cs + rv * sn for v, rv in zip(vs, rolls)]
 
         def merge_streams(m, l, o):
             """(ppr 2) Head i's even positions' stream (column i: m, l, o at rows H..2H) and odd
@@ -886,12 +914,17 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     dst = plan.region("parts", layer) + (j * n_q + kvh * g_heads + i) * bk
                     plgpu.copy_smem_to_gmem(obuf.at[pl.ds(0, bk)], vbuf().at[pl.ds(dst, bk)])
 
-        def compact(o):
-            """o [bk, 8] -> [H, 8]: each stream's V part in its own column (o's rows H.., and with
-            ppr 2 the odd positions' columns G.. from rows 3H..)."""
+        def compact(os_):
+            """The streams' V products [H, 8] each (ppr of them) -> [H, 8]: each stream in its own
+            columns (with ppr 2 the odd positions' from column G on)."""
             if ppr == 1:
-                return o[hd: 2 * hd]
-            return jnp.where(iota((hd, ROWS), 1) < g_heads, o[hd: 2 * hd], o[3 * hd: 4 * hd])
+                return os_[0]
+            return jnp.where(iota((hd, ROWS), 1) < g_heads, os_[0], os_[1])
+
+        def full_o(os_):
+            """The streams' V products as [bk, 8], in the cache row's places of V (K's rows 0)."""
+            zero = zero_acc(hd)
+            return jnp.concatenate([t for o_ in os_ for t in (zero, o_)], axis=0)
 
         def fused_operand(m, l, o):
             """(fuse_out) The G heads' outputs as the output projection's operand: head i's rows
@@ -972,15 +1005,18 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 lo, hi = split_blocks(j, pos)
                 held_from = hi
             with jax.named_scope("a_qkv"):
-                srcs = [base + (kvh * g_heads + i) * hd for i in range(g_heads)]
-                srcs += [base + (n_q + kvh) * hd, base + (n_q + n_kv + kvh) * hd]
+                srcs = [base + plan.qkv_at((kvh * g_heads + i) * hd) for i in range(g_heads)]
+                srcs += [base + plan.qkv_at((n_q + kvh) * hd), base + plan.qkv_at((n_q + n_kv + kvh) * hd)]
+                # the q heads' and k's rotate-half partners: H values from H / 2 on (stored twice)
+                n_rot = g_heads + 1
                 if plan.qkv_ld:  # (issued first: their registers are waited for only where used)
                     loaded = [vbuf().at[pl.ds(src, hd)][...] if interpret else
                               plgpu.load(vbuf().at[pl.ds(src, hd)], layout=L.WGMMA.reduce(1), optimized=False)
-                              for src in srcs]
+                              for src in srcs + [src + hd // 2 for src in srcs[:n_rot]]]
                 else:
                     for i, src in enumerate(srcs):
-                        plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, hd)], qkv_a.at[i], a_full.at[i])
+                        n = 2 * hd if i < n_rot else hd
+                        plgpu.copy_gmem_to_smem(vbuf().at[pl.ds(src, n)], qkv_a.at[i, pl.ds(0, n)], a_full.at[i])
                 if fused and not plan.grouped:  # (grouped: in merged_out, whose unit's they are)
                     residual_tiles(layer, kvh, member)
                 # the RMSNorm statistic r's loads: it is applied late (RoPE and the scores are
@@ -992,11 +1028,16 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                         plgpu.barrier_wait(a_full.at[i])
 
             def qkv_vec(i):  # q head i (i < G), k (G) or v (G + 1)
-                return loaded[i] if plan.qkv_ld else vec(qkv_a.at[i])
+                return loaded[i] if plan.qkv_ld else vec(qkv_a.at[i, pl.ds(0, hd)])
+
+            def rolled(i):  # q head i's or k's rotate-half partner
+                return loaded[g_heads + 2 + i] if plan.qkv_ld else vec(qkv_a.at[i, pl.ds(hd // 2, hd)])
 
             with jax.named_scope("a_prep"):
                 # RoPE of the G q heads (scaled by 1 / sqrt(H), not yet by r) and of k, in one pass
-                *qs, k_rot = rope([qkv_vec(i) * (1.0 / math.sqrt(hd)) for i in range(g_heads)] + [qkv_vec(g_heads)])
+                q_scale = 1.0 / math.sqrt(hd)
+                *qs, k_rot = rope([qkv_vec(i) * q_scale for i in range(g_heads)] + [qkv_vec(g_heads)],
+                                  [rolled(i) * q_scale for i in range(g_heads)] + [rolled(g_heads)])
                 # the q operand [bk, 8] as row tiles built in registers: q head i as column i over
                 # the even positions' K (rows 0..H-1) and, with ppr 2, as column G + i over the odd
                 # ones' (rows 2H..3H-1); zeros under V
@@ -1030,39 +1071,58 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 with jax.named_scope("p_snew"):
                     k_b = lax.broadcast_in_dim(k_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
                     v_b = lax.broadcast_in_dim(v_new.astype(kv_row.dtype).astype(jnp.float32), (hd, ROWS), [0])
-                    v_col = jnp.concatenate([zero_t, v_b] + [zero_t] * (2 * ppr - 2), axis=0)
                     skip = g_heads if takes_new is True else g_heads * takes_new.astype(jnp.int32)
                     s2 = tiles[0].astype(jnp.float32) * k_b
                     s_new = jnp.sum(jnp.where((iota((hd, ROWS), 0) == 0) & (col >= skip), NEG, s2 * scale),
                                     axis=0)
                     plgpu.commit_smem()
 
-            def block(blk, carry):  # positions [64 blk, 64 blk + 64) of those before pos
+            # a cache row holds [K | V] for each of its ppr positions: the scores read only the K
+            # columns and the outputs only the V ones, half the tile's shared-memory reads of
+            # products with whole rows
+            k_cols = [pl.ds(2 * hd * par, hd) for par in range(ppr)]
+            v_cols = [pl.ds(2 * hd * par + hd, hd) for par in range(ppr)]
+
+            def block(blk, carry, w=1):
+                """Cache tiles blk .. blk + w - 1 (positions [64 ppr blk, 64 ppr (blk + w)) of those
+                before pos) as one online-softmax step: their products issued together, one max, one
+                sum and one fence for all (a member with two tiles then takes little longer than one
+                with one)."""
                 m, l, o, r = carry
-                slot = lax.rem(r, plan.stages)
-                plgpu.barrier_wait(w_full.at[slot])
+                slots = [lax.rem(r + k, plan.stages) for k in range(w)]
                 # (a computed index: a constant one reaches run_state's discharge as a bare literal)
-                s = product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(blk, 1)])  # [64 positions, heads]
-                s = s * scale  # (the statistic r, applied late)
-                at = (iota((BLOCK_F, ROWS), 0) + blk * BLOCK_F) * ppr  # the positions of the scores
-                if ppr == 2:
-                    at = jnp.where(iota((BLOCK_F, ROWS), 1) >= g_heads, at + 1, at)
-                s = jnp.where(at >= pos, NEG, s)
-                m_new = jnp.maximum(m, jnp.max(s, axis=0))
+                q_op = x_smem.at[lax.rem(blk, 1)]
+                for slot in slots:
+                    plgpu.barrier_wait(w_full.at[slot])
+                ss = products([zero_acc(BLOCK_F)] * w,
+                              [[(ring.at[slot, :, kc], q_op.at[:, kc]) for kc in k_cols] for slot in slots])
+                for k in range(w):
+                    at = (iota((BLOCK_F, ROWS), 0) + (blk + k) * BLOCK_F) * ppr  # the positions of the scores
+                    if ppr == 2:
+                        at = jnp.where(iota((BLOCK_F, ROWS), 1) >= g_heads, at + 1, at)
+                    ss[k] = jnp.where(at >= pos, NEG, ss[k] * scale)  # (the statistic r, applied late)
+                m_new = jnp.maximum(m, jnp.max(functools.reduce(jnp.maximum, ss), axis=0))
                 alpha = jnp.exp(m - m_new)
-                p = jnp.exp(s - lax.broadcast_in_dim(m_new, (BLOCK_F, ROWS), [1]))
-                l = l * alpha + jnp.sum(p, axis=0)
-                p_smem.T[...] = p.astype(p_smem.dtype)
+                ps = [jnp.exp(s_ - lax.broadcast_in_dim(m_new, (BLOCK_F, ROWS), [1])) for s_ in ss]
+                l = l * alpha + jnp.sum(functools.reduce(jnp.add, ps), axis=0)
+                p_ops = [p_smem.at[lax.rem(blk, 1) + k] for k in range(w)]  # (computed indices, as q_op's)
+                for p_op, p in zip(p_ops, ps):
+                    p_op.T[...] = p.astype(p_smem.dtype)
                 plgpu.commit_smem()
-                o = o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
-                o = product(o, ring.at[slot], p_smem, a_t=True)  # [K | V]ᵀ p: rows H.. are V ᵀ p
-                free_unless(slot, blk >= held_from)
-                return m_new, l, o, r + 1
+                o = [o_ * lax.broadcast_in_dim(alpha, (hd, ROWS), [1]) for o_ in o]
+                o = products(o, [[(ring.at[slot, :, vc], p_op) for p_op, slot in zip(p_ops, slots)]
+                                 for vc in v_cols], a_t=True)  # each stream's Vᵀ p
+                for k, slot in enumerate(slots):
+                    free_unless(slot, blk + k >= held_from)
+                return m_new, l, o, r + w
 
             row0 = cast(jnp.full((ROWS,), NEG, jnp.float32), L.WGMMA.reduce(0))
             l0 = cast(jnp.zeros((ROWS,), jnp.float32), L.WGMMA.reduce(0))
             with jax.named_scope("a_tiles"):
-                m, l, o, r = lax.fori_loop(lo, hi, block, (row0, l0, zero_acc(bk), r))
+                pairs = (hi - lo) // 2
+                carry = lax.fori_loop(0, pairs, lambda i, carry: block(lo + 2 * i, carry, 2),
+                                      (row0, l0, [zero_acc(hd)] * ppr, r))
+                m, l, o, r = lax.fori_loop(lo + 2 * pairs, hi, block, carry)
             # then (the last split) the new position itself, one more online-softmax step (its p
             # stays f32); elsewhere a score of NEG, whose weight at the combine is 0
             with jax.named_scope("a_new"):
@@ -1070,8 +1130,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                 alpha = jnp.exp(m - m_new)
                 p_new = jnp.exp(s_new - m_new)
                 l, m = l * alpha + p_new, m_new
-                o = (o * lax.broadcast_in_dim(alpha, (bk, ROWS), [1])
-                     + lax.broadcast_in_dim(p_new, (bk, ROWS), [1]) * v_col)
+                # (its V in the even stream's: the odd columns' p_new is 0)
+                o = [o_ * lax.broadcast_in_dim(alpha, (hd, ROWS), [1]) for o_ in o]
+                o[0] = o[0] + lax.broadcast_in_dim(p_new, (hd, ROWS), [1]) * v_b
             if plan.grouped:  # the partial, for every member of the group (`merged_out`)
                 with jax.named_scope("a_part"):
                     # (by TMA from the gather buffer's first entry, free until merged_out: the same
@@ -1091,6 +1152,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     fused_operand(m, l, compact(o))
                 with jax.named_scope("a_out"):
                     return fused_out(layer, kvh, member, r, u + ctas >= n_kv * gs)
+            o = full_o(o)
             if ppr == 2:
                 write_heads(layer, kvh, j, merge_streams(m, l, o))
                 return r
@@ -1739,11 +1801,10 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
         plgpu.SMEM((BLOCK_F,), jnp.float32),  # a partial
         plgpu.SMEM((BLOCK_F * plan.res_tiles,), jnp.float32),  # its residual (fuse_out: each row tile's)
         plgpu.SMEM((max(bk, PAD),), jnp.float32),  # an attention output, the input's copy, r_final
-        plgpu.SMEM((plan.groups + 2, hd), jnp.float32),  # q heads, k, v of a KV head
-        plgpu.SMEM((plan.groups + 1, 2 * hd), jnp.float32),  # the rotation's doubled vectors
+        plgpu.SMEM((plan.groups + 2, 2 * hd), jnp.float32),  # q heads, k (each [v | v]), v of a KV head
         plgpu.SMEM((2, hd), jnp.float32),  # rope table
         plgpu.SMEM((2 * hd,), dtype),  # the new cache row
-        plgpu.SMEM((ROWS, BLOCK_F), dtype, transforms=tiled),  # softmax p (operand)
+        plgpu.SMEM((2, ROWS, BLOCK_F), dtype, transforms=tiled),  # softmax p of two tiles (operands)
         plgpu.SMEM((PAD,), jnp.float32),  # zeros
         plgpu.SMEM((2, 32), jnp.int32),  # pos, one copy per warpgroup (rows 128-byte aligned for TMA)
         plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_barriers=P),
@@ -1781,11 +1842,11 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
 # ----------------------------------------------------------------------------------- reference
 
 
-def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
+def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan, hidden: bool = False):
     """megakernel_step in pure jnp with the kernel's rounding points: x of every projection
     rounded to bf16, f32 products and sums, q (scaled) and p rounded to bf16 for the tensor cores.
     rows: the row-major weights {qkv, out, gate_up, down: [L, N, K], head: [V, D]}. Returns
-    (logits, the cache with the new rows)."""
+    (logits, the cache with the new rows), and (hidden) every layer's output h."""
     bf = jnp.bfloat16
     f32 = jnp.float32
     hd, g, nq, nkv = plan.head_dim, plan.groups, plan.heads, plan.kv_heads
@@ -1799,7 +1860,7 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
     def rope_(v):
         return v * rope[0] + jnp.concatenate([v[hd // 2:], v[: hd // 2]]) * rope[1]
 
-    h = x
+    h, outs = x, []
     for l in range(plan.layers):
         r = rms(h)
         y = mm(rows["qkv"][l], h)
@@ -1813,8 +1874,8 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
         s = jnp.einsum("kgh,skh->kgs", q, kc, precision=lax.Precision.HIGHEST) * r
         s = jnp.where(jnp.arange(plan.max_len) < pos, s, NEG)
         # per run of cache tiles (attn_splits, or the grouped split's S runs; one by default): an
-        # online softmax over its tiles before pos, as the kernel (p rounded to bf16 relative to the
-        # running max), per stream: with ppr 2 a tile's even and odd positions are separate streams,
+        # online softmax over its tiles before pos, two tiles a step, as the kernel (p rounded to
+        # bf16 relative to the running max), per stream: with ppr 2 a tile's even and odd positions are separate streams,
         # each with its own running max; the last run's first stream then adds the new position with
         # its p in f32; each stream is merged over the runs, then the streams by their running maxima
         s_new = jnp.einsum("kgh,kh->kg", q, k_new.astype(f32), precision=lax.Precision.HIGHEST)[..., None] * r
@@ -1833,20 +1894,27 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
                 inside = j < ns
                 lo, hi = jnp.where(inside, j * n_blk // ns, 0), jnp.where(inside, (j + 1) * n_blk // ns, 0)
 
-                def tile_step(carry, blk, par=par, lo=lo, hi=hi):
+                def tile_step(carry, t, par=par, lo=lo, hi=hi):
+                    """The run's tiles lo + 2 t and lo + 2 t + 1 (where before hi) as one step."""
                     m, lsum, o = carry
-                    sb = s_t[blk, ..., par]
-                    m_new = jnp.maximum(m, jnp.max(sb, axis=-1, keepdims=True))
+                    blks = [lo + 2 * t, lo + 2 * t + 1]
+                    takes = [blk < hi for blk in blks]
+                    sbs = [s_t[jnp.minimum(blk, n_tiles - 1), ..., par] for blk in blks]
+                    tops = [jnp.where(take, jnp.max(sb, axis=-1, keepdims=True), NEG) for take, sb in zip(takes, sbs)]
+                    m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
                     alpha = jnp.exp(m - m_new)
-                    p = jnp.exp(sb - m_new)
-                    pv = jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32), v_t[blk, :, par],
-                                    precision=lax.Precision.HIGHEST)
-                    take = (lo <= blk) & (blk < hi)
-                    return (jnp.where(take, m_new, m), jnp.where(take, lsum * alpha + p.sum(-1, keepdims=True), lsum),
+                    ps = [jnp.where(take, jnp.exp(sb - m_new), 0.0) for take, sb in zip(takes, sbs)]
+                    pv = sum(jnp.einsum("kgs,skh->kgh", p.astype(bf).astype(f32),
+                                        v_t[jnp.minimum(blk, n_tiles - 1), :, par], precision=lax.Precision.HIGHEST)
+                             for p, blk in zip(ps, blks))
+                    take = takes[0]
+                    # (the two tiles' p added before the sum over positions, as the kernel)
+                    return (jnp.where(take, m_new, m), jnp.where(take, lsum * alpha + (ps[0] + ps[1]).sum(-1, keepdims=True),
+                                                                 lsum),
                             jnp.where(take, o * alpha + pv, o)), None
 
                 init = (jnp.full((nkv, g, 1), NEG), jnp.zeros((nkv, g, 1)), jnp.zeros((nkv, g, hd)))
-                (m, lsum, o), _ = lax.scan(tile_step, init, jnp.arange(n_tiles))
+                (m, lsum, o), _ = lax.scan(tile_step, init, jnp.arange((n_tiles + 1) // 2))
                 if par == 0:
                     m_new = jnp.maximum(m, s_new)
                     alpha, p_new = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
@@ -1870,6 +1938,9 @@ def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan):
         gu = mm(rows["gate_up"][l], h1) * rms(h1)
         gate, up = gu[: plan.mlp], gu[plan.mlp:]
         h = h1 + mm(rows["down"][l], gate / (1 + jnp.exp(-gate)) * up)
+        outs.append(h)
+    if hidden:
+        return mm(rows["head"], h) * rms(h), cache, outs
     return mm(rows["head"], h) * rms(h), cache
 
 
