@@ -14,9 +14,12 @@ The step, per layer, as five phases (each waits until every CTA has finished the
   attn     one unit per KV head: RoPE on the head's q and k, the new k/v row (scaled by r, which
            the unit computes meanwhile) written into the cache (for the next steps), then
            softmax(r q Kᵀ / √H) V (r applied to the scores): the positions
-           before pos from the cache, 64 per step (one [64, 2H] tile holding K and V, streamed by
-           the producer before the phase starts: they do not depend on this step), on the tensor
-           cores with an online softmax; then the new position from registers.
+           before pos from the cache in [64, 2H] tiles holding K and V (streamed by the producer
+           before the phase starts: they do not depend on this step), two tiles per step of an
+           online softmax on the tensor cores (scores over K's columns, outputs over V's); then
+           the new position from registers. RoPE's rotate-half partners need no exchange between
+           threads: the q/k/v phase stores each q and k head twice over, [v | v], and a load of H
+           values from H / 2 on is [x2, x1].
            (block_k = 4 H, `MegaPlan.ppr` 2: a cache row holds two positions, a tile 128, the
            even and odd ones as two softmax streams in the q operand's columns 0..G-1 and G..2G-1,
            merged per head; the 1b's head_dim 64 then streams its weights at block_k 256)
@@ -47,7 +50,7 @@ of the wgmma operand just before their first product (`lazy_x`; with `one_operan
 product, into one slot, which leaves the shared memory for a deeper ring).
 
 Activations live in one flat f32 buffer the kernel returns (`MegaPlan` gives the offsets):
-the final norm's statistic, the step's input h, then per layer q/k/v, the attention output, h1,
+the final norm's statistic, the step's input h, then per layer q/k/v (q and k twice), the attention output, h1,
 gate/up (not with fuse_mlp) and h2, then the logits. Every region except the input is zeroed by
 the kernel at its start; each is written in one phase and only read after, so the statistics'
 reads can run while a CTA waits at a barrier.
@@ -327,16 +330,13 @@ class MegaPlan:
         scratch. Exact on nine plans of five presets, grouped or not (lowered past the limit, whose
         error names the size; docs/decoding.md, thirtieth session). profile: with the on-device
         profiler's buffer."""
-        bk, hd, g, p = self.block_k, self.head_dim, self.groups, self.x_stages
-        buffers = (self.x_slots() * ROWS * bk * 2, p * bk * 4, self.up_stages * bk * 4,  # operands, x and up stages
-                   self.stages * BLOCK_F * bk * 2, BLOCK_F * 4, BLOCK_F * self.res_tiles * 4,  # ring, partial, residuals
-                   max(bk, PAD) * 4, (g + 2) * 2 * hd * 4, 2 * hd * 4,  # output, q/k/v, rope
-                   2 * hd * 2, 2 * ROWS * BLOCK_F * 2, PAD * 4, 2 * 32 * 4,  # new row, p, zeros, pos
-                   BLOCK_F * ROWS * 4, PAD * 4, max(bk, PAD) * 4,  # m and l, the input's row (f32 at most), rmw
-                   self.gathered * (hd if self.grouped else 1) * ROWS * 4, self.gathered * 2 * ROWS * 4)  # partials
-        barriers = 2 * p + 2 * self.stages + g + 2 + 6 + self.res_tiles + 2
-        return (sum(-(-b // 1024) * 1024 for b in buffers) + 8 * barriers + MOSAIC_RESERVED
-                + (PROFILE_BYTES if profile else 0))
+        total = MOSAIC_RESERVED + (PROFILE_BYTES if profile else 0)
+        for kind, shape, dtype, _ in scratch_buffers(self):  # (the input's row: f32, its widest)
+            if kind == "smem":
+                total += -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
+            else:
+                total += 8 * shape
+        return total
 
     def check(self) -> None:
         """Raise ValueError naming what this kernel cannot run."""
@@ -1767,6 +1767,43 @@ def megakernel_loop(token, pos, steps: int, embed, rope_all, weights: dict, cach
     return part("token", 1)[:, 0].astype(jnp.int32), part("logits", plan.vocab_rows), part("r", 1)[:, 0], cache
 
 
+def scratch_buffers(plan: MegaPlan, dtype=jnp.bfloat16, x_dtype=jnp.float32, interpret: bool = False) -> list:
+    """`_launch`'s scratch in `_body`'s argument order: ("smem", shape, dtype, tiled) for a buffer
+    (tiled: the wgmma operands' tiling and swizzle) and ("barriers", n, None, None). dtype: the
+    weights' and cache's; x_dtype: the input row's table. MegaPlan.smem_bytes counts the same list."""
+    bk, hd, P, f32 = plan.block_k, plan.head_dim, plan.x_stages, jnp.float32
+
+    def smem(shape, dt=f32, tiled=False):
+        return ("smem", shape, dt, tiled)
+
+    def barriers(n):
+        return ("barriers", n, None, None)
+
+    return [
+        smem((plan.x_slots(), ROWS, bk), dtype, True),  # x operands
+        smem((P, bk)), smem((plan.up_stages, bk)),  # x stages, up stages
+        smem((plan.stages, BLOCK_F, bk), dtype, True),  # the weight / cache ring
+        smem((BLOCK_F,)),  # a partial
+        smem((BLOCK_F * plan.res_tiles,)),  # its residual (fuse_out: each row tile's)
+        smem((max(bk, PAD),)),  # an attention output, the input's copy, r_final
+        smem((plan.groups + 2, 2 * hd)),  # q heads, k (each [v | v]), v of a KV head
+        smem((2, hd)),  # rope table
+        smem((2 * hd,), dtype),  # the new cache row
+        smem((2, ROWS, BLOCK_F), dtype, True),  # softmax p of two tiles (operands)
+        smem((PAD,)),  # zeros
+        smem((2, 32), jnp.int32),  # pos, one copy per warpgroup (rows 128-byte aligned for TMA)
+        barriers(P), barriers(P), barriers(plan.stages), barriers(plan.stages), barriers(plan.groups + 2),
+        barriers(6), barriers(plan.res_tiles),
+        smem((BLOCK_F, ROWS)),  # (fuse_out, ppr 2) the streams' m and l
+        smem((PAD,), x_dtype),  # a chunk of the input's row
+        smem((max(bk, PAD) if interpret else 16,)),  # (interpret) reduce_add's read-add-write
+        # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each (else 64-byte placeholders)
+        smem((plan.gathered, hd if plan.grouped else 1, ROWS)),
+        smem((plan.gathered * 2 * ROWS,)),  # ([m | l] per partial: 1D, so no tiling is inferred)
+        barriers(2),
+    ]
+
+
 def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, interpret: bool, profile_dir: str,
             steps: int = 0, vocab: int = 0):
     """The kernel on ids [pos, the row of x_table, the row of rope_rows, 0]: one step (returns
@@ -1793,32 +1830,9 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
     ref = jax.new_ref(cache)
     dtype = weights["qkv"].dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    hd, P = plan.head_dim, plan.x_stages
-    scratch = (
-        plgpu.SMEM((plan.x_slots(), ROWS, bk), dtype, transforms=tiled),  # x operands
-        plgpu.SMEM((P, bk), jnp.float32), plgpu.SMEM((plan.up_stages, bk), jnp.float32),  # x stages, up stages
-        plgpu.SMEM((plan.stages, BLOCK_F, bk), dtype, transforms=tiled),  # the weight / cache ring
-        plgpu.SMEM((BLOCK_F,), jnp.float32),  # a partial
-        plgpu.SMEM((BLOCK_F * plan.res_tiles,), jnp.float32),  # its residual (fuse_out: each row tile's)
-        plgpu.SMEM((max(bk, PAD),), jnp.float32),  # an attention output, the input's copy, r_final
-        plgpu.SMEM((plan.groups + 2, 2 * hd), jnp.float32),  # q heads, k (each [v | v]), v of a KV head
-        plgpu.SMEM((2, hd), jnp.float32),  # rope table
-        plgpu.SMEM((2 * hd,), dtype),  # the new cache row
-        plgpu.SMEM((2, ROWS, BLOCK_F), dtype, transforms=tiled),  # softmax p of two tiles (operands)
-        plgpu.SMEM((PAD,), jnp.float32),  # zeros
-        plgpu.SMEM((2, 32), jnp.int32),  # pos, one copy per warpgroup (rows 128-byte aligned for TMA)
-        plgpu.Barrier(num_barriers=P), plgpu.Barrier(num_barriers=P),
-        plgpu.Barrier(num_barriers=plan.stages), plgpu.Barrier(num_barriers=plan.stages),
-        plgpu.Barrier(num_barriers=plan.groups + 2), plgpu.Barrier(num_barriers=6),
-        plgpu.Barrier(num_barriers=plan.res_tiles),
-        plgpu.SMEM((BLOCK_F, ROWS), jnp.float32),  # (fuse_out, ppr 2) the streams' m and l
-        plgpu.SMEM((PAD,), x_table.dtype),  # a chunk of the input's row
-        plgpu.SMEM((max(bk, PAD) if interpret else 16,), jnp.float32),  # (interpret) reduce_add's read-add-write
-        # (grouped) the group's partials: o [H, 8] and [m; l] [2, 8] each (else 64-byte placeholders)
-        plgpu.SMEM((plan.gathered, hd if plan.grouped else 1, ROWS), jnp.float32),
-        plgpu.SMEM((plan.gathered * 2 * ROWS,), jnp.float32),  # ([m | l] per partial: 1D, so no tiling is inferred)
-        plgpu.Barrier(num_barriers=2),
-    )
+    scratch = tuple(plgpu.SMEM(shape, dt, **({"transforms": tiled} if is_tiled else {})) if kind == "smem"
+                    else plgpu.Barrier(num_barriers=shape)
+                    for kind, shape, dt, is_tiled in scratch_buffers(plan, dtype, x_table.dtype, interpret))
     buf, *_ = plgpu.kernel(
         functools.partial(_body, plan=plan, interpret=interpret, steps=steps, vocab=vocab),
         out_type=(jax.ShapeDtypeStruct((loop_layout(plan, steps)["size"] if steps else plan.total,), jnp.float32),
