@@ -67,6 +67,9 @@ KV_BLOCK = 64  # cache length is rounded up to whole tiles of the decode kernel
 LEN_BUCKET = 128  # default cache length: prompt + new tokens rounded up to this
 MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two at least this long
 DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
+# Prompt tokens one prefill call takes at most (whole rows, at least one). 16k tokens keep an
+# H100 busy, and bound the activations: the 7b's MLP over 16k tokens is ~1.4 GB in bf16.
+PREFILL_TOKENS = 16384
 # On the GPU, XLA lowers a [1, D] x [D, X] dot to multiply + reduce fusions that reach half
 # the bandwidth of the gemm kernels it emits for M >= 8: padding batch 1 to 8 rows took the
 # 1b decode step from 1.29 to 0.90 ms on an H200 (experiments/decode_variants.py,
@@ -556,8 +559,9 @@ def _head(weights, x_bd, cfg: ModelConfig):
     return jnp.einsum("bd,dv->bv", x_bd, w, preferred_element_type=jnp.float32)
 
 
-def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, core):
-    """Prompts [B, T] (right-padded) -> logits at each row's last real token [B, V]; cache filled."""
+def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, core, row0=0):
+    """Prompts [B, T] (right-padded) -> logits at each row's last real token [B, V]; the cache's
+    rows row0 .. row0 + B filled (the cache may hold more rows than the prompts)."""
     b, t = tokens_bt.shape
     positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     inv_freq = layers.rope_frequencies(cfg)
@@ -571,8 +575,8 @@ def _prefill_forward(weights, cache, tokens_bt, lengths_b, *, cfg: ModelConfig, 
         attn = core(q, k, v, causal=True, segment_ids=None)
         x = _out_proj(w, attn.reshape(b, t, -1), x)
         x = _mlp(w, x, cfg)
-        ks.append(jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
-        vs.append(jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
+        ks.append(jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (row0, 0, 0, 0)))
+        vs.append(jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (row0, 0, 0, 0)))
     x_last = x[jnp.arange(b), lengths_b - 1]  # [B, D]
     return _head(weights, x_last, cfg), {"k": tuple(ks), "v": tuple(vs)}
 
@@ -756,19 +760,35 @@ def _advance(state, tok_b, lp_b, params):
 # ------------------------------------------------------------------- compiled functions
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "core_impl", "sampling"), donate_argnames=("cache",))
-def _prefill(weights, cache, tokens_bt, lengths_b, done_b, params, *, cfg, core_impl, sampling):
-    logits, cache = _prefill_forward(weights, cache, tokens_bt, lengths_b, cfg=cfg, core=attention_core(core_impl))
+@functools.partial(jax.jit, static_argnames=("cfg", "core_impl"), donate_argnames=("cache",))
+def _prefill_rows(weights, cache, tokens_rt, lengths_r, row0, *, cfg, core_impl):
+    """The prompts of rows row0 .. row0 + R into the cache; their last tokens' logits [R, V] (f32)."""
+    logits, cache = _prefill_forward(weights, cache, tokens_rt, lengths_r, cfg=cfg, core=attention_core(core_impl),
+                                     row0=row0)
+    return logits.astype(jnp.float32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def _first_tokens(logits_bv, lengths_b, done_b, params, *, sampling):
+    """The decode state after the prefill (without its cache) and the first sampled tokens."""
     state = {
-        "cache": cache,
         "token": jnp.zeros_like(lengths_b),
         "pos": lengths_b - 1,  # position of the token just fed; _advance moves it to len
         "count": jnp.zeros_like(lengths_b),
         "done": done_b,
     }
     keys = _row_keys(jax.random.wrap_key_data(params["key"]), state["count"])
-    tok, lp = sample(logits, keys, params["temperature"], params["top_p"], sampling)
+    tok, lp = sample(logits_bv, keys, params["temperature"], params["top_p"], sampling)
     return _advance(state, tok, lp, params)
+
+
+def prefill_rows_per_call(batch: int, prompt_len: int, token_budget: int) -> int:
+    """Rows one prefill call takes: the largest power of two whose prompts fit token_budget
+    (at least one row, at most the batch; a power of two divides the power-of-two batch)."""
+    rows = 1
+    while rows * 2 <= batch and rows * 2 * prompt_len <= token_budget:
+        rows *= 2
+    return rows
 
 
 @functools.partial(
@@ -880,6 +900,11 @@ class Decoder:
     megakernel_short_reach: chunks whose steps attend at most this many positions run on the plan
         of a cache that short (megakernel_plan's reach), where it differs from the cache's own;
         0: every chunk on the cache's own plan.
+    prefill_tokens: prompt tokens one prefill call takes at most; larger batches are prefilled
+        a group of rows at a time (at least one row a call, however long its prompt).
+
+    The megakernel's unit-major copy of the weights is made at the first batch-1 call, so a
+    decoder that only serves larger batches never holds it.
     """
 
     def __init__(
@@ -897,6 +922,7 @@ class Decoder:
         tma: decode_tma.TmaSettings | None = None,
         megakernel_options: dict | None = None,
         megakernel_short_reach: int = MEGAKERNEL_SHORT_REACH,
+        prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -914,6 +940,9 @@ class Decoder:
             self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
         if chunk < 1:
             raise ValueError(f"{chunk=} must be >= 1")
+        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be an int >= 1, got {prefill_tokens!r}")
+        self.prefill_tokens = prefill_tokens
         self.chunk = chunk
         if min_batch is not None and (min_batch < 1 or min_batch & (min_batch - 1)):
             raise ValueError(f"{min_batch=} must be a power of two >= 1")
@@ -969,10 +998,21 @@ class Decoder:
                 self.cfg, self.dtype, hopper=is_hopper(), copy_bytes=megakernel_copy_bytes(self.weights),
                 free_bytes=free_device_bytes(), cache_dtype=self.cache_dtype)  # (rows: auto's batch 1 is Pallas)
             self.megakernel = self.auto_megakernel_reason is None
-        if self.megakernel:  # (self.weights are output-major then: the unit-major copy is made from them)
+        self._megakernel_weights = None
+
+    @property
+    def megakernel_weights(self) -> dict:
+        """The megakernel's unit-major copy of the weights, made at first use from the output-major
+        self.weights."""
+        if not self.megakernel:
+            raise ValueError(f"this decoder runs no megakernel (layers={self.layer_impl.value!r}"
+                             + (f"; auto: {self.auto_megakernel_reason}" if self.auto_megakernel_reason else "") + ")")
+        if self._megakernel_weights is None:
             plan = megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options)
-            self.megakernel_weights = {"units": decode_megakernel.prepare(self.weights, plan.block_k, plan.fuse_mlp),
-                                       "embed_vd": self.weights["embed_vd"]}
+            self._megakernel_weights = {
+                "units": decode_megakernel.prepare(self.weights, plan.block_k, plan.fuse_mlp),
+                "embed_vd": self.weights["embed_vd"]}
+        return self._megakernel_weights
 
     def _step_layers(self, batch: int) -> DecodeLayerImpl:
         """The layer implementation a decode step of `batch` rows runs."""
@@ -1091,8 +1131,18 @@ class Decoder:
         }
 
         t0 = time.perf_counter()
-        state, tok, lp = _prefill(self.weights, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(done),
-                                  params, cfg=cfg, core_impl=self.core_impl, sampling=sampling)
+        # Rows in groups of at most prefill_tokens prompt tokens: the activations of 64 long prompts
+        # at once would otherwise take more memory than the cache they fill.
+        r = prefill_rows_per_call(b, t, self.prefill_tokens)
+        logits = []
+        for row0 in range(0, b, r):
+            lg, cache = _prefill_rows(self.weights, cache, jnp.asarray(tokens[row0:row0 + r]),
+                                      jnp.asarray(lengths[row0:row0 + r]), jnp.int32(row0), cfg=cfg,
+                                      core_impl=self.core_impl)
+            logits.append(lg)
+        logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
+        state, tok, lp = _first_tokens(logits, jnp.asarray(lengths), jnp.asarray(done), params, sampling=sampling)
+        state = dict(state, cache=cache)
         if self._step_layers(b) == DecodeLayerImpl.megakernel:
             state = dict(state, cache=megakernel_cache(state["cache"], megakernel_plan(cfg, s, self.mk_options).ppr))
         tok, lp, all_done = jax.device_get((tok, lp, jnp.all(state["done"])))

@@ -79,6 +79,31 @@ def test_padding_rows_change_nothing(model, greedy):
         decode.Decoder(model, min_batch=3)
 
 
+def test_prefill_in_row_groups_equals_one_call(model, greedy):
+    """A token budget of 16 prefills the 16-token bucket one row a call (4 calls for 3 prompts
+    padded to 4 rows); tokens and log-probs are those of one call, sampled ones included."""
+    assert [decode.prefill_rows_per_call(b, t, n) for b, t, n in
+            [(4, 16, 16), (4, 16, 40), (64, 2048, 16384), (64, 2048, 10**9), (8, 4096, 1000), (1, 16, 1)]] \
+        == [1, 2, 8, 64, 1, 1]
+    calls = []
+    rows_of = decode._prefill_rows
+    grouped = decode.Decoder(model, max_batch=4, max_len=MAX_LEN, attention="xla", chunk=4, prefill_tokens=16)
+    try:
+        decode._prefill_rows = lambda w, c, tok, *a, **k: calls.append(tok.shape) or rows_of(w, c, tok, *a, **k)
+        out = grouped.generate(PROMPTS, NEW)
+    finally:
+        decode._prefill_rows = rows_of
+    assert calls == [(1, 16)] * 4
+    assert out.tokens == greedy.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(greedy.logprobs), atol=2e-5, rtol=0)
+    kw = dict(temperature=1.0, top_k=20, seed=5)
+    one = decode.Decoder(model, max_batch=4, max_len=MAX_LEN, attention="xla", chunk=4)
+    assert grouped.generate(PROMPTS, NEW, **kw).tokens == one.generate(PROMPTS, NEW, **kw).tokens
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="prefill_tokens must be an int >= 1"):
+            decode.Decoder(model, prefill_tokens=bad)
+
+
 def test_stop_tokens_per_row_and_cache_limit(decoder, greedy):
     # Stop row 0 at its third token; other rows go on unless they produce it too.
     stop = greedy.tokens[0][2]
@@ -133,7 +158,7 @@ def test_generate_api_and_errors(model, decoder, monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("compiled before validating")
 
-    monkeypatch.setattr(decode, "_prefill", no_compile)
+    monkeypatch.setattr(decode, "_prefill_rows", no_compile)
     monkeypatch.setattr(decode, "_decode_chunk", no_compile)
     cases = [
         ([[]], "empty"),

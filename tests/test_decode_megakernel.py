@@ -479,6 +479,8 @@ def test_decoder_megakernel_options_are_checked():
     with pytest.raises(ValueError, match="need layers='megakernel', got layers='xla'"):
         dec({"qkv_ld": False}, layers="xla")
     assert decode.parse_megakernel_options({"stages": 5, "qkv_ld": 0}) == (("qkv_ld", False), ("stages", 5))
+    with pytest.raises(ValueError, match="this decoder runs no megakernel \\(layers='xla'"):
+        dec(None, layers="xla").megakernel_weights
 
 
 def test_fused_mlp_refuses_what_it_cannot_run():
@@ -534,9 +536,11 @@ def test_decoder_megakernel_generates_as_xla(cfg, ppr, options, monkeypatch):
     dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla", layers="megakernel", chunk=2,
                          megakernel_options=options)
     assert dec._step_layers(1) == decode.DecodeLayerImpl.megakernel
+    assert dec._megakernel_weights is None  # (its copy of the weights: made at the first batch-1 call)
     seen, plan_of = [], decode.megakernel_plan
     monkeypatch.setattr(decode, "megakernel_plan", lambda *a: seen.append(plan_of(*a)) or seen[-1])
     got = dec.generate(prompts, 5)
+    assert dec._megakernel_weights is not None
     assert seen and all(all(getattr(p, k) == v for k, v in options.items()) for p in seen)
     assert all(p.grouped for p in seen) == (cfg is CFG)
     # (the partials' shared memory: the deepest ring that fits, as options do not set stages)
