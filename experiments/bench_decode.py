@@ -5,6 +5,8 @@
 
 Random bf16 weights of the preset shapes (configs/models/*.yaml). For each (model, batch, prompt):
 prefill, then `--new-tokens` greedy decode steps; a warm-up call of the same steps compiles first.
+`--sampling greedy,temperature=0.8/top_p=0.95` adds the first case again with each other sampling
+(seed 0), to show what sampling costs beside greedy steps.
 
 Roofline: a decode step must read every weight once (the embedding table only for the tied
 head) plus, per row, the K/V cache it attends to. bytes/step over the bandwidth of a large
@@ -34,6 +36,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -115,15 +118,39 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * itemsize
 
 
-def bench_ours(dec: decode.Decoder, cfg: ModelConfig, batch: int, prompt: int, new: int, rng, reps: int = 3) -> dict:
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float}
+
+
+def parse_sampling(spec: str) -> dict:
+    """'greedy' -> {}; 'temperature=0.8/top_p=0.95' -> generate's keyword arguments."""
+    if spec == "greedy":
+        return {}
+    out = {}
+    for part in spec.split("/"):
+        key, sep, value = part.partition("=")
+        if not sep or key not in SAMPLING_KEYS:
+            raise ValueError(f"--sampling {spec!r}: {part!r} is not key=value with a key in {sorted(SAMPLING_KEYS)} "
+                             f"(or the whole spec 'greedy')")
+        try:
+            out[key] = SAMPLING_KEYS[key](value)
+        except ValueError:
+            raise ValueError(f"--sampling {spec!r}: {key} must be a {SAMPLING_KEYS[key].__name__}, got {value!r}") \
+                from None
+    return out
+
+
+def bench_ours(dec: decode.Decoder, cfg: ModelConfig, batch: int, prompt: int, new: int, rng, reps: int = 3,
+               sampling: dict | None = None) -> dict:
     """One warm-up generate, then `reps` timed ones: their median step time (one timed call in a few
-    ran up to 8% slower than the rest, docs/benchmarks.md, thirtieth session)."""
+    ran up to 8% slower than the rest, docs/benchmarks.md, thirtieth session). sampling: generate's
+    temperature / top_k / top_p (seed 0); greedy without."""
+    sampling = sampling or {}
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
     max_len = -(-(prompt + new) // 128) * 128  # the same cache shape for warm-up and timed call
     # (warm-up over the same steps: a long cache's first chunks run on another plan, which compiles
     # apart, Decoder.megakernel_short_reach)
-    dec.generate(prompts, new, max_len=max_len)
-    runs = [dec.generate(prompts, new, max_len=max_len) for _ in range(reps)]
+    dec.generate(prompts, new, max_len=max_len, **sampling)
+    runs = [dec.generate(prompts, new, max_len=max_len, **sampling) for _ in range(reps)]
     assert all(len(t) == new for g in runs for t in g.tokens), [[len(t) for t in g.tokens] for g in runs]
     steps_ms = [g.decode_s / g.decode_steps * 1e3 for g in runs]
     g = runs[sorted(range(reps), key=steps_ms.__getitem__)[reps // 2]]  # (the median run)
@@ -427,6 +454,10 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-budget-gb", type=float, default=70.0, help="skip cases whose weights + KV cache exceed this")
     ap.add_argument("--bw-gib", type=float, default=4.0, help="buffer size of the bandwidth measurement")
     ap.add_argument("--tag", default="bench_decode", help="file name stem of the outputs under $OUT")
+    ap.add_argument("--sampling", default="greedy",
+                    help="comma-separated sampling specs, 'greedy' or key=value pairs joined by '/' (keys temperature, "
+                         "top_k, top_p), e.g. greedy,temperature=0.8/top_p=0.95; specs after the first run the first "
+                         "case of the first attention only")
     ap.add_argument("--check", action="store_true", help="first check the kernel and the decoder on the GPU")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -437,6 +468,12 @@ def main(argv=None) -> int:
     prompts = [int(x) for x in args.prompts.split(",")]
     hf_batches = [int(x) for x in args.hf.split(",") if x]
     impls = args.attention.split(",")
+    specs = args.sampling.split(",")
+    for spec in specs:
+        try:
+            parse_sampling(spec)  # (a bad spec fails here, before anything runs)
+        except ValueError as e:
+            ap.error(str(e))
 
     dev = jax.devices()[0]
     versions = {"jax": jax.__version__, "device": dev.device_kind}
@@ -492,40 +529,42 @@ def main(argv=None) -> int:
             if dec.auto_megakernel_reason:
                 print(f"{name} {impl}: auto runs no megakernel: {dec.auto_megakernel_reason}", flush=True)
             wbytes = decode.weight_bytes_per_step(dec.weights)
-            for prompt in prompts:
-                for batch in batches:
-                    if impl != impls[0] and (batch, prompt) != (batches[0], prompts[0]):
-                        continue  # other impls: the first case only, for comparison
-                    max_len = -(-(prompt + args.new_tokens) // 128) * 128
-                    # the model's parameters, the decoder's copy, and the megakernel's once made
-                    need = (2 + dec.megakernel) * wbytes + batch * max_len * kv_bytes_per_token(cfg)
-                    row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt,
-                           "layers": dec._step_layers(dec.bucket(batch)).value}  # (what the steps ran)
-                    if need > args.mem_budget_gb * 1e9:
-                        row["skip"] = f"needs {need / 1e9:.0f} GB > budget"
-                        rows.append(row)
-                        print(row, flush=True)
-                        continue
-                    t = time.perf_counter()
-                    try:
-                        r = bench_ours(dec, cfg, batch, prompt, args.new_tokens, rng, args.reps)
-                    except Exception as e:  # noqa: BLE001
-                        row["skip"] = f"{type(e).__name__}: {str(e)[:300]}"
-                        rows.append(row)
-                        print(row, flush=True)
-                        continue
-                    r["roofline_tok_s"] = batch * peak / r["bytes_per_step"]
-                    r["frac"] = r["achieved_Bps"] / peak
-                    for kind in ("eager", "static"):
-                        h = hf_res.get(kind, {}).get((batch, prompt))
-                        if h and "tok_s" in h:
-                            r[f"hf_{kind}_tok_s"] = h["tok_s"]
-                    row.update(r, wall_s=time.perf_counter() - t)
+            for prompt, batch, spec in itertools.product(prompts, batches, specs):
+                first_case = (batch, prompt) == (batches[0], prompts[0])
+                if impl != impls[0] and not first_case:
+                    continue  # other impls: the first case only, for comparison
+                if spec != specs[0] and not (impl == impls[0] and first_case):
+                    continue  # other sampling: the first case of the first impl only
+                max_len = -(-(prompt + args.new_tokens) // 128) * 128
+                # the model's parameters, the decoder's copy, and the megakernel's once made
+                need = (2 + dec.megakernel) * wbytes + batch * max_len * kv_bytes_per_token(cfg)
+                row = {"model": name, "impl": impl, "batch": batch, "prompt": prompt, "sampling": spec,
+                       "layers": dec._step_layers(dec.bucket(batch)).value}  # (what the steps ran)
+                if need > args.mem_budget_gb * 1e9:
+                    row["skip"] = f"needs {need / 1e9:.0f} GB > budget"
                     rows.append(row)
-                    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-                    out = os.environ.get("OUT")
-                    if out:  # the table so far, in case the run is cut off
-                        Path(out, f"{args.tag}.partial.md").write_text(render(rows, versions, bw, args))
+                    print(row, flush=True)
+                    continue
+                t = time.perf_counter()
+                try:
+                    r = bench_ours(dec, cfg, batch, prompt, args.new_tokens, rng, args.reps, parse_sampling(spec))
+                except Exception as e:  # noqa: BLE001
+                    row["skip"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    rows.append(row)
+                    print(row, flush=True)
+                    continue
+                r["roofline_tok_s"] = batch * peak / r["bytes_per_step"]
+                r["frac"] = r["achieved_Bps"] / peak
+                for kind in ("eager", "static"):
+                    h = hf_res.get(kind, {}).get((batch, prompt))
+                    if h and "tok_s" in h:
+                        r[f"hf_{kind}_tok_s"] = h["tok_s"]
+                row.update(r, wall_s=time.perf_counter() - t)
+                rows.append(row)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                out = os.environ.get("OUT")
+                if out:  # the table so far, in case the run is cut off
+                    Path(out, f"{args.tag}.partial.md").write_text(render(rows, versions, bw, args))
             del dec
             gc.collect()
         del model
@@ -550,7 +589,7 @@ def render(rows, versions, bw, args) -> str:
         f"Decode benchmark, {when}, {versions.get('device')}, jax {versions.get('jax')}, "
         f"torch {versions.get('torch', '-')}, transformers {versions.get('transformers', '-')}; "
         f"`{' '.join(['python', 'experiments/bench_decode.py'] + (['--quick'] if args.quick else []))}`; "
-        f"{args.new_tokens} new tokens, greedy, bf16 weights and KV cache.",
+        f"{args.new_tokens} new tokens, greedy unless the row says otherwise, bf16 weights and KV cache.",
         "",
         "Measured copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bw.items())
         + f"; roofline uses {peak / 1e12:.2f} TB/s.",
@@ -559,12 +598,13 @@ def render(rows, versions, bw, args) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        impl = r["impl"] + (f", {r['sampling']}" if r.get("sampling", "greedy") != "greedy" else "")
         if "skip" in r:
-            lines.append(f"| {r['model']} | {r['impl']} | {r['batch']} | {r['prompt']} | skipped: {r['skip']} ||||||||||| |")
+            lines.append(f"| {r['model']} | {impl} | {r['batch']} | {r['prompt']} | skipped: {r['skip']} ||||||||||| |")
             continue
         he, hs = r.get("hf_eager_tok_s"), r.get("hf_static_tok_s")
         lines.append(
-            f"| {r['model']} | {r['impl']} ({r.get('layers', '?')}) | {r['batch']} | {r['prompt']} | {r['step_ms']:.3f} | {r['tok_s']:,.0f} | "
+            f"| {r['model']} | {impl} ({r.get('layers', '?')}) | {r['batch']} | {r['prompt']} | {r['step_ms']:.3f} | {r['tok_s']:,.0f} | "
             f"{r['roofline_tok_s']:,.0f} | {r['bytes_per_step'] / 1e9:.2f} | {r['achieved_Bps'] / 1e12:.2f} | "
             f"{100 * r['frac']:.1f}% | {r['prefill_ms']:.1f} | {r['e2e_tok_s']:,.0f} | {f'{he:,.1f}' if he else '-'} | "
             f"{f'{hs:,.1f}' if hs else '-'} | {f'{r['e2e_tok_s'] / hs:.1f}x' if hs else '-'} |"

@@ -33,3 +33,19 @@ def test_cli_refuses_fewer_than_one_rep(capsys):
     with pytest.raises(SystemExit):
         bd.main(["--reps", "0"])
     assert "--reps must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_sampling_specs_reach_generate(monkeypatch):
+    assert bd.parse_sampling("greedy") == {}
+    assert bd.parse_sampling("temperature=0.8/top_p=0.95/top_k=50") == {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+    with pytest.raises(ValueError, match="'temp=1' is not key=value with a key in \\['temperature', 'top_k', 'top_p'\\]"):
+        bd.parse_sampling("temp=1")
+    with pytest.raises(ValueError, match="top_k must be a int, got '5.5'"):
+        bd.parse_sampling("top_k=5.5")
+    dec = decode.Decoder(build_model(CFG, seed=0), layers="xla", chunk=4)
+    seen = []
+    generate = dec.generate
+    monkeypatch.setattr(dec, "generate", lambda *a, **k: seen.append(k) or generate(*a, **k))
+    bd.bench_ours(dec, CFG, batch=1, prompt=5, new=6, rng=np.random.default_rng(0), reps=1,
+                  sampling={"temperature": 0.8, "top_p": 0.9})
+    assert seen and all(k["temperature"] == 0.8 and k["top_p"] == 0.9 for k in seen)
