@@ -118,7 +118,7 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.resolved_head_dim * itemsize
 
 
-SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float}
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "sampler": str}  # (sampler: the Decoder's)
 
 
 def parse_sampling(spec: str) -> dict:
@@ -144,7 +144,16 @@ def bench_ours(dec: decode.Decoder, cfg: ModelConfig, batch: int, prompt: int, n
     """One warm-up generate, then `reps` timed ones: their median step time (one timed call in a few
     ran up to 8% slower than the rest, docs/benchmarks.md, thirtieth session). sampling: generate's
     temperature / top_k / top_p (seed 0); greedy without."""
-    sampling = sampling or {}
+    sampling = dict(sampling or {})
+    sampler = sampling.pop("sampler", None)
+    if sampler is not None:  # (a Decoder setting, read at each generate call)
+        if sampler not in decode.SAMPLERS:
+            raise ValueError(f"sampler must be one of {decode.SAMPLERS}, got {sampler!r}")
+        dec.sampler, before = sampler, dec.sampler
+        try:
+            return bench_ours(dec, cfg, batch, prompt, new, rng, reps, sampling)
+        finally:
+            dec.sampler = before
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
     max_len = -(-(prompt + new) // 128) * 128  # the same cache shape for warm-up and timed call
     # (warm-up over the same steps: a long cache's first chunks run on another plan, which compiles
@@ -456,7 +465,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="bench_decode", help="file name stem of the outputs under $OUT")
     ap.add_argument("--sampling", default="greedy",
                     help="comma-separated sampling specs, 'greedy' or key=value pairs joined by '/' (keys temperature, "
-                         "top_k, top_p), e.g. greedy,temperature=0.8/top_p=0.95; specs after the first run the first "
+                         "top_k, top_p, and sampler: the Decoder's, xla or pallas), e.g. greedy,temperature=0.8/top_p=0.95; specs after the first run the first "
                          "case of the first attention only")
     ap.add_argument("--check", action="store_true", help="first check the kernel and the decoder on the GPU")
     args = ap.parse_args(argv)

@@ -29,7 +29,7 @@ import numpy as np
 from scaling import decode
 from scaling.model import build_model
 
-from bench_decode import preset  # (experiments/ is on the path)
+from bench_decode import parse_sampling, preset  # (experiments/ is on the path)
 
 MEGAKERNEL_MARK = "_body"  # the megakernel's kernel name holds its body function's name
 
@@ -99,23 +99,29 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=129)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--loop", action="store_true", help="also bench_megakernel's bare loop")
+    ap.add_argument("--sampling", default="greedy", help="bench_decode's --sampling spec, one of them (e.g. "
+                    "temperature=0.8/top_p=0.95): sampled steps run step by step, so the sampler's kernels show")
     args = ap.parse_args(argv)
+    try:
+        sampling = parse_sampling(args.sampling)
+    except ValueError as e:
+        ap.error(str(e))
     cfg = preset(args.model)
     model = build_model(cfg, seed=0)
     dec = decode.Decoder(model, chunk=args.chunk, layers=args.layers)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (1, args.prompt)).tolist()
     max_len = -(-(args.prompt + args.new) // 128) * 128
-    dec.generate(prompts, args.new, max_len=max_len)  # compile
+    dec.generate(prompts, args.new, max_len=max_len, **sampling)  # compile
     result = {"versions": {"jax": jax.__version__, "device": jax.devices()[0].device_kind}, "args": vars(args)}
     mark = MEGAKERNEL_MARK if args.layers == "megakernel" else "fusion"
     with tempfile.TemporaryDirectory() as d:
         g = {}
-        kernels = traced(lambda: g.setdefault("g", dec.generate(prompts, args.new, max_len=max_len)), d)
+        kernels = traced(lambda: g.setdefault("g", dec.generate(prompts, args.new, max_len=max_len, **sampling)), d)
         result["decoder"] = summarise(kernels, mark)
         result["decoder"]["step_ms_timed"] = 1e3 * g["g"].decode_s / g["g"].decode_steps
         # (greedy megakernel chunks are one megakernel_loop launch: per step, its share of one)
-        per_call = args.chunk if args.layers == "megakernel" and decode._loop_runs(cfg, max_len) else 1
+        per_call = args.chunk if args.layers == "megakernel" and not sampling and decode._loop_runs(cfg, max_len) else 1
         if per_call > 1 and "kernel_us" in result["decoder"]:
             result["decoder"].update(steps_per_kernel=per_call,
                                      kernel_us_per_step=result["decoder"]["kernel_us"] / per_call,

@@ -48,7 +48,7 @@ from flax import nnx
 from scaling import layers
 from scaling.attention import attention_core, resolve_impl
 from scaling.config import AttentionImpl, ModelConfig
-from scaling.kernels import decode_gemv, decode_megakernel, decode_tma
+from scaling.kernels import decode_gemv, decode_megakernel, decode_tma, sample as sample_kernel
 from scaling.kernels.flash_attention import is_hopper
 from scaling.kernels.decode_attention import (
     combine_in_kernel_reason,
@@ -70,6 +70,7 @@ DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
 # Prompt tokens one prefill call takes at most (whole rows, at least one). 16k tokens keep an
 # H100 busy, and bound the activations: the 7b's MLP over 16k tokens is ~1.4 GB in bf16.
 PREFILL_TOKENS = 16384
+SAMPLERS = ("xla", "pallas")  # Decoder(sampler=...)
 # On the GPU, XLA lowers a [1, D] x [D, X] dot to multiply + reduce fusions that reach half
 # the bandwidth of the gemm kernels it emits for M >= 8: padding batch 1 to 8 rows took the
 # 1b decode step from 1.29 to 0.90 ms on an H200 (experiments/decode_variants.py,
@@ -708,6 +709,7 @@ class Sampling:
     greedy: bool = True
     top_k: int | None = None
     use_top_p: bool = False
+    kernel: bool = False  # sampled rows by scaling.kernels.sample (no sort), the same tokens
 
 
 def _chosen_logprob(logits_bv, tok_b):
@@ -723,6 +725,11 @@ def sample(logits_bv, keys_b, temperature, top_p, sampling: Sampling):
     if sampling.greedy:
         tok_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
         return tok_b, _chosen_logprob(logits_bv, tok_b)
+    if sampling.kernel:  # (categorical's own noise: the same token below, without the sorts)
+        v = logits_bv.shape[-1]
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys_b)
+        return sample_kernel.sample_rows(logits_bv, noise, temperature, top_p, top_k=sampling.top_k,
+                                         use_top_p=sampling.use_top_p)
     logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     z = logits_bv / temperature
     if sampling.top_k is not None:
@@ -902,6 +909,9 @@ class Decoder:
         0: every chunk on the cache's own plan.
     prefill_tokens: prompt tokens one prefill call takes at most; larger batches are prefilled
         a group of rows at a time (at least one row a call, however long its prompt).
+    sampler: how sampled (not greedy) tokens are drawn: "xla" (`sample`: top-k and top-p by
+        sorting the vocabulary) or "pallas" (scaling.kernels.sample: one kernel a step, no sort,
+        the same tokens from the same seed; not yet timed on a GPU, so not the default).
 
     The megakernel's unit-major copy of the weights is made at the first batch-1 call, so a
     decoder that only serves larger batches never holds it.
@@ -923,6 +933,7 @@ class Decoder:
         megakernel_options: dict | None = None,
         megakernel_short_reach: int = MEGAKERNEL_SHORT_REACH,
         prefill_tokens: int = PREFILL_TOKENS,
+        sampler: str = "xla",
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -943,6 +954,9 @@ class Decoder:
         if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be an int >= 1, got {prefill_tokens!r}")
         self.prefill_tokens = prefill_tokens
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        self.sampler = sampler
         self.chunk = chunk
         if min_batch is not None and (min_batch < 1 or min_batch & (min_batch - 1)):
             raise ValueError(f"{min_batch=} must be a power of two >= 1")
@@ -1115,7 +1129,8 @@ class Decoder:
         stop_ids[: len(stop)] = stop
         greedy = temperature == 0 or top_k == 1
         sampling = Sampling(greedy=greedy, top_k=None if greedy else top_k,
-                            use_top_p=(not greedy) and top_p is not None and top_p < 1)
+                            use_top_p=(not greedy) and top_p is not None and top_p < 1,
+                            kernel=self.sampler == "pallas" and not greedy)
         params = {
             "temperature": jnp.float32(temperature if temperature > 0 else 1.0),
             "top_p": jnp.float32(top_p if top_p is not None else 1.0),

@@ -38,7 +38,7 @@ def test_cli_refuses_fewer_than_one_rep(capsys):
 def test_sampling_specs_reach_generate(monkeypatch):
     assert bd.parse_sampling("greedy") == {}
     assert bd.parse_sampling("temperature=0.8/top_p=0.95/top_k=50") == {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
-    with pytest.raises(ValueError, match="'temp=1' is not key=value with a key in \\['temperature', 'top_k', 'top_p'\\]"):
+    with pytest.raises(ValueError, match="'temp=1' is not key=value with a key in \\['sampler', 'temperature', 'top_k', 'top_p'\\]"):
         bd.parse_sampling("temp=1")
     with pytest.raises(ValueError, match="top_k must be a int, got '5.5'"):
         bd.parse_sampling("top_k=5.5")
@@ -49,3 +49,9 @@ def test_sampling_specs_reach_generate(monkeypatch):
     bd.bench_ours(dec, CFG, batch=1, prompt=5, new=6, rng=np.random.default_rng(0), reps=1,
                   sampling={"temperature": 0.8, "top_p": 0.9})
     assert seen and all(k["temperature"] == 0.8 and k["top_p"] == 0.9 for k in seen)
+    assert bd.parse_sampling("temperature=1/sampler=pallas") == {"temperature": 1.0, "sampler": "pallas"}
+    samplers = []
+    monkeypatch.setattr(dec, "generate", lambda *a, **k: samplers.append(dec.sampler) or generate(*a, **k))
+    bd.bench_ours(dec, CFG, batch=1, prompt=5, new=6, rng=np.random.default_rng(0), reps=1,
+                  sampling={"temperature": 0.8, "sampler": "pallas"})
+    assert samplers == ["pallas"] * 2 and dec.sampler == "xla"

@@ -242,3 +242,14 @@ def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma, model):
     assert text.count(TRITON_CALL) >= 1 + (not tma or "qkv" not in tma)  # (qkv_rope and) the attention
     assert text.count(MOSAIC_CALL) == (len(tma) if tma else 0)
 
+
+
+def test_sample_kernel_lowers_for_hopper(as_h100):
+    """scaling.kernels.sample with each mask (its while loops, bisection and scalar stores)."""
+    from scaling.kernels.sample import sample_rows
+
+    for top_k, use_top_p in ((None, False), (50, False), (None, True), (50, True)):
+        fn = lambda lg, g, t, p, k=top_k, u=use_top_p: sample_rows(lg, g, t, p, top_k=k, use_top_p=u)  # noqa: E731
+        text = lower_for_cuda(fn, sds((3, 32000), jnp.float32), sds((3, 32000), jnp.float32), sds((), jnp.float32),
+                              sds((), jnp.float32))
+        assert text.count(TRITON_CALL) == 1

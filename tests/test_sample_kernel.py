@@ -1,0 +1,139 @@
+"""scaling.kernels.sample (interpret mode) against decode.sample, its sort-based reference: the same
+token from the same key and the same log-prob, over peaked, flat and tied rows, with its
+rejection loop and with the bisection it falls back to; and the decoder's sampler option.
+(A token is discrete, so there is no gradient to test.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scaling import decode
+from scaling.kernels import sample as ks
+from scaling.config import DType, ModelConfig
+from scaling.model import build_model
+
+CFG = ModelConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48,
+                  init_std=0.3, compute_dtype=DType.float32)
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40]]
+
+V = 300  # (not a multiple of the kernel's chunk: the padding is masked)
+
+
+def rows(seed: int, ties: bool):
+    """Eight rows from near-uniform to nearly one-hot; ties: logits on a grid of 0.25."""
+    rng = np.random.default_rng(seed)
+    scale = np.array([0.01, 0.1, 0.3, 1, 2, 3, 8, 20])[:, None]
+    lg = rng.normal(size=(8, V)) * scale
+    if ties:
+        lg = np.round(lg * 4) / 4
+    keys = decode._row_keys(jax.random.key(seed), jnp.arange(8, dtype=jnp.int32))
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    return jnp.asarray(lg, jnp.float32), keys, noise
+
+
+@pytest.mark.parametrize("top_k,top_p,temperature,ties", [
+    (None, None, 0.7, False),  # temperature alone: the first candidate
+    (5, None, 1.0, True),  # top-k: ties with the k-th are kept
+    (None, 0.8, 1.3, False),
+    (None, 0.05, 1.0, True),  # top-p keeping one or a few tokens
+    (20, 0.6, 0.9, True),  # both: the k-th value by bisection, then top-p over the top-k set
+    (V, 0.99, 1.0, False),  # k = V keeps everything
+])
+def test_kernel_draws_the_reference_token(top_k, top_p, temperature, ties):
+    logits, keys, noise = rows(top_k or 7, ties)
+    sampling = decode.Sampling(greedy=False, top_k=top_k, use_top_p=top_p is not None)
+    want_tok, want_lp = decode.sample(logits, keys, jnp.float32(temperature), jnp.float32(top_p or 1.0), sampling)
+    # max_candidates 0: every row whose first candidate is rejected takes the bisection
+    for max_candidates in (8, 0):
+        tok, lp = ks.sample_rows(logits, noise, temperature, top_p or 1.0, top_k=top_k,
+                                 use_top_p=top_p is not None, max_candidates=max_candidates)
+        np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-6, rtol=0)
+
+
+def test_rejections_happen_and_both_paths_agree():
+    """A flat row with k = 3: the first candidates are mostly outside the top 3, so the loop rejects
+    (the default cap) or bisects (cap 0), and both land on the reference's token."""
+    logits, keys, noise = rows(11, False)
+    flat = jnp.broadcast_to(logits[1], logits.shape)  # (scale 0.1: near-uniform)
+    sampling = decode.Sampling(greedy=False, top_k=3)
+    want, _ = decode.sample(flat, keys, jnp.float32(1.0), jnp.float32(1.0), sampling)
+    first = np.asarray(jnp.argmax(flat + noise, axis=-1))
+    assert np.sum(first != np.asarray(want)) >= 4  # most rows' first candidate is rejected
+    for cap in (0, 1, 8):
+        tok, _ = ks.sample_rows(flat, noise, 1.0, 1.0, top_k=3, max_candidates=cap)
+        np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+
+
+def kept_f64(z32, top_k, top_p):
+    """The reference's kept set in float64 from a sort: the top k (ties with the k-th kept), then
+    the sorted prefix whose mass before each token is below top_p (renormalised over the top k),
+    and every token at least as large as its last."""
+    z = z32.astype(np.float64)
+    keep = np.ones_like(z, bool)
+    if top_k is not None:
+        keep &= z >= np.sort(z)[::-1][top_k - 1]
+    if top_p is not None:
+        zs = np.sort(np.where(keep, z, -np.inf))[::-1]
+        p = np.exp(zs - zs[0])
+        p /= p.sum()
+        last = np.sum(np.cumsum(p) - p < top_p) - 1
+        keep &= z >= zs[last]
+    return keep
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, None), (6, None), (None, 0.3), (None, 0.7), (6, 0.5)])
+def test_boundary_tokens_against_a_float64_sort(top_k, top_p):
+    """24 tokens on a grid of logits (ties at every boundary) and 128 draws of noise: the tokens
+    at the edge of the kept set are drawn often, so a wrong membership test shows."""
+    rng = np.random.default_rng(5)
+    logits = np.round(rng.normal(size=24) * 4) / 4
+    z32 = (logits / 1.1).astype(np.float32)
+    noise = np.asarray(jax.random.gumbel(jax.random.key(1), (128, 24), jnp.float32))
+    keep = kept_f64(z32, top_k, top_p)
+    want = np.argmax(np.where(keep, noise + z32, -np.inf), axis=-1)  # (y in f32, as categorical adds)
+    tok, _ = ks.sample_rows(jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (128, 24)), jnp.asarray(noise), 1.1,
+                            top_p or 1.0, top_k=top_k, use_top_p=top_p is not None)
+    edge = np.min(z32[keep])
+    assert np.sum(z32[want] == edge) >= 3  # (the edge is drawn)
+    np.testing.assert_array_equal(np.asarray(tok), want)
+
+
+def test_candidates_tied_in_z_plus_noise_go_by_index():
+    """Token 0 (z 1, noise 1) and token 1 (z 2, noise 0) tie at y = 2, token 0 first. With k = 1
+    token 0 is rejected; the next candidate is the tied token 1, not the next smaller y."""
+    logits = jnp.asarray([[1.0, 2.0, 1.5, 0.0]])
+    noise = jnp.asarray([[1.0, 0.0, 0.25, 0.0]])
+    tok, lp = ks.sample_rows(logits, noise, 1.0, 1.0, top_k=1)
+    assert int(tok[0]) == 1
+    np.testing.assert_allclose(float(lp[0]), float(jax.nn.log_softmax(logits[0])[1]), atol=1e-6)
+
+
+def test_a_tie_across_chunks_goes_to_the_first_index():
+    """Two equal largest z + g, in the first and the second chunk of a row: argmax's first."""
+    v = ks.CHUNK + 100
+    logits = jnp.zeros((1, v)).at[0, 10].set(3.0).at[0, ks.CHUNK + 7].set(3.0)
+    for top_k in (None, 2):
+        tok, _ = ks.sample_rows(logits, jnp.zeros((1, v)), 1.0, 1.0, top_k=top_k)
+        assert int(tok[0]) == 10
+
+
+def test_bad_input_is_refused():
+    logits, _, noise = rows(0, False)
+    with pytest.raises(ValueError, match="noise must be \\(8, 300\\) like the logits"):
+        ks.sample_rows(logits, noise[:, :10], 1.0, 1.0)
+    with pytest.raises(ValueError, match="top_k=301 must be in \\[1, 300\\]"):
+        ks.sample_rows(logits, noise, 1.0, 1.0, top_k=301)
+
+
+def test_decoder_sampler_option():
+    model = build_model(CFG, seed=1)
+    kw = dict(max_batch=4, max_len=64, attention="xla", chunk=4)
+    xla, pallas = decode.Decoder(model, **kw), decode.Decoder(model, sampler="pallas", **kw)
+    for sampling in (dict(temperature=0.9, top_p=0.9, seed=2), dict(temperature=1.2, top_k=5, seed=3)):
+        a, b = xla.generate(PROMPTS, 6, **sampling), pallas.generate(PROMPTS, 6, **sampling)
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="sampler must be one of \\('xla', 'pallas'\\), got 'sort'"):
+        decode.Decoder(model, sampler="sort")
