@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loop", action="store_true", help="also bench_megakernel's bare loop")
     ap.add_argument("--sampling", default="greedy", help="bench_decode's --sampling spec, one of them (e.g. "
                     "temperature=0.8/top_p=0.95): sampled steps run step by step, so the sampler's kernels show")
+    ap.add_argument("--skip-entry-check", action="store_true",
+                    help="skip the token entry's check against the f32-row entry (two more kernel compiles)")
     args = ap.parse_args(argv)
     try:
         sampling = parse_sampling(args.sampling)
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
             kernels = traced(lambda: bm.time_decode(plan, layers.rope_frequencies(cfg), args.prompt, 64, 2), d)
             result["loop"] = summarise(kernels, mark)
             print("loop", json.dumps(result["loop"], indent=1), flush=True)
-    if args.layers == "megakernel":  # the token entry against the f32-row entry on the same inputs
+    if args.layers == "megakernel" and not args.skip_entry_check:  # the token entry against the f32-row entry
         from scaling.kernels import decode_megakernel as mk
         from scaling import layers
 
