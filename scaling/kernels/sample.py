@@ -83,8 +83,8 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, tok_ref, lp_ref, *, vocab: i
                                          jnp.minimum(a[1], jnp.min(jnp.where(ids < vocab, x, jnp.inf)))),
                    (jnp.float32(-jnp.inf), jnp.float32(jnp.inf)))
     mz, zmin = m / temperature, xmin / temperature
-    # pass 2: the log-softmax's sum, as jax.nn.log_softmax takes it, and (top-p alone) the
-    # softmax's of z
+    # pass 2: the log-softmax's sum, as jax.nn.log_softmax takes it, and the sum of exp(z - mz)
+    # (top-p's total where no top-k narrows it)
     s, total_all = fold(lambda a, x, z, ids: (a[0] + jnp.sum(jnp.exp(x - m)), a[1] + jnp.sum(jnp.exp(z - mz))),
                         (jnp.float32(0.0), jnp.float32(0.0)))
 
