@@ -119,6 +119,33 @@ def test_a_tie_across_chunks_goes_to_the_first_index():
         assert int(tok[0]) == 10
 
 
+def test_rows_of_several_chunks():
+    """A row over two chunks, its largest logits in the second: the running sums rescaled as the
+    max moves (the log-probs and top-p's total)."""
+    v = ks.CHUNK + 500
+    rng = np.random.default_rng(3)
+    lg = rng.normal(size=(4, v)) * np.array([[0.5], [1], [2], [4]])
+    lg[:, ks.CHUNK + 10: ks.CHUNK + 20] += 6.0  # (the mass in the second chunk)
+    logits = jnp.asarray(lg, jnp.float32)
+    keys = decode._row_keys(jax.random.key(4), jnp.arange(4, dtype=jnp.int32))
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+    for top_p in (None, 0.5):
+        sampling = decode.Sampling(greedy=False, use_top_p=top_p is not None)
+        want_tok, want_lp = decode.sample(logits, keys, jnp.float32(0.9), jnp.float32(top_p or 1.0), sampling)
+        tok, lp = ks.sample_rows(logits, noise, 0.9, top_p or 1.0, use_top_p=top_p is not None, max_candidates=0)
+        np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-5, rtol=0)
+
+
+def test_float_keys_keep_the_order():
+    x = jnp.asarray([-jnp.inf, -3e38, -1.0, -1e-30, 0.0, 1e-30, 1.0, 3e38, jnp.inf], jnp.float32)
+    keys = np.asarray(ks._key(x))
+    assert np.all(np.diff(keys) > 0) and keys[0] == ks.KEY_OF_MINUS_INF
+    np.testing.assert_array_equal(np.asarray(ks._value(ks._key(x))), np.asarray(x))
+    lo, hi = jnp.int32(ks.KEY_OF_MINUS_INF), jnp.int32(2**31 - 1)
+    assert int(ks._midpoint(lo, hi)) == (ks.KEY_OF_MINUS_INF + 2**31 - 1) // 2
+
+
 def test_bad_input_is_refused():
     logits, _, noise = rows(0, False)
     with pytest.raises(ValueError, match="noise must be \\(8, 300\\) like the logits"):

@@ -43,6 +43,8 @@ from jax.experimental import pallas as pl
 CHUNK = 4096  # a row's values per load (a power of two, as Triton's blocks)
 MAX_CANDIDATES = 8  # rejected candidates before the bisection
 NO_INDEX = 2**30
+# _key(-inf), as a literal: Pallas' Triton lowering cannot bitcast a constant
+KEY_OF_MINUS_INF = -2139095041
 
 
 def _key(x):
@@ -78,15 +80,21 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, tok_ref, lp_ref, *, vocab: i
     def fold_i(fn, init):  # fn(acc, i, x, z, ids)
         return lax.fori_loop(0, n_chunks, lambda i, acc: fn(acc, i, *chunk(i)), init)
 
-    # pass 1: the largest and smallest logit; z's are m / T and that / T (T > 0: the same tokens)
-    m, xmin = fold(lambda a, x, z, ids: (jnp.maximum(a[0], jnp.max(x)),
-                                         jnp.minimum(a[1], jnp.min(jnp.where(ids < vocab, x, jnp.inf)))),
-                   (jnp.float32(-jnp.inf), jnp.float32(jnp.inf)))
-    mz, zmin = m / temperature, xmin / temperature
-    # pass 2: the log-softmax's sum, as jax.nn.log_softmax takes it, and the sum of exp(z - mz)
-    # (top-p's total where no top-k narrows it)
-    s, total_all = fold(lambda a, x, z, ids: (a[0] + jnp.sum(jnp.exp(x - m)), a[1] + jnp.sum(jnp.exp(z - mz))),
-                        (jnp.float32(0.0), jnp.float32(0.0)))
+    def stats(a, x, z, ids):
+        """One pass, online (each running sum rescaled to a new max): the largest logit m, the
+        log-softmax's sum of exp(x - m), and the sum of exp(z - m / T) (top-p's total where no
+        top-k narrows it; z's max is m / T, as T > 0)."""
+        m, s, total = a
+        m_new = jnp.maximum(m, jnp.max(x))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new))
+        total = total * jnp.exp(m / temperature - m_new / temperature) + jnp.sum(jnp.exp(z - m_new / temperature))
+        return m_new, s, total
+
+    # (the first chunk holds a real token, so m is finite from it on: no exp(-inf + inf))
+    m, s, total_all = lax.fori_loop(1, n_chunks, lambda i, a: stats(a, *chunk(i)),
+                                    stats((jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)), *chunk(0)))
+    mz = m / temperature
+    lowest = jnp.int32(KEY_OF_MINUS_INF)  # (the bisections' lower bound: ~31 steps to mz's key either way)
 
     def count_at_least(t):  # tokens with z >= t
         return fold(lambda a, x, z, ids: a + jnp.sum(jnp.where(z >= t, 1, 0)), jnp.int32(0))
@@ -110,7 +118,7 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, tok_ref, lp_ref, *, vocab: i
     def kth_value():
         """The k-th largest z: the largest key with count(z >= value) >= k, one below the smallest
         with fewer."""
-        return _value(bisect(_key(zmin), _key(mz) + 1, lambda t: count_at_least(t) < top_k) - 1)
+        return _value(bisect(lowest, _key(mz) + 1, lambda t: count_at_least(t) < top_k) - 1)
 
     # top-p's mass is over the top-k set, so with both the k-th value is the floor of both
     kth = kth_value() if top_k is not None and use_top_p else jnp.float32(-jnp.inf)
@@ -155,7 +163,7 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, tok_ref, lp_ref, *, vocab: i
             """The kept set's floor by bisection, then its largest z + g."""
             if use_top_p:  # the smallest t whose larger tokens' mass is below top_p (over the top-k set)
                 # (below kth the mass above is all of the top-k set's, so t >= kth)
-                floor = _value(bisect(_key(jnp.maximum(zmin, kth)), _key(mz),
+                floor = _value(bisect(lowest if top_k is None else _key(kth), _key(mz),
                                       lambda t: mass_above(t, kth) < top_p * total))
             else:
                 floor = kth_value()
