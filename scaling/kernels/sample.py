@@ -19,8 +19,9 @@ pass over the row:
 The first candidate is kept with probability about the kept set's mass (top_p or more), so one
 or two candidates usually do. After `max_candidates` rejected ones (a flat distribution with a
 small k) the kernel finds the kept set's threshold by bisection over the floats' order-preserving
-integer keys, 32 passes, and takes the largest z + g above it. With top-k and top-p together the
-k-th value is found by bisection first, since top-p's mass is over the top-k set.
+integer keys, ~32 passes, and takes the largest z + g above it. With top-k and top-p together,
+top-p's mass is over the top-k set, whose sum lies between the mass at or above a candidate in
+it and the whole row's; where those bounds do not decide, the k-th value is found by bisection.
 
 Numerics: the masses are f32 sums in another order than the reference's cumsum, so where a
 token's mass lies within rounding of top_p the two may keep different sets (never seen in the
@@ -120,17 +121,38 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, tok_ref, lp_ref, *, vocab: i
         with fewer."""
         return _value(bisect(lowest, _key(mz) + 1, lambda t: count_at_least(t) < top_k) - 1)
 
-    # top-p's mass is over the top-k set, so with both the k-th value is the floor of both
-    kth = kth_value() if top_k is not None and use_top_p else jnp.float32(-jnp.inf)
-    total = mass_above(jnp.float32(-jnp.inf), kth) if top_k is not None and use_top_p else total_all
+    both = top_k is not None and use_top_p
+    NO_FLOOR = jnp.float32(-jnp.inf)
+
+    def top_k_set():
+        """(both) The k-th value and the top-k set's sum of exp(z - mz): top-p's mass is over that
+        set. A bisection, ~33 passes: only where a candidate's bounds below do not decide."""
+        kth = kth_value()
+        return kth, mass_above(NO_FLOOR, kth)
+
+    def mass_above_and_at(zc):  # the sums of exp(z - mz) over z > zc and over z >= zc, one pass
+        def fn(a, x, z, ids):
+            e = jnp.exp(z - mz)
+            return a[0] + jnp.sum(jnp.where(z > zc, e, 0.0)), a[1] + jnp.sum(jnp.where(z >= zc, e, 0.0))
+        return fold(fn, (jnp.float32(0.0), jnp.float32(0.0)))
 
     def kept(zc):
-        ok = jnp.bool_(True)
         if top_k is not None:  # fewer than k larger (ties with the k-th kept)
-            ok = (zc >= kth) if use_top_p else (count_above(zc) < top_k)
-        if use_top_p:  # the mass of the larger ones below top_p
-            ok = ok & (mass_above(zc, kth) < top_p * total)
-        return ok
+            in_k = count_above(zc) < top_k
+            if not use_top_p:
+                return in_k
+        if not both:  # top-p alone: the mass of the larger ones below top_p
+            return mass_above(zc, NO_FLOOR) < top_p * total_all
+        # Both: the top-k set's sum Z lies between the mass at or above a token in it (all of those
+        # are in it) and the whole row's, which mostly decides without the k-th value.
+        above, at_or_above = mass_above_and_at(zc)
+        sure_in = in_k & (above < top_p * at_or_above)
+        sure_out = (~in_k) | (above >= top_p * total_all)
+
+        def exact():
+            _, total = top_k_set()
+            return above < top_p * total  # (in_k: the larger ones are all in the set)
+        return lax.cond(sure_in | sure_out, lambda: sure_in, exact)
 
     def next_candidate(prev_y, prev_i, floor):
         """The largest y = z + g after (prev_y, prev_i) in (y descending, index ascending) order
@@ -163,7 +185,8 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, tok_ref, lp_ref, *, vocab: i
             """The kept set's floor by bisection, then its largest z + g."""
             if use_top_p:  # the smallest t whose larger tokens' mass is below top_p (over the top-k set)
                 # (below kth the mass above is all of the top-k set's, so t >= kth)
-                floor = _value(bisect(lowest if top_k is None else _key(kth), _key(mz),
+                kth, total = top_k_set() if both else (NO_FLOOR, total_all)
+                floor = _value(bisect(_key(kth) if both else lowest, _key(mz),
                                       lambda t: mass_above(t, kth) < top_p * total))
             else:
                 floor = kth_value()
