@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=8, help="decode steps between streamed outputs")
     p.add_argument("--layers", default="auto", help="the decode steps' layers (scaling.decode.DecodeLayerImpl: auto, "
                    "xla, pallas, pallas_tma, megakernel); auto runs batch 1 on a Hopper GPU as one kernel where it can")
+    p.add_argument("--sampler", default="xla", help="how sampled tokens are drawn: xla (sorts the vocabulary for "
+                   "top-k and top-p) or pallas (one kernel, no sort, the same tokens; not yet timed on a GPU)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prompt tokens one prefill call takes at most (default: scaling.decode.PREFILL_TOKENS)")
     return p
 
 
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prompts = [tok.encode(p) for p in args.prompt]
     try:
-        dec = decode.Decoder(model, chunk=args.chunk, layers=args.layers)
+        extra = {} if args.prefill_tokens is None else {"prefill_tokens": args.prefill_tokens}
+        dec = decode.Decoder(model, chunk=args.chunk, layers=args.layers, sampler=args.sampler, **extra)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

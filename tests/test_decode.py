@@ -312,6 +312,17 @@ def test_cli_hf_directory_streams_text(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert main(["--checkpoint", str(d), "--prompt", "x", "--layers", "fast"]) == 2
     assert "layers='fast': allowed ['xla', 'pallas', 'pallas_tma', 'auto', 'megakernel']" in capsys.readouterr().err
+    # the sampler kernel draws the XLA sampler's tokens, here through the CLI, prefilled a row a call
+    args = ["--checkpoint", str(d), "--prompt", "hello", "--prompt", "abc", "--max-new-tokens", "4", "--no-stop",
+            "--temperature", "0.9", "--top-p", "0.8", "--seed", "3"]
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    assert main(args + ["--sampler", "pallas", "--prefill-tokens", "16"]) == 0
+    assert capsys.readouterr().out == want
+    assert main(args + ["--sampler", "sort"]) == 2
+    assert "sampler must be one of ('xla', 'pallas'), got 'sort'" in capsys.readouterr().err
+    assert main(args + ["--prefill-tokens", "0"]) == 2
+    assert "prefill_tokens must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_cli_run_directory(tmp_path, capsys):
