@@ -67,8 +67,10 @@ KV_BLOCK = 64  # cache length is rounded up to whole tiles of the decode kernel
 LEN_BUCKET = 128  # default cache length: prompt + new tokens rounded up to this
 MIN_PROMPT_BUCKET = 16  # prompts are right-padded to a power of two at least this long
 DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
-# Prompt tokens one prefill call takes at most (whole rows, at least one). 16k tokens keep an
-# H100 busy, and bound the activations: the 7b's MLP over 16k tokens is ~1.4 GB in bf16.
+# Prompt tokens one prefill call takes at most (whole rows, at least one). It bounds the prefill's
+# activations (the 7b's gate, up and their product over 16k tokens: ~1.1 GB in bf16); 16k-token
+# calls prefilled the 7b's 64 prompts of 2048 tokens at ~0.6 PFLOP/s on an H200 (docs/benchmarks.md,
+# issue 8, thirty-second session).
 PREFILL_TOKENS = 16384
 SAMPLERS = ("xla", "pallas")  # Decoder(sampler=...)
 # On the GPU, XLA lowers a [1, D] x [D, X] dot to multiply + reduce fusions that reach half
