@@ -136,6 +136,8 @@ def parse_sampling(spec: str) -> dict:
         except ValueError:
             raise ValueError(f"--sampling {spec!r}: {key} must be a {SAMPLING_KEYS[key].__name__}, got {value!r}") \
                 from None
+    if out.get("sampler", decode.SAMPLERS[0]) not in decode.SAMPLERS:
+        raise ValueError(f"--sampling {spec!r}: sampler must be one of {decode.SAMPLERS}, got {out['sampler']!r}")
     return out
 
 
@@ -143,17 +145,18 @@ def bench_ours(dec: decode.Decoder, cfg: ModelConfig, batch: int, prompt: int, n
                sampling: dict | None = None) -> dict:
     """One warm-up generate, then `reps` timed ones: their median step time (one timed call in a few
     ran up to 8% slower than the rest, docs/benchmarks.md, thirtieth session). sampling: generate's
-    temperature / top_k / top_p (seed 0); greedy without."""
+    temperature / top_k / top_p (seed 0), greedy without; and sampler (parse_sampling's), the
+    Decoder's for these calls."""
     sampling = dict(sampling or {})
-    sampler = sampling.pop("sampler", None)
-    if sampler is not None:  # (a Decoder setting, read at each generate call)
-        if sampler not in decode.SAMPLERS:
-            raise ValueError(f"sampler must be one of {decode.SAMPLERS}, got {sampler!r}")
-        dec.sampler, before = sampler, dec.sampler
-        try:
-            return bench_ours(dec, cfg, batch, prompt, new, rng, reps, sampling)
-        finally:
-            dec.sampler = before
+    before = dec.sampler
+    dec.sampler = sampling.pop("sampler", before)  # (a Decoder setting, read at each generate call)
+    try:
+        return _bench_ours(dec, cfg, batch, prompt, new, rng, reps, sampling)
+    finally:
+        dec.sampler = before
+
+
+def _bench_ours(dec, cfg, batch, prompt, new, rng, reps, sampling) -> dict:
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt)).tolist()
     max_len = -(-(prompt + new) // 128) * 128  # the same cache shape for warm-up and timed call
     # (warm-up over the same steps: a long cache's first chunks run on another plan, which compiles
@@ -464,9 +467,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-gib", type=float, default=4.0, help="buffer size of the bandwidth measurement")
     ap.add_argument("--tag", default="bench_decode", help="file name stem of the outputs under $OUT")
     ap.add_argument("--sampling", default="greedy",
-                    help="comma-separated sampling specs, 'greedy' or key=value pairs joined by '/' (keys temperature, "
-                         "top_k, top_p, and sampler: the Decoder's, xla or pallas), e.g. greedy,temperature=0.8/top_p=0.95; specs after the first run the first "
-                         "case of the first attention only")
+                    help="comma-separated sampling specs, 'greedy' or key=value pairs joined by '/' (keys "
+                         "temperature, top_k, top_p, and sampler: the Decoder's, xla or pallas), e.g. "
+                         "greedy,temperature=0.8/top_p=0.95; specs after the first run the first case of the first "
+                         "attention only")
     ap.add_argument("--check", action="store_true", help="first check the kernel and the decoder on the GPU")
     args = ap.parse_args(argv)
     if args.reps < 1:

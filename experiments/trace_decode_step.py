@@ -110,7 +110,8 @@ def main(argv=None) -> int:
         ap.error(str(e))
     cfg = preset(args.model)
     model = build_model(cfg, seed=0)
-    dec = decode.Decoder(model, chunk=args.chunk, layers=args.layers)
+    dec = decode.Decoder(model, chunk=args.chunk, layers=args.layers,
+                         sampler=sampling.pop("sampler", decode.SAMPLERS[0]))
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (1, args.prompt)).tolist()
     max_len = -(-(args.prompt + args.new) // 128) * 128

@@ -5,7 +5,7 @@ with `jax.random.categorical`, which is argmax(z + g) with g Gumbel noise from t
 (the Gumbel-max trick: Gumbel 1954; Maddison, Tarlow, Minka 2014, "A* Sampling"). On an H200 the
 two sorts behind `lax.top_k` and the top-p threshold (cub radix sorts of the vocabulary) and ~15
 small XLA kernels cost 30-110 µs a decode step (docs/benchmarks.md, issue 8, thirty-second
-session), a fifth of the 1b's step.
+session): with top-p, a sixth of the 1b's sampled step.
 
 The kernel draws the same token from the same noise without sorting. With the noise fixed, the
 reference's token is the largest z + g inside the kept set. So it visits the tokens in decreasing
@@ -16,8 +16,8 @@ pass over the row:
 - top-p keeps z_i iff the mass of the tokens with a larger z is below top_p (the reference keeps
   a prefix of the sorted tokens while the mass before each is below top_p, then every token at
   least as large as the last one kept).
-The first candidate is kept with probability about the kept set's mass (top_p or more), so one
-or two candidates usually do. After `max_candidates` rejected ones (a flat distribution with a
+The first candidate is kept with probability about the kept set's mass (top_p or more under
+top-p), so one or two candidates usually do. After `max_candidates` rejected ones (a flat distribution with a
 small k) the kernel finds the kept set's threshold by bisection over the floats' order-preserving
 integer keys, ~32 passes, and takes the largest z + g above it. With top-k and top-p together,
 top-p's mass is over the top-k set, whose sum lies between the mass at or above a candidate in
@@ -75,11 +75,11 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, tok_ref, lp_ref, *, vocab: i
         x = jnp.where(ids < vocab, x, -jnp.inf)
         return x, x / temperature, ids
 
-    def fold(fn, init):  # fn(acc, x, z, ids) over the row's chunks
-        return lax.fori_loop(0, n_chunks, lambda i, acc: fn(acc, *chunk(i)), init)
-
-    def fold_i(fn, init):  # fn(acc, i, x, z, ids)
+    def fold_i(fn, init):  # fn(acc, i, x, z, ids) over the row's chunks
         return lax.fori_loop(0, n_chunks, lambda i, acc: fn(acc, i, *chunk(i)), init)
+
+    def fold(fn, init):  # fn(acc, x, z, ids)
+        return fold_i(lambda acc, i, *c: fn(acc, *c), init)
 
     def stats(a, x, z, ids):
         """One pass, online (each running sum rescaled to a new max): the largest logit m, the
