@@ -72,7 +72,18 @@ DEFAULT_CHUNK = 32  # decode steps per compiled call (one host sync per chunk)
 # calls prefilled the 7b's 64 prompts of 2048 tokens at ~0.6 PFLOP/s on an H200 (docs/benchmarks.md,
 # issue 8, thirty-second session).
 PREFILL_TOKENS = 16384
-SAMPLERS = ("xla", "pallas")  # Decoder(sampler=...)
+SAMPLERS = ("auto", "xla", "pallas")  # Decoder(sampler=...)
+
+
+def sample_kernel_runs(sampler: str, *, top_k: int | None, use_top_p: bool, backend: str | None = None) -> bool:
+    """Whether sampled tokens are drawn by scaling.kernels.sample (else by `sample`'s sorts).
+    "auto": on a GPU with top-p and no top-k, where the kernel was faster at every batch and logit
+    spread measured (an H200, 3.2x at batch 1 to 2.6x at batch 64; docs/benchmarks.md, thirty-third
+    session). With top-k it wins only on peaked logits at small batches (2x; 0.6x on flat logits
+    and at batch 64), so XLA keeps top-k."""
+    if sampler == "auto":
+        return (backend or jax.default_backend()) == "gpu" and use_top_p and top_k is None
+    return sampler == "pallas"
 # On the GPU, XLA lowers a [1, D] x [D, X] dot to multiply + reduce fusions that reach half
 # the bandwidth of the gemm kernels it emits for M >= 8: padding batch 1 to 8 rows took the
 # 1b decode step from 1.29 to 0.90 ms on an H200 (experiments/decode_variants.py,
@@ -912,8 +923,9 @@ class Decoder:
     prefill_tokens: prompt tokens one prefill call takes at most; larger batches are prefilled
         a group of rows at a time (at least one row a call, however long its prompt).
     sampler: how sampled (not greedy) tokens are drawn: "xla" (`sample`: top-k and top-p by
-        sorting the vocabulary) or "pallas" (scaling.kernels.sample: one kernel a step, no sort,
-        the same tokens from the same seed; not yet timed on a GPU, so not the default).
+        sorting the vocabulary), "pallas" (scaling.kernels.sample: one kernel a step, no sort,
+        the same tokens from the same seed) or "auto" (`sample_kernel_runs`: pallas on a GPU for
+        top-p without top-k, where it was measured faster, else xla).
 
     The megakernel's unit-major copy of the weights is made at the first batch-1 call, so a
     decoder that only serves larger batches never holds it.
@@ -935,7 +947,7 @@ class Decoder:
         megakernel_options: dict | None = None,
         megakernel_short_reach: int = MEGAKERNEL_SHORT_REACH,
         prefill_tokens: int = PREFILL_TOKENS,
-        sampler: str = "xla",
+        sampler: str = "auto",
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
@@ -1130,9 +1142,9 @@ class Decoder:
         stop_ids = np.full((_round_up(max(len(stop), 1), 8),), -1, np.int32)
         stop_ids[: len(stop)] = stop
         greedy = temperature == 0 or top_k == 1
-        sampling = Sampling(greedy=greedy, top_k=None if greedy else top_k,
-                            use_top_p=(not greedy) and top_p is not None and top_p < 1,
-                            kernel=self.sampler == "pallas" and not greedy)
+        use_top_p = (not greedy) and top_p is not None and top_p < 1
+        sampling = Sampling(greedy=greedy, top_k=None if greedy else top_k, use_top_p=use_top_p,
+                            kernel=not greedy and sample_kernel_runs(self.sampler, top_k=top_k, use_top_p=use_top_p))
         params = {
             "temperature": jnp.float32(temperature if temperature > 0 else 1.0),
             "top_p": jnp.float32(top_p if top_p is not None else 1.0),

@@ -109,8 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=8, help="decode steps between streamed outputs")
     p.add_argument("--layers", default="auto", help="the decode steps' layers (scaling.decode.DecodeLayerImpl: auto, "
                    "xla, pallas, pallas_tma, megakernel); auto runs batch 1 on a Hopper GPU as one kernel where it can")
-    p.add_argument("--sampler", default="xla", help="how sampled tokens are drawn: xla (sorts the vocabulary for "
-                   "top-k and top-p) or pallas (one kernel, no sort, the same tokens; not yet timed on a GPU)")
+    p.add_argument("--sampler", default="auto", help="how sampled tokens are drawn: xla (sorts the vocabulary for "
+                   "top-k and top-p), pallas (one kernel, no sort, the same tokens) or auto (pallas on a GPU for "
+                   "top-p without top-k, where it was measured faster; else xla)")
     p.add_argument("--prefill-tokens", type=int, default=None,
                    help="prompt tokens one prefill call takes at most (default: scaling.decode.PREFILL_TOKENS)")
     return p

@@ -50,10 +50,10 @@ def test_sampling_specs_reach_generate(monkeypatch):
                   sampling={"temperature": 0.8, "top_p": 0.9})
     assert seen and all(k["temperature"] == 0.8 and k["top_p"] == 0.9 for k in seen)
     assert bd.parse_sampling("temperature=1/sampler=pallas") == {"temperature": 1.0, "sampler": "pallas"}
-    with pytest.raises(ValueError, match="sampler must be one of \\('xla', 'pallas'\\), got 'sort'"):
+    with pytest.raises(ValueError, match="sampler must be one of \\('auto', 'xla', 'pallas'\\), got 'sort'"):
         bd.parse_sampling("temperature=1/sampler=sort")
     samplers = []
     monkeypatch.setattr(dec, "generate", lambda *a, **k: samplers.append(dec.sampler) or generate(*a, **k))
     bd.bench_ours(dec, CFG, batch=1, prompt=5, new=6, rng=np.random.default_rng(0), reps=1,
                   sampling={"temperature": 0.8, "sampler": "pallas"})
-    assert samplers == ["pallas"] * 2 and dec.sampler == "xla"
+    assert samplers == ["pallas"] * 2 and dec.sampler == "auto"

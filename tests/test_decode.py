@@ -320,7 +320,7 @@ def test_cli_hf_directory_streams_text(tmp_path, capsys):
     assert main(args + ["--sampler", "pallas", "--prefill-tokens", "16"]) == 0
     assert capsys.readouterr().out == want
     assert main(args + ["--sampler", "sort"]) == 2
-    assert "sampler must be one of ('xla', 'pallas'), got 'sort'" in capsys.readouterr().err
+    assert "sampler must be one of ('auto', 'xla', 'pallas'), got 'sort'" in capsys.readouterr().err
     assert main(args + ["--prefill-tokens", "0"]) == 2
     assert "prefill_tokens must be an int >= 1, got 0" in capsys.readouterr().err
 

@@ -245,11 +245,14 @@ def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma, model):
 
 
 def test_sample_kernel_lowers_for_hopper(as_h100):
-    """scaling.kernels.sample with each mask (its while loops, bisection and scalar stores)."""
+    """scaling.kernels.sample with each mask (its while loops, radix rounds and scalar stores), a row
+    in one program and in 31 (their barriers: atomics, volatile loads, the spin loop)."""
     from scaling.kernels.sample import sample_rows
 
     for top_k, use_top_p in ((None, False), (50, False), (None, True), (50, True)):
-        fn = lambda lg, g, t, p, k=top_k, u=use_top_p: sample_rows(lg, g, t, p, top_k=k, use_top_p=u)  # noqa: E731
-        text = lower_for_cuda(fn, sds((3, 32000), jnp.float32), sds((3, 32000), jnp.float32), sds((), jnp.float32),
-                              sds((), jnp.float32))
-        assert text.count(TRITON_CALL) == 1
+        for splits in (1, 31):
+            fn = lambda lg, g, t, p, k=top_k, u=use_top_p, s=splits: sample_rows(  # noqa: E731
+                lg, g, t, p, top_k=k, use_top_p=u, splits=s)
+            text = lower_for_cuda(fn, sds((3, 32000), jnp.float32), sds((3, 32000), jnp.float32),
+                                  sds((), jnp.float32), sds((), jnp.float32))
+            assert text.count(TRITON_CALL) == 1

@@ -18,6 +18,10 @@ CFG = ModelConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40]]
 
 V = 300  # (not a multiple of the kernel's chunk: the padding is masked)
+# How a row is spread over programs: one (the default off the GPU), 3 of 2 chunks of 64 (the last
+# split one chunk), 5 of one chunk of 64 each (the last part padding). Interpret mode runs a row's
+# splits one after another, through the same exchange of partials as on the GPU, without its barrier.
+LAYOUTS = [dict(), dict(chunk=64, splits=3), dict(chunk=64, splits=5)]
 
 
 def rows(seed: int, ties: bool):
@@ -40,19 +44,21 @@ def rows(seed: int, ties: bool):
     (20, 0.6, 0.9, True),  # both: the k-th value by bisection, then top-p over the top-k set
     (V, 0.99, 1.0, False),  # k = V keeps everything
 ])
-def test_kernel_draws_the_reference_token(top_k, top_p, temperature, ties):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["one", "3x2", "5x1"])
+def test_kernel_draws_the_reference_token(top_k, top_p, temperature, ties, layout):
     logits, keys, noise = rows(top_k or 7, ties)
     sampling = decode.Sampling(greedy=False, top_k=top_k, use_top_p=top_p is not None)
     want_tok, want_lp = decode.sample(logits, keys, jnp.float32(temperature), jnp.float32(top_p or 1.0), sampling)
     # max_candidates 0: every row whose first candidate is rejected takes the bisection
     for max_candidates in (8, 0):
         tok, lp = ks.sample_rows(logits, noise, temperature, top_p or 1.0, top_k=top_k,
-                                 use_top_p=top_p is not None, max_candidates=max_candidates)
+                                 use_top_p=top_p is not None, max_candidates=max_candidates, **layout)
         np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
         np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-6, rtol=0)
 
 
-def test_rejections_happen_and_both_paths_agree():
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["one", "3x2"])
+def test_rejections_happen_and_both_paths_agree(layout):
     """A flat row with k = 3: the first candidates are mostly outside the top 3, so the loop rejects
     (the default cap) or bisects (cap 0), and both land on the reference's token."""
     logits, keys, noise = rows(11, False)
@@ -62,7 +68,7 @@ def test_rejections_happen_and_both_paths_agree():
     first = np.asarray(jnp.argmax(flat + noise, axis=-1))
     assert np.sum(first != np.asarray(want)) >= 4  # most rows' first candidate is rejected
     for cap in (0, 1, 8):
-        tok, _ = ks.sample_rows(flat, noise, 1.0, 1.0, top_k=3, max_candidates=cap)
+        tok, _ = ks.sample_rows(flat, noise, 1.0, 1.0, top_k=3, max_candidates=cap, **layout)
         np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
 
 
@@ -84,7 +90,8 @@ def kept_f64(z32, top_k, top_p):
 
 
 @pytest.mark.parametrize("top_k,top_p", [(3, None), (6, None), (None, 0.3), (None, 0.7), (6, 0.5)])
-def test_boundary_tokens_against_a_float64_sort(top_k, top_p):
+@pytest.mark.parametrize("layout", [dict(), dict(chunk=16, splits=2)], ids=["one", "2x1"])
+def test_boundary_tokens_against_a_float64_sort(top_k, top_p, layout):
     """24 tokens on a grid of logits (ties at every boundary) and 128 draws of noise: the tokens
     at the edge of the kept set are drawn often, so a wrong membership test shows."""
     rng = np.random.default_rng(5)
@@ -94,7 +101,7 @@ def test_boundary_tokens_against_a_float64_sort(top_k, top_p):
     keep = kept_f64(z32, top_k, top_p)
     want = np.argmax(np.where(keep, noise + z32, -np.inf), axis=-1)  # (y in f32, as categorical adds)
     tok, _ = ks.sample_rows(jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (128, 24)), jnp.asarray(noise), 1.1,
-                            top_p or 1.0, top_k=top_k, use_top_p=top_p is not None)
+                            top_p or 1.0, top_k=top_k, use_top_p=top_p is not None, **layout)
     edge = np.min(z32[keep])
     assert np.sum(z32[want] == edge) >= 3  # (the edge is drawn)
     np.testing.assert_array_equal(np.asarray(tok), want)
@@ -110,29 +117,33 @@ def test_candidates_tied_in_z_plus_noise_go_by_index():
     np.testing.assert_allclose(float(lp[0]), float(jax.nn.log_softmax(logits[0])[1]), atol=1e-6)
 
 
-def test_a_tie_across_chunks_goes_to_the_first_index():
-    """Two equal largest z + g, in the first and the second chunk of a row: argmax's first."""
-    v = ks.CHUNK + 100
-    logits = jnp.zeros((1, v)).at[0, 10].set(3.0).at[0, ks.CHUNK + 7].set(3.0)
+@pytest.mark.parametrize("chunk,splits", [(ks.CHUNK, 1), (64, 2)])
+def test_a_tie_across_chunks_goes_to_the_first_index(chunk, splits):
+    """Two equal largest z + g, in the first and the second chunk of a row (with 2 splits: in the
+    two programs' partials): argmax's first."""
+    v = chunk + 100
+    logits = jnp.zeros((1, v)).at[0, 10].set(3.0).at[0, chunk + 7].set(3.0)
     for top_k in (None, 2):
-        tok, _ = ks.sample_rows(logits, jnp.zeros((1, v)), 1.0, 1.0, top_k=top_k)
+        tok, _ = ks.sample_rows(logits, jnp.zeros((1, v)), 1.0, 1.0, top_k=top_k, chunk=chunk, splits=splits)
         assert int(tok[0]) == 10
 
 
-def test_rows_of_several_chunks():
-    """A row over two chunks, its largest logits in the second: the running sums rescaled as the
-    max moves (the log-probs and top-p's total)."""
-    v = ks.CHUNK + 500
+@pytest.mark.parametrize("chunk,splits", [(ks.CHUNK, 1), (256, 3)])
+def test_rows_of_several_chunks(chunk, splits):
+    """A row over two chunks (or three splits), its largest logits in the second: the running sums
+    rescaled as the max moves (the log-probs and top-p's total), within a program and across."""
+    v = chunk + 500
     rng = np.random.default_rng(3)
     lg = rng.normal(size=(4, v)) * np.array([[0.5], [1], [2], [4]])
-    lg[:, ks.CHUNK + 10: ks.CHUNK + 20] += 6.0  # (the mass in the second chunk)
+    lg[:, chunk + 10: chunk + 20] += 6.0  # (the mass in the second chunk)
     logits = jnp.asarray(lg, jnp.float32)
     keys = decode._row_keys(jax.random.key(4), jnp.arange(4, dtype=jnp.int32))
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
     for top_p in (None, 0.5):
         sampling = decode.Sampling(greedy=False, use_top_p=top_p is not None)
         want_tok, want_lp = decode.sample(logits, keys, jnp.float32(0.9), jnp.float32(top_p or 1.0), sampling)
-        tok, lp = ks.sample_rows(logits, noise, 0.9, top_p or 1.0, use_top_p=top_p is not None, max_candidates=0)
+        tok, lp = ks.sample_rows(logits, noise, 0.9, top_p or 1.0, use_top_p=top_p is not None, max_candidates=0,
+                                 chunk=chunk, splits=splits)
         np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
         np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-5, rtol=0)
 
@@ -142,12 +153,52 @@ def test_float_keys_keep_the_order():
     keys = np.asarray(ks._key(x))
     assert np.all(np.diff(keys) > 0) and keys[0] == ks.KEY_OF_MINUS_INF
     np.testing.assert_array_equal(np.asarray(ks._value(ks._key(x))), np.asarray(x))
-    lo, hi = jnp.int32(ks.KEY_OF_MINUS_INF), jnp.int32(2**31 - 1)
-    assert int(ks._midpoint(lo, hi)) == (ks.KEY_OF_MINUS_INF + 2**31 - 1) // 2
+    assert int(ks._key(jnp.float32(jnp.inf))) == ks.KEY_OF_PLUS_INF
+    # the radix search's pivots beyond the infinities (NaN bit patterns) read as the infinities
+    beyond = jnp.asarray([-(2**31), ks.KEY_OF_MINUS_INF - 1, ks.KEY_OF_PLUS_INF + 1, 2**31 - 1], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(ks._value_clamped(beyond)), [-np.inf, -np.inf, np.inf, np.inf])
+
+
+def test_split_plan_keeps_every_program_resident():
+    """Up to (SMs // batch) programs a row, never a split without a chunk."""
+    assert ks.plan_splits(1, 128256, 1024, programs=132) == (126, 1)  # 126 chunks, one each
+    assert ks.plan_splits(8, 128256, 1024, programs=132) == (16, 8)
+    assert ks.plan_splits(64, 128256, 1024, programs=132) == (2, 63)
+    assert ks.plan_splits(200, 128256, 1024, programs=132) == (1, 126)
+    assert ks.plan_splits(3, 300, 64, programs=132) == (5, 1)
+    for b, v, c in ((1, 32000, 1024), (5, 5000, 256), (33, 128256, 1024), (2, 1000, 16)):
+        s, per = ks.plan_splits(b, v, c, programs=132)
+        n_chunks = -(-v // c)
+        assert b * s <= 132 and (s - 1) * per < n_chunks <= s * per
+
+
+def test_auto_sampler_takes_the_kernel_where_it_was_measured_faster():
+    """On a GPU for top-p without top-k; never off the GPU; "xla" and "pallas" as they say."""
+    runs = decode.sample_kernel_runs
+    assert runs("auto", top_k=None, use_top_p=True, backend="gpu")
+    assert not runs("auto", top_k=50, use_top_p=True, backend="gpu")
+    assert not runs("auto", top_k=50, use_top_p=False, backend="gpu")
+    assert not runs("auto", top_k=None, use_top_p=False, backend="gpu")  # (temperature alone)
+    assert not runs("auto", top_k=None, use_top_p=True, backend="cpu")
+    assert runs("pallas", top_k=50, use_top_p=False, backend="cpu")
+    assert not runs("xla", top_k=None, use_top_p=True, backend="gpu")
+
+
+def test_counters_count_the_exchanges():
+    """return_counters: off the GPU the barrier is not run, so the counters stay at zero; the
+    tokens are the same with and without them."""
+    logits, _, noise = rows(0, False)
+    tok, _, counters = ks.sample_rows(logits, noise, 1.0, 0.5, use_top_p=True, return_counters=True)
+    np.testing.assert_array_equal(np.asarray(counters), 0)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ks.sample_rows(logits, noise, 1.0, 0.5, use_top_p=True)[0]))
 
 
 def test_bad_input_is_refused():
     logits, _, noise = rows(0, False)
+    with pytest.raises(ValueError, match="splits=2 must be in \\[1, 1\\]"):
+        ks.sample_rows(logits, noise, 1.0, 1.0, splits=2)
+    with pytest.raises(ValueError, match="chunk=100 must be a power of two"):
+        ks.sample_rows(logits, noise, 1.0, 1.0, chunk=100)
     with pytest.raises(ValueError, match="noise must be \\(8, 300\\) like the logits"):
         ks.sample_rows(logits, noise[:, :10], 1.0, 1.0)
     with pytest.raises(ValueError, match="top_k=301 must be in \\[1, 300\\]"):
@@ -162,5 +213,5 @@ def test_decoder_sampler_option():
         a, b = xla.generate(PROMPTS, 6, **sampling), pallas.generate(PROMPTS, 6, **sampling)
         assert a.tokens == b.tokens
         np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="sampler must be one of \\('xla', 'pallas'\\), got 'sort'"):
+    with pytest.raises(ValueError, match="sampler must be one of \\('auto', 'xla', 'pallas'\\), got 'sort'"):
         decode.Decoder(model, sampler="sort")
