@@ -120,12 +120,17 @@ def test_candidates_tied_in_z_plus_noise_go_by_index():
 @pytest.mark.parametrize("chunk,splits", [(ks.CHUNK, 1), (64, 2)])
 def test_a_tie_across_chunks_goes_to_the_first_index(chunk, splits):
     """Two equal largest z + g, in the first and the second chunk of a row (with 2 splits: in the
-    two programs' partials): argmax's first."""
-    v = chunk + 100
-    logits = jnp.zeros((1, v)).at[0, 10].set(3.0).at[0, chunk + 7].set(3.0)
+    two programs' partials): argmax's first, with its own log-prob (logit 2 + noise 1 against
+    logit 3 + noise 0)."""
+    v = chunk + chunk // 2  # (two chunks: with 2 splits, one each)
+    if splits > 1:
+        assert ks.plan_splits(1, v, chunk, programs=splits) == (2, 1)
+    logits = jnp.zeros((1, v)).at[0, 10].set(2.0).at[0, chunk + 7].set(3.0)
+    noise = jnp.zeros((1, v)).at[0, 10].set(1.0)
     for top_k in (None, 2):
-        tok, _ = ks.sample_rows(logits, jnp.zeros((1, v)), 1.0, 1.0, top_k=top_k, chunk=chunk, splits=splits)
+        tok, lp = ks.sample_rows(logits, noise, 1.0, 1.0, top_k=top_k, chunk=chunk, splits=splits)
         assert int(tok[0]) == 10
+        np.testing.assert_allclose(float(lp[0]), float(jax.nn.log_softmax(logits[0])[10]), atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk,splits", [(ks.CHUNK, 1), (256, 3)])
