@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench_attention import time_fn  # noqa: E402
 from scaling import decode  # noqa: E402
 from scaling.kernels import sample as sample_kernel  # noqa: E402
 
@@ -88,16 +88,6 @@ def draw_loop(sample_fn, draws: int):
     return run
 
 
-def time_call(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab", type=int, default=128256)
@@ -131,7 +121,7 @@ def main(argv=None) -> None:
                 out = {}
                 for sampler, kw in (("xla", None), *variants.items()):
                     fn = draw_loop(sample_with(sampling, kw), args.draws)
-                    out[sampler] = (time_call(fn, t_args, args.reps) / args.draws * 1e6, fn(*t_args))
+                    out[sampler] = (time_fn(fn, *t_args, warmup=1, reps=args.reps) / args.draws * 1e6, fn(*t_args))
                 for sampler in variants:
                     differ = int(jnp.sum(out["xla"][1] != out[sampler][1]))
                     row = {"batch": batch, "scale": scale, "spec": name, "variant": sampler,
