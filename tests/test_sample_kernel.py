@@ -189,13 +189,30 @@ def test_auto_sampler_takes_the_kernel_where_it_was_measured_faster():
     assert not runs("xla", top_k=None, use_top_p=True, backend="gpu")
 
 
-def test_counters_count_the_exchanges():
-    """return_counters: off the GPU the barrier is not run, so the counters stay at zero; the
-    tokens are the same with and without them."""
-    logits, _, noise = rows(0, False)
-    tok, _, counters = ks.sample_rows(logits, noise, 1.0, 0.5, use_top_p=True, return_counters=True)
-    np.testing.assert_array_equal(np.asarray(counters), 0)
-    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ks.sample_rows(logits, noise, 1.0, 0.5, use_top_p=True)[0]))
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["one", "3x2"])
+def test_counters_count_the_exchanges(layout):
+    """return_counters: a row's exchanges times its splits (interpret mode counts the arrivals as
+    the GPU's barrier does). Temperature alone: 1 (statistics and the first candidate). Flat rows
+    with k = 3: 2 where the first candidate is in the top 3; where it lies DEEP_RANK k or more
+    deep, the candidates end there: 1 + 1 + 8 radix rounds + 1 for the largest z + g above the
+    k-th = 11."""
+    splits = layout.get("splits", 1)
+    logits, keys, noise = rows(11, False)
+    _, _, counters = ks.sample_rows(logits, noise, 0.9, 1.0, return_counters=True, **layout)
+    np.testing.assert_array_equal(np.asarray(counters), splits)
+    flat = jnp.broadcast_to(logits[1], logits.shape)
+    sampling = decode.Sampling(greedy=False, top_k=3)
+    want, _ = decode.sample(flat, keys, jnp.float32(1.0), jnp.float32(1.0), sampling)
+    tok, _, counters = ks.sample_rows(flat, noise, 1.0, 1.0, top_k=3, return_counters=True, **layout)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+    z = np.asarray(flat[0])
+    first = np.asarray(jnp.argmax(flat + noise, axis=-1))
+    rank = np.array([np.sum(z > z[f]) for f in first])
+    counters = np.asarray(counters) // splits
+    np.testing.assert_array_equal(counters[rank < 3], 2)
+    deep = rank >= ks.DEEP_RANK * 3
+    assert deep.sum() >= 4
+    np.testing.assert_array_equal(counters[deep], 11)
 
 
 def test_bad_input_is_refused():

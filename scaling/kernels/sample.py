@@ -52,7 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 CHUNK = 1024  # a row's values per load (a power of two, as Triton's blocks)
-MAX_CANDIDATES = 8  # rejected candidates before the bisection
+MAX_CANDIDATES = 8  # rejected candidates before the radix search
+DEEP_RANK = 8  # with top-k: a rejected candidate with this many times k larger tokens ends the candidates
 NO_INDEX = 2**30
 WIDTH = 16  # a program's partial: up to 16 fields; a radix round's pivots
 RADIX_BITS = 4  # bits of the threshold's key found per round (WIDTH = 2**RADIX_BITS)
@@ -142,6 +143,7 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
         if interpret:  # programs run one after another: one plays them all
             for sp in range(splits):
                 part_ref[row, 0, sp, :] = local(sp)
+            count_ref[row] = count_ref[row] + splits  # (the arrivals, as counted on the GPU)
             return part_ref[row, 0]
         if splits == 1:
             return local(me)[None, :]
@@ -292,14 +294,18 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
 
     if top_k is not None or use_top_p:
         def body(c):
-            n, y, i, x, z, tok, x_tok, _ = c
+            n, y, i, x, z, tok, x_tok, _, _ = c
             sums, nxt = probe(z, y, i)
             keep = kept(z, *sums)
-            return (n + 1, *nxt, jnp.where(keep, i, tok), jnp.where(keep, x, x_tok), keep)
+            # A candidate that deep below the k-th: the row is flat for this k (the next candidates
+            # land in the top k about as often as the top k's share of the mass), so the search
+            # goes straight to the threshold.
+            deep = (sums[0] >= DEEP_RANK * top_k) if top_k is not None else jnp.bool_(False)
+            return (n + 1, *nxt, jnp.where(keep, i, tok), jnp.where(keep, x, x_tok), keep, deep)
 
-        *_, tok, x_tok, found = lax.while_loop(
-            lambda c: (~c[7]) & (c[0] <= max_candidates), body,
-            (jnp.int32(0), y, tok, x_tok, z_tok, tok, x_tok, jnp.bool_(False)))
+        *_, tok, x_tok, found, _ = lax.while_loop(
+            lambda c: (~c[7]) & (~c[8]) & (c[0] <= max_candidates), body,
+            (jnp.int32(0), y, tok, x_tok, z_tok, tok, x_tok, jnp.bool_(False), jnp.bool_(False)))
 
         def fallback():
             """The kept set's floor by a radix search, then its largest z + g."""
@@ -329,7 +335,7 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
 
     splits: programs per row (default: plan_splits', as many as the GPU holds at once; 1 in
     interpret mode); chunk: a row's values per load (a power of two). return_counters: also return
-    the rows' barrier counters (exchanges x splits; a diagnostic)."""
+    the rows' barrier counters (exchanges x splits; a diagnostic; 0 on the GPU with one split)."""
     b, v = logits_bv.shape
     if noise_bv.shape != (b, v):
         raise ValueError(f"noise must be {(b, v)} like the logits, got {noise_bv.shape}")
