@@ -300,7 +300,7 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
             # A candidate that deep below the k-th: the row is flat for this k (the next candidates
             # land in the top k about as often as the top k's share of the mass), so the search
             # goes straight to the threshold.
-            deep = (sums[0] >= DEEP_RANK * top_k) if top_k is not None else jnp.bool_(False)
+            deep = (sums[0] >= DEEP_RANK * top_k) if top_k is not None else n < 0  # (a traced False)
             return (n + 1, *nxt, jnp.where(keep, i, tok), jnp.where(keep, x, x_tok), keep, deep)
 
         *_, tok, x_tok, found, _ = lax.while_loop(
