@@ -150,8 +150,8 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
         from jax.experimental.pallas import triton as plgpu
 
         # Atomics for every access to the shared state. With volatile loads of the partials instead
-        # (plain or atomic stores), rows read stale partials on an H200: a fifth of the rows at
-        # batch 64 with 2 splits, most rows of a flat top-k=50 row's 19 exchanges
+        # (plain or atomic stores), rows read stale partials on an H200: 18% of the tokens wrong at
+        # batch 64 with 2 splits, 40-52% at batch 1 with flat top-k=50 (19 exchanges a draw)
         # (experiments/check_sample_kernel.py, docs/benchmarks.md, thirty-third session).
         read_count = lambda: plgpu.atomic_add(count_ref, row, jnp.int32(0))  # noqa: E731
         # Round n: the counter is in [n S, (n + 1) S) until this program arrives
