@@ -44,7 +44,7 @@ def rows(seed: int, ties: bool):
     (20, 0.6, 0.9, True),  # both: the k-th value by bisection, then top-p over the top-k set
     (V, 0.99, 1.0, False),  # k = V keeps everything
 ])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=["one", "3x2", "5x1"])
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["one", "3x2"])
 def test_kernel_draws_the_reference_token(top_k, top_p, temperature, ties, layout):
     logits, keys, noise = rows(top_k or 7, ties)
     sampling = decode.Sampling(greedy=False, top_k=top_k, use_top_p=top_p is not None)
@@ -57,10 +57,17 @@ def test_kernel_draws_the_reference_token(top_k, top_p, temperature, ties, layou
         np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.6), (None, 0.8)])
+def test_one_chunk_a_program_with_padding(top_k, top_p):
+    """LAYOUTS' third: 5 programs of one chunk each, the last part padding (the rest of the
+    masks: test_kernel_draws_the_reference_token, with one and three programs)."""
+    test_kernel_draws_the_reference_token(top_k, top_p, 0.9, True, LAYOUTS[2])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["one", "3x2"])
 def test_rejections_happen_and_both_paths_agree(layout):
     """A flat row with k = 3: the first candidates are mostly outside the top 3, so the loop rejects
-    (the default cap) or bisects (cap 0), and both land on the reference's token."""
+    (the default cap) or searches the threshold (cap 0), and both land on the reference's token."""
     logits, keys, noise = rows(11, False)
     flat = jnp.broadcast_to(logits[1], logits.shape)  # (scale 0.1: near-uniform)
     sampling = decode.Sampling(greedy=False, top_k=3)
