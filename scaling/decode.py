@@ -79,8 +79,8 @@ def sample_kernel_runs(sampler: str, *, top_k: int | None, use_top_p: bool, back
     """Whether sampled tokens are drawn by scaling.kernels.sample (else by `sample`'s sorts).
     "auto": on a GPU with top-p and no top-k, where the kernel was faster at every batch and logit
     spread measured (an H200, 3.2x at batch 1 to 2.6x at batch 64; docs/benchmarks.md, thirty-third
-    session). With top-k it wins only on peaked logits at small batches (2x; 0.6x on flat logits
-    and at batch 64), so XLA keeps top-k."""
+    session). With top-k it wins on peaked logits at batch 1 and 8 (2.8-3.1x) but not on flat ones
+    (0.7x at batch 1) nor at batch 64 (0.4-0.9x), so XLA keeps top-k."""
     if sampler == "auto":
         return (backend or jax.default_backend()) == "gpu" and use_top_p and top_k is None
     return sampler == "pallas"
