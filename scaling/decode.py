@@ -84,6 +84,8 @@ def sample_kernel_runs(sampler: str, *, top_k: int | None, use_top_p: bool, back
     if sampler == "auto":
         return (backend or jax.default_backend()) == "gpu" and use_top_p and top_k is None
     return sampler == "pallas"
+
+
 # On the GPU, XLA lowers a [1, D] x [D, X] dot to multiply + reduce fusions that reach half
 # the bandwidth of the gemm kernels it emits for M >= 8: padding batch 1 to 8 rows took the
 # 1b decode step from 1.29 to 0.90 ms on an H200 (experiments/decode_variants.py,
