@@ -2,7 +2,7 @@
 whether a differing token is the reference's of the draw before (a stale partial read across
 calls); and the barrier counters each call leaves (exchanges x splits). Exits 1 on a difference.
 
-    python experiments/check_sample_kernel.py [VOCAB [KEY=VALUE/...]]  (e.g. 128256 exchange=xchg)
+    python experiments/check_sample_kernel.py [VOCAB]  (default 128256)
 """
 
 from __future__ import annotations
@@ -47,9 +47,6 @@ def main():
         (64, 1.0, None, None, dict(splits=2)), (1, 0.01, 50, None, dict()), (8, 0.01, 50, 0.9, dict()),
         (64, 3.0, None, 0.95, dict()), (1, 3.0, 50, 0.9, dict()),
     ]
-    if len(sys.argv) > 2:  # e.g. exchange=xchg: every case with it
-        extra = dict(kv.split("=") for kv in sys.argv[2].split("/"))
-        cases = [(*c[:4], {**c[4], **extra}) for c in cases]
     for b, scale, top_k, top_p, kw in cases:
         logits = scale * jax.random.normal(jax.random.key(1), (b, V), jnp.float32)
         sampling = decode.Sampling(greedy=False, top_k=top_k, use_top_p=top_p is not None)

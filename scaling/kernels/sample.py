@@ -26,11 +26,11 @@ where those bounds do not decide, the k-th value is found by the radix search fi
 
 Parallel rows (the thirty-third session): one program a row reads a 128K vocabulary at one SM's
 bandwidth: on an H200 at batch 1, 74 µs a call with temperature alone and 110-170 µs with top-p,
-slower than the sorts. So a row's chunks are
-spread over `splits` programs (plan_splits: all of the grid resident on the GPU at once); every
-pass above is a local fold over the program's chunks, then an exchange of [WIDTH] partials
-through global memory behind a per-row barrier (`gather`), after which every program of the row
-holds the same reduced values and takes the same branch. Interpret mode plays a row's splits one
+slower than the sorts. So a row's chunks are spread over `splits` programs (plan_splits: all of
+the grid resident on the GPU at once); every pass above is a local fold over the program's
+chunks, then an exchange of [WIDTH] partials through global memory behind a per-row barrier
+(`gather`), after which every program of the row holds the same reduced values and takes the
+same branch. Interpret mode plays a row's splits one
 after another in one program through the same exchange, without the barrier.
 
 Numerics: the masses are f32 sums in another order than the reference's cumsum, so where a
@@ -343,6 +343,8 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
         raise ValueError(f"top_k={top_k} must be in [1, {v}]")
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk={chunk} must be a power of two >= 16")
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16, 32")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     n_chunks = -(-v // chunk)
