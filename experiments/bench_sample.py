@@ -38,20 +38,21 @@ SPECS = {  # name -> (temperature, top_k, top_p)
     "top_p=0.5": (0.8, None, 0.5),
     "top_k=50/top_p=0.9": (0.8, 50, 0.9),
 }
+KERNEL_KEYS = ("splits", "chunk", "num_warps", "max_candidates", "exchange")  # sample_rows' integer settings
 
 
 def parse_variants(spec: str) -> dict[str, dict]:
     """'auto,one:splits=1,w4:num_warps=4' -> {'auto': {}, 'one': {'splits': 1}, 'w4': {'num_warps': 4}}:
-    the Pallas sampler's keyword arguments (sample_rows': splits, chunk, num_warps, max_candidates)."""
+    the Pallas sampler's keyword arguments (sample_rows': splits, chunk, num_warps, max_candidates, exchange)."""
     out = {}
     for item in filter(None, spec.split(",")):
         name, _, rest = item.partition(":")
         kw = {}
         for part in filter(None, rest.split("/")):
             key, sep, value = part.partition("=")
-            if not sep or key not in ("splits", "chunk", "num_warps", "max_candidates") or not value.isdigit():
+            if not sep or key not in KERNEL_KEYS or not value.isdigit():
                 raise SystemExit(f"--variants: {part!r} in {item!r} is not key=int with a key in "
-                                 "splits, chunk, num_warps, max_candidates")
+                                 f"{', '.join(KERNEL_KEYS)}")
             kw[key] = int(value)
         out[name] = kw
     return out
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
     p.add_argument("--scales", default="0.01,1,3,8", help="std of the normal logits, comma-separated")
     p.add_argument("--specs", default=",".join(SPECS), help=f"comma-separated, from {list(SPECS)}")
     p.add_argument("--variants", default="pallas:", help="Pallas sampler settings, 'name:key=int/...' "
-                   "comma-separated (sample_rows' splits, chunk, num_warps, max_candidates; none: its defaults)")
+                   f"comma-separated (sample_rows' {', '.join(KERNEL_KEYS)}; none: its defaults)")
     p.add_argument("--draws", type=int, default=200)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)

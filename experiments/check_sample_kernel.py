@@ -2,7 +2,10 @@
 whether a differing token is the reference's of the draw before (a stale partial read across
 calls); and the barrier counters each call leaves (exchanges x splits). Exits 1 on a difference.
 
-    python experiments/check_sample_kernel.py [VOCAB]  (default 128256)
+    python experiments/check_sample_kernel.py [VOCAB] [KEY=INT ...]
+
+VOCAB defaults to 128256; KEY=INT pairs are sample_rows' keyword arguments for every case
+(e.g. exchange=1).
 """
 
 from __future__ import annotations
@@ -20,7 +23,22 @@ import numpy as np  # noqa: E402
 from scaling import decode  # noqa: E402
 from scaling.kernels import sample as ks  # noqa: E402
 
-V = int(sys.argv[1]) if len(sys.argv) > 1 else 128256
+def parse_args(argv):
+    """[VOCAB] [KEY=INT ...] -> (vocab, kernel kwargs)."""
+    vocab, kw = 128256, {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep and arg.isdigit():
+            vocab = int(arg)
+        elif sep and key in ("exchange", "num_warps", "chunk", "max_candidates") and value.isdigit():
+            kw[key] = int(value)
+        else:
+            raise SystemExit(f"{arg!r}: expected VOCAB or KEY=INT with KEY in exchange, num_warps, chunk, "
+                             "max_candidates")
+    return vocab, kw
+
+
+V, KW = parse_args(sys.argv[1:])
 
 
 def draws(fn, logits, n):
@@ -57,7 +75,7 @@ def main():
         def kern(lg, keys):
             noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
             return ks.sample_rows(lg, noise, t, p, top_k=top_k, use_top_p=top_p is not None, return_counters=True,
-                                  **kw)
+                                  **KW, **kw)
         tok, lp, cnt = draws(kern, logits, n)
         bad = tok != ref_tok
         stale = int(np.sum(bad[1:] & (tok[1:] == ref_tok[:-1])))

@@ -230,6 +230,8 @@ def test_bad_input_is_refused():
         ks.sample_rows(logits, noise, 1.0, 1.0, chunk=100)
     with pytest.raises(ValueError, match="num_warps=3 must be one of 1, 2, 4, 8, 16, 32"):
         ks.sample_rows(logits, noise, 1.0, 1.0, num_warps=3)
+    with pytest.raises(ValueError, match="exchange=3 must be one of \\(0, 1, 2\\)"):
+        ks.sample_rows(logits, noise, 1.0, 1.0, exchange=3)
     with pytest.raises(ValueError, match="noise must be \\(8, 300\\) like the logits"):
         ks.sample_rows(logits, noise[:, :10], 1.0, 1.0)
     with pytest.raises(ValueError, match="top_k=301 must be in \\[1, 300\\]"):
