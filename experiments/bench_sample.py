@@ -38,12 +38,12 @@ SPECS = {  # name -> (temperature, top_k, top_p)
     "top_p=0.5": (0.8, None, 0.5),
     "top_k=50/top_p=0.9": (0.8, 50, 0.9),
 }
-KERNEL_KEYS = ("splits", "chunk", "num_warps", "max_candidates", "exchange")  # sample_rows' integer settings
+KERNEL_KEYS = ("splits", "chunk", "num_warps", "num_stages", "max_candidates", "exchange")  # sample_rows' integer settings
 
 
 def parse_variants(spec: str) -> dict[str, dict]:
     """'auto,one:splits=1,w4:num_warps=4' -> {'auto': {}, 'one': {'splits': 1}, 'w4': {'num_warps': 4}}:
-    the Pallas sampler's keyword arguments (sample_rows': splits, chunk, num_warps, max_candidates, exchange)."""
+    the Pallas sampler's keyword arguments (sample_rows' KERNEL_KEYS)."""
     out = {}
     for item in filter(None, spec.split(",")):
         name, _, rest = item.partition(":")

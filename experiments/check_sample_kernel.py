@@ -5,7 +5,7 @@ calls); and the barrier counters each call leaves (exchanges x splits). Exits 1 
     python experiments/check_sample_kernel.py [VOCAB] [KEY=INT ...]
 
 VOCAB defaults to 128256; KEY=INT pairs are sample_rows' keyword arguments for every case
-(e.g. exchange=1).
+(e.g. exchange=0).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import numpy as np  # noqa: E402
 from scaling import decode  # noqa: E402
 from scaling.kernels import sample as ks  # noqa: E402
 
+KEYS = ("exchange", "num_warps", "num_stages", "chunk", "max_candidates")  # sample_rows' settings
+
+
 def parse_args(argv):
     """[VOCAB] [KEY=INT ...] -> (vocab, kernel kwargs)."""
     vocab, kw = 128256, {}
@@ -30,11 +33,10 @@ def parse_args(argv):
         key, sep, value = arg.partition("=")
         if not sep and arg.isdigit():
             vocab = int(arg)
-        elif sep and key in ("exchange", "num_warps", "chunk", "max_candidates") and value.isdigit():
+        elif sep and key in KEYS and value.isdigit():
             kw[key] = int(value)
         else:
-            raise SystemExit(f"{arg!r}: expected VOCAB or KEY=INT with KEY in exchange, num_warps, chunk, "
-                             "max_candidates")
+            raise SystemExit(f"{arg!r}: expected VOCAB or KEY=INT with KEY in {', '.join(KEYS)}")
     return vocab, kw
 
 

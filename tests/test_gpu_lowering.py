@@ -246,7 +246,7 @@ def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma, model):
 
 def test_sample_kernel_lowers_for_hopper(as_h100):
     """scaling.kernels.sample with each mask (its while loops, radix rounds and scalar stores), a row
-    in one program and in 31 (their barriers: atomics, the spin loop; each exchange mode)."""
+    in one program and in 31 (their barriers: atomics, the spin loop, volatile loads; the atomic exchange; two stages)."""
     from scaling.kernels.sample import sample_rows
 
     for top_k, use_top_p in ((None, False), (50, False), (None, True), (50, True)):
@@ -256,8 +256,8 @@ def test_sample_kernel_lowers_for_hopper(as_h100):
             text = lower_for_cuda(fn, sds((3, 32000), jnp.float32), sds((3, 32000), jnp.float32),
                                   sds((), jnp.float32), sds((), jnp.float32))
             assert text.count(TRITON_CALL) == 1
-    for exchange in (1, 2):  # the partials (and the spin) by volatile loads
-        fn = lambda lg, g, t, p, x=exchange: sample_rows(lg, g, t, p, top_k=50, splits=31, exchange=x)  # noqa: E731
+    for kw in (dict(exchange=0), dict(num_stages=2)):  # the partials by atomics; the chunk loop pipelined
+        fn = lambda lg, g, t, p, kw=kw: sample_rows(lg, g, t, p, top_k=50, splits=31, **kw)  # noqa: E731
         text = lower_for_cuda(fn, sds((3, 32000), jnp.float32), sds((3, 32000), jnp.float32),
                               sds((), jnp.float32), sds((), jnp.float32))
         assert text.count(TRITON_CALL) == 1

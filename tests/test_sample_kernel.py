@@ -185,15 +185,18 @@ def test_split_plan_keeps_every_program_resident():
 
 
 def test_auto_sampler_takes_the_kernel_where_it_was_measured_faster():
-    """On a GPU for top-p without top-k; never off the GPU; "xla" and "pallas" as they say."""
+    """On a GPU for top-p without top-k at any batch, for top-k up to 8 rows; never for temperature
+    alone nor off the GPU; "xla" and "pallas" as they say."""
     runs = decode.sample_kernel_runs
-    assert runs("auto", top_k=None, use_top_p=True, backend="gpu")
-    assert not runs("auto", top_k=50, use_top_p=True, backend="gpu")
-    assert not runs("auto", top_k=50, use_top_p=False, backend="gpu")
-    assert not runs("auto", top_k=None, use_top_p=False, backend="gpu")  # (temperature alone)
-    assert not runs("auto", top_k=None, use_top_p=True, backend="cpu")
-    assert runs("pallas", top_k=50, use_top_p=False, backend="cpu")
-    assert not runs("xla", top_k=None, use_top_p=True, backend="gpu")
+    for b in (1, 64, 256):
+        assert runs("auto", top_k=None, use_top_p=True, batch=b, backend="gpu")
+        assert not runs("auto", top_k=None, use_top_p=False, batch=b, backend="gpu")  # (temperature alone)
+    for b, want in ((1, True), (8, True), (9, False), (64, False)):
+        assert runs("auto", top_k=50, use_top_p=True, batch=b, backend="gpu") == want
+        assert runs("auto", top_k=50, use_top_p=False, batch=b, backend="gpu") == want
+    assert not runs("auto", top_k=50, use_top_p=True, batch=1, backend="cpu")
+    assert runs("pallas", top_k=50, use_top_p=False, batch=64, backend="cpu")
+    assert not runs("xla", top_k=None, use_top_p=True, batch=1, backend="gpu")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["one", "3x2"])
@@ -230,8 +233,10 @@ def test_bad_input_is_refused():
         ks.sample_rows(logits, noise, 1.0, 1.0, chunk=100)
     with pytest.raises(ValueError, match="num_warps=3 must be one of 1, 2, 4, 8, 16, 32"):
         ks.sample_rows(logits, noise, 1.0, 1.0, num_warps=3)
-    with pytest.raises(ValueError, match="exchange=3 must be one of \\(0, 1, 2\\)"):
-        ks.sample_rows(logits, noise, 1.0, 1.0, exchange=3)
+    with pytest.raises(ValueError, match="exchange=2 must be one of \\(0, 1\\)"):
+        ks.sample_rows(logits, noise, 1.0, 1.0, exchange=2)
+    with pytest.raises(ValueError, match="num_stages=0 must be in \\[1, 4\\]"):
+        ks.sample_rows(logits, noise, 1.0, 1.0, num_stages=0)
     with pytest.raises(ValueError, match="noise must be \\(8, 300\\) like the logits"):
         ks.sample_rows(logits, noise[:, :10], 1.0, 1.0)
     with pytest.raises(ValueError, match="top_k=301 must be in \\[1, 300\\]"):

@@ -58,7 +58,7 @@ NO_INDEX = 2**30
 WIDTH = 16  # a program's partial: up to 16 fields; a radix round's pivots
 RADIX_BITS = 4  # bits of the threshold's key found per round (WIDTH = 2**RADIX_BITS)
 INT_MIN = -(2**31)
-EXCHANGES = (0, 1, 2)  # sample_rows(exchange=): atomics; volatile loads of the partials; and of the spin
+EXCHANGES = (0, 1)  # sample_rows(exchange=): atomics; volatile loads behind the barrier's last read
 # _key(-inf) and _key(+inf), as literals: Pallas' Triton lowering cannot bitcast a constant
 KEY_OF_MINUS_INF = -2139095041
 KEY_OF_PLUS_INF = 2139095040
@@ -150,15 +150,13 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
             return local(me)[None, :]
         from jax.experimental.pallas import triton as plgpu
 
-        # exchange 0: atomics for every access to the shared state. With volatile loads of the
-        # partials instead (plain or atomic stores), rows read stale partials on an H200: 18% of the
-        # tokens wrong at batch 64 with 2 splits, 40-52% at batch 1 with flat top-k=50 (19 exchanges a
-        # draw) (experiments/check_sample_kernel.py, docs/benchmarks.md, thirty-third session).
-        # exchange 1: the partials by volatile loads again, but at an address computed from the spin
-        # loop's last counter read, so that no load can be issued before the barrier is passed (in
-        # case the stale reads were loads the compiler hoisted). exchange 2: that, and the spin by
-        # volatile loads (one atomic acquire read after it): 126 programs' atomics on one counter
-        # serialise in L2. (Pallas' ".cg" loads, past L1, fail to lower in jax 0.11.2.)
+        # exchange 0: atomics for every access to the shared state (the thirty-third session's
+        # way: with volatile loads of the partials issued right after the barrier, 18% of the tokens
+        # were wrong at batch 64 with 2 splits on an H200, 40-52% at batch 1 with flat top-k=50).
+        # exchange 1 (the default): volatile loads at an address computed from the spin loop's last
+        # counter read, so that none can be issued before the barrier is passed: every token right
+        # on the H200, and a draw 1.2-1.4x faster at batch 1 (docs/benchmarks.md, thirty-fourth
+        # session). (Pallas' ".cg" loads, past L1, fail to lower in jax 0.11.2.)
         read_count = lambda: plgpu.atomic_add(count_ref, row, jnp.int32(0))  # noqa: E731
         # Round n: the counter is in [n S, (n + 1) S) until this program arrives
         n = read_count() // splits
@@ -167,9 +165,6 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
         plgpu.debug_barrier()  # (every thread's stores before the arrival)
         plgpu.atomic_add(count_ref, row, jnp.int32(1))
         target = (n + 1) * splits
-        if exchange == 2:
-            peek = lambda: plgpu.load(count_ref.at[pl.ds(row, 1)], volatile=True)[0]  # noqa: E731
-            lax.while_loop(lambda c: c < target, lambda c: peek(), peek())
         seen = lax.while_loop(lambda c: c < target, lambda c: read_count(), read_count())
         plgpu.debug_barrier()  # (the one thread's acquire before every thread's reads)
         if exchange == 0:
@@ -343,15 +338,15 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
 
 def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = None, use_top_p: bool = False,
                 max_candidates: int = MAX_CANDIDATES, splits: int | None = None, chunk: int = CHUNK,
-                num_warps: int = 8, exchange: int = 0, interpret: bool | None = None,
+                num_warps: int = 8, num_stages: int = 1, exchange: int = 1, interpret: bool | None = None,
                 return_counters: bool = False):
     """One token per row drawn as `decode.sample` draws it from the same Gumbel noise
     (noise_bv = jax.random.gumbel(key_b, (V,)) per row): (token [B] int32, its log-prob [B] f32).
 
     splits: programs per row (default: plan_splits', as many as the GPU holds at once; 1 in
     interpret mode); chunk: a row's values per load (a power of two); exchange: how the GPU reads the
-    shared partials and counters (0 atomics, 1 volatile loads of the partials, 2 and of the spin; see
-    gather; no effect in interpret mode). return_counters: also return
+    shared partials (0 atomics, 1 volatile loads; see gather; no effect in interpret mode); num_stages:
+    Triton's software pipelining of the loop over a program's chunks. return_counters: also return
     the rows' barrier counters (exchanges x splits; a diagnostic; 0 on the GPU with one split)."""
     b, v = logits_bv.shape
     if noise_bv.shape != (b, v):
@@ -362,6 +357,8 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
         raise ValueError(f"chunk={chunk} must be a power of two >= 16")
     if num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16, 32")
+    if not 1 <= num_stages <= 4:
+        raise ValueError(f"num_stages={num_stages} must be in [1, 4]")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange} must be one of {EXCHANGES}")
     if interpret is None:
@@ -382,7 +379,7 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     s_pad = 1 << (splits - 1).bit_length()
     kernel = functools.partial(_sample_kernel, vocab=v, chunk=chunk, n_chunks=n_chunks, per_split=per_split,
                                splits=splits, top_k=top_k, use_top_p=use_top_p, max_candidates=max_candidates,
