@@ -171,6 +171,20 @@ def test_float_keys_keep_the_order():
     np.testing.assert_array_equal(np.asarray(ks._value_clamped(beyond)), [-np.inf, -np.inf, np.inf, np.inf])
 
 
+def test_chunk_plan_gives_a_program_its_share_of_the_row_in_one_chunk():
+    """plan_chunk: the row's share of a program rounded up to a power of two in [CHUNK, MAX_CHUNK],
+    16 warps at MAX_CHUNK (the settings measured fastest on an H200)."""
+    assert ks.plan_chunk(1, 128256, programs=132) == (1024, 8)  # 126 programs of 1 chunk
+    assert ks.plan_chunk(1, 32000, programs=132) == (1024, 8)  # (never below CHUNK)
+    assert ks.plan_chunk(8, 32000, programs=132) == (2048, 8)  # 16 programs a row, 2000 tokens each
+    assert ks.plan_chunk(8, 128256, programs=132) == (8192, 16)
+    assert ks.plan_chunk(64, 128256, programs=132) == (8192, 16)  # (2 programs a row: 8 chunks each)
+    for b, v in ((1, 32000), (8, 32000), (8, 128256), (5, 5000)):
+        chunk, _ = ks.plan_chunk(b, v, programs=132)
+        splits, per = ks.plan_splits(b, v, chunk, programs=132)
+        assert per == 1 and b * splits <= 132  # one chunk a program where the row's share fits one
+
+
 def test_split_plan_keeps_every_program_resident():
     """Up to (SMs // batch) programs a row, never a split without a chunk."""
     assert ks.plan_splits(1, 128256, 1024, programs=132) == (126, 1)  # 126 chunks, one each

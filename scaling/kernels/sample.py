@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-CHUNK = 1024  # a row's values per load (a power of two, as Triton's blocks)
+CHUNK = 1024  # a row's values per load (a power of two, as Triton's blocks): the smallest plan_chunk takes
+MAX_CHUNK = 8192  # the largest, with 16 warps (32 values a thread per array)
 MAX_CANDIDATES = 8  # rejected candidates before the radix search
 DEEP_RANK = 8  # with top-k: a rejected candidate with this many times k larger tokens ends the candidates
 NO_INDEX = 2**30
@@ -79,16 +80,35 @@ def _value_clamped(k):
     return jnp.where(k < KEY_OF_MINUS_INF, -jnp.inf, jnp.where(k > KEY_OF_PLUS_INF, jnp.inf, _value(k)))
 
 
+def _programs(programs: int | None) -> int:
+    """The programs resident at once: the GPU's SMs (1 off the GPU), unless given."""
+    if programs is not None:
+        return programs
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132) if jax.default_backend() == "gpu" else 1
+
+
 def plan_splits(batch: int, vocab: int, chunk: int = CHUNK, programs: int | None = None) -> tuple[int, int]:
     """(splits, chunks per split): each row's chunks spread over up to programs // batch programs
     (programs: the GPU's SMs), so that every program of the grid is resident at once (the programs of
     a row meet at barriers: one waiting for a program not yet started would wait forever)."""
     n_chunks = -(-vocab // chunk)
-    if programs is None:
-        programs = int(getattr(jax.devices()[0], "core_count", 0) or 132) if jax.default_backend() == "gpu" else 1
+    programs = _programs(programs)
     want = max(1, min(n_chunks, programs // batch))
     per = -(-n_chunks // want)
     return -(-n_chunks // per), per
+
+
+def plan_chunk(batch: int, vocab: int, programs: int | None = None) -> tuple[int, int]:
+    """(chunk, num_warps): a program's loop over its chunks runs one load after another, so a
+    program should hold one chunk where it can: the row's share of a program, as a power of two in
+    [CHUNK, MAX_CHUNK], with 16 warps at MAX_CHUNK. Measured on an H200 (docs/benchmarks.md,
+    thirty-fourth session; chunks of 1-8K with 8 or 16 warps, top-k and top-p, batches 1, 8 and 64,
+    vocabularies 32,000 and 128,256): the fastest in every case at batches 8 and 64 (at 64, 1.7-2.2x
+    chunks of 1K); at batch 1 chunks of 1K and 2K trade places within 5%, except two top-p cases
+    where 2K was 14-16% faster."""
+    share = -(-vocab // max(1, _programs(programs) // batch))
+    chunk = min(MAX_CHUNK, max(CHUNK, 1 << (share - 1).bit_length()))
+    return chunk, 16 if chunk >= MAX_CHUNK else 8
 
 
 def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, part_ref, count_ref, *,
@@ -337,14 +357,15 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
 
 
 def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = None, use_top_p: bool = False,
-                max_candidates: int = MAX_CANDIDATES, splits: int | None = None, chunk: int = CHUNK,
-                num_warps: int = 8, num_stages: int = 1, exchange: int = 1, interpret: bool | None = None,
+                max_candidates: int = MAX_CANDIDATES, splits: int | None = None, chunk: int | None = None,
+                num_warps: int | None = None, num_stages: int = 1, exchange: int = 1, interpret: bool | None = None,
                 return_counters: bool = False):
     """One token per row drawn as `decode.sample` draws it from the same Gumbel noise
     (noise_bv = jax.random.gumbel(key_b, (V,)) per row): (token [B] int32, its log-prob [B] f32).
 
     splits: programs per row (default: plan_splits', as many as the GPU holds at once; 1 in
-    interpret mode); chunk: a row's values per load (a power of two); exchange: how the GPU reads the
+    interpret mode); chunk: a row's values per load (a power of two); chunk and num_warps default to
+    plan_chunk's for the batch and vocabulary; exchange: how the GPU reads the
     shared partials (0 atomics, 1 volatile loads; see gather; no effect in interpret mode); num_stages:
     Triton's software pipelining of the loop over a program's chunks. return_counters: also return
     the rows' barrier counters (exchanges x splits; a diagnostic; 0 on the GPU with one split)."""
@@ -353,6 +374,11 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
         raise ValueError(f"noise must be {(b, v)} like the logits, got {noise_bv.shape}")
     if top_k is not None and not 1 <= top_k <= v:
         raise ValueError(f"top_k={top_k} must be in [1, {v}]")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    planned_chunk, planned_warps = plan_chunk(b, v, programs=b if interpret else None)
+    chunk = planned_chunk if chunk is None else chunk
+    num_warps = planned_warps if num_warps is None else num_warps
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk={chunk} must be a power of two >= 16")
     if num_warps not in (1, 2, 4, 8, 16, 32):
@@ -361,8 +387,6 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
         raise ValueError(f"num_stages={num_stages} must be in [1, 4]")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange} must be one of {EXCHANGES}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     n_chunks = -(-v // chunk)
     if splits is None:
         splits, per_split = plan_splits(b, v, chunk, programs=b if interpret else None)
