@@ -75,24 +75,15 @@ PREFILL_TOKENS = 16384
 SAMPLERS = ("auto", "xla", "pallas")  # Decoder(sampler=...)
 
 
-def sample_kernel_runs(sampler: str, *, top_k: int | None, use_top_p: bool, batch: int,
-                       backend: str | None = None) -> bool:
+def sample_kernel_runs(sampler: str, *, top_k: int | None, use_top_p: bool, backend: str | None = None) -> bool:
     """Whether sampled tokens are drawn by scaling.kernels.sample (else by `sample`'s sorts).
-    "auto": on a GPU wherever the kernel was measured faster at every logit spread (an H200,
-    docs/benchmarks.md, thirty-third and thirty-fourth sessions): top-p without top-k at every
-    batch (3.7x at batch 1 to 2.5x at batch 64), and top-k, with or without top-p, up to
-    AUTO_SAMPLER_TOP_K_MAX_BATCH rows (1.2-2.6x at batch 1, 1.6-2.2x at batch 8; 0.7-1.0x at 64).
-    Temperature alone stays with XLA, whose one pass is 2x faster."""
+    "auto": on a GPU with top-k or top-p, where the kernel was measured faster than the sorts in
+    every case (an H200, batches 1, 8 and 64, vocabularies 32,000 and 128,256, flat and peaked
+    logits: top-p 2.2-8.7x, top-k 1.5-3.2x, both 1.1-2.5x; docs/benchmarks.md, thirty-fourth
+    session). Temperature alone stays with XLA: one pass, 1.4-2.1x faster than the kernel's."""
     if sampler == "auto":
-        if (backend or jax.default_backend()) != "gpu":
-            return False
-        if top_k is not None:
-            return batch <= AUTO_SAMPLER_TOP_K_MAX_BATCH
-        return use_top_p
+        return (backend or jax.default_backend()) == "gpu" and (use_top_p or top_k is not None)
     return sampler == "pallas"
-
-
-AUTO_SAMPLER_TOP_K_MAX_BATCH = 8
 
 
 # On the GPU, XLA lowers a [1, D] x [D, X] dot to multiply + reduce fusions that reach half
@@ -936,7 +927,7 @@ class Decoder:
     sampler: how sampled (not greedy) tokens are drawn: "xla" (`sample`: top-k and top-p by
         sorting the vocabulary), "pallas" (scaling.kernels.sample: one kernel a step, no sort,
         the same tokens from the same seed) or "auto" (`sample_kernel_runs`: pallas on a GPU for
-        top-p, and for top-k up to 8 rows, where it was measured faster; else xla).
+        top-k or top-p, where it was measured faster; xla for temperature alone and off the GPU).
 
     The megakernel's unit-major copy of the weights is made at the first batch-1 call, so a
     decoder that only serves larger batches never holds it.
@@ -1155,8 +1146,7 @@ class Decoder:
         greedy = temperature == 0 or top_k == 1
         use_top_p = (not greedy) and top_p is not None and top_p < 1
         sampling = Sampling(greedy=greedy, top_k=None if greedy else top_k, use_top_p=use_top_p,
-                            kernel=not greedy and sample_kernel_runs(self.sampler, top_k=top_k, use_top_p=use_top_p,
-                                                                    batch=b))
+                            kernel=not greedy and sample_kernel_runs(self.sampler, top_k=top_k, use_top_p=use_top_p))
         params = {
             "temperature": jnp.float32(temperature if temperature > 0 else 1.0),
             "top_p": jnp.float32(top_p if top_p is not None else 1.0),

@@ -199,18 +199,16 @@ def test_split_plan_keeps_every_program_resident():
 
 
 def test_auto_sampler_takes_the_kernel_where_it_was_measured_faster():
-    """On a GPU for top-p without top-k at any batch, for top-k up to 8 rows; never for temperature
-    alone nor off the GPU; "xla" and "pallas" as they say."""
+    """On a GPU for top-k or top-p; never for temperature alone nor off the GPU; "xla" and
+    "pallas" as they say."""
     runs = decode.sample_kernel_runs
-    for b in (1, 64, 256):
-        assert runs("auto", top_k=None, use_top_p=True, batch=b, backend="gpu")
-        assert not runs("auto", top_k=None, use_top_p=False, batch=b, backend="gpu")  # (temperature alone)
-    for b, want in ((1, True), (8, True), (9, False), (64, False)):
-        assert runs("auto", top_k=50, use_top_p=True, batch=b, backend="gpu") == want
-        assert runs("auto", top_k=50, use_top_p=False, batch=b, backend="gpu") == want
-    assert not runs("auto", top_k=50, use_top_p=True, batch=1, backend="cpu")
-    assert runs("pallas", top_k=50, use_top_p=False, batch=64, backend="cpu")
-    assert not runs("xla", top_k=None, use_top_p=True, batch=1, backend="gpu")
+    assert runs("auto", top_k=None, use_top_p=True, backend="gpu")
+    assert runs("auto", top_k=50, use_top_p=True, backend="gpu")
+    assert runs("auto", top_k=50, use_top_p=False, backend="gpu")
+    assert not runs("auto", top_k=None, use_top_p=False, backend="gpu")  # (temperature alone)
+    assert not runs("auto", top_k=50, use_top_p=True, backend="cpu")
+    assert runs("pallas", top_k=50, use_top_p=False, backend="cpu")
+    assert not runs("xla", top_k=None, use_top_p=True, backend="gpu")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=["one", "3x2"])
