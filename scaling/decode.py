@@ -79,7 +79,7 @@ def sample_kernel_runs(sampler: str, *, top_k: int | None, use_top_p: bool, back
     """Whether sampled tokens are drawn by scaling.kernels.sample (else by `sample`'s sorts).
     "auto": on a GPU with top-k or top-p, where the kernel was measured faster than the sorts in
     every case (an H200, batches 1, 8 and 64, vocabularies 32,000 and 128,256, flat and peaked
-    logits: top-p 2.2-8.7x, top-k 1.5-3.2x, both 1.1-2.5x; docs/benchmarks.md, thirty-fourth
+    logits: top-p 2.2-8.7x, top-k 1.45-3.2x, both 1.1-2.5x; docs/benchmarks.md, thirty-fourth
     session). Temperature alone stays with XLA: one pass, 1.4-2.1x faster than the kernel's."""
     if sampler == "auto":
         return (backend or jax.default_backend()) == "gpu" and (use_top_p or top_k is not None)

@@ -175,7 +175,7 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
         # were wrong at batch 64 with 2 splits on an H200, 40-52% at batch 1 with flat top-k=50).
         # exchange 1 (the default): volatile loads at an address computed from the spin loop's last
         # counter read, so that none can be issued before the barrier is passed: every token right
-        # on the H200, and a draw 1.2-1.4x faster at batch 1 (docs/benchmarks.md, thirty-fourth
+        # on the H200, and a draw 1.17-1.5x faster at batch 1 (docs/benchmarks.md, thirty-fourth
         # session). (Pallas' ".cg" loads, past L1, fail to lower in jax 0.11.2.)
         read_count = lambda: plgpu.atomic_add(count_ref, row, jnp.int32(0))  # noqa: E731
         # Round n: the counter is in [n S, (n + 1) S) until this program arrives
