@@ -30,7 +30,8 @@ slower than the sorts. So a row's chunks are spread over `splits` programs (plan
 the grid resident on the GPU at once); every pass above is a local fold over the program's
 chunks, then an exchange of [WIDTH] partials through global memory behind a per-row barrier
 (`gather`), after which every program of the row holds the same reduced values and takes the
-same branch. Interpret mode plays a row's splits one
+same branch. A program's share of the row is one chunk where it fits (`plan_chunk`, up to 8K):
+its loop over chunks waits for each chunk's loads in turn (thirty-fourth session). Interpret mode plays a row's splits one
 after another in one program through the same exchange, without the barrier.
 
 Numerics: the masses are f32 sums in another order than the reference's cumsum, so where a
