@@ -38,7 +38,7 @@ SPECS = {  # name -> (temperature, top_k, top_p)
     "top_p=0.5": (0.8, None, 0.5),
     "top_k=50/top_p=0.9": (0.8, 50, 0.9),
 }
-KERNEL_KEYS = ("splits", "chunk", "num_warps", "num_stages", "max_candidates", "exchange")  # sample_rows' integer settings
+KERNEL_KEYS = ("splits", "chunk", "num_warps", "max_candidates", "exchange")  # sample_rows' integer settings
 
 
 def parse_variants(spec: str) -> dict[str, dict]:

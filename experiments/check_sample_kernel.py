@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from scaling import decode  # noqa: E402
 from scaling.kernels import sample as ks  # noqa: E402
 
-KEYS = ("exchange", "num_warps", "num_stages", "chunk", "max_candidates")  # sample_rows' settings
+KEYS = ("exchange", "num_warps", "chunk", "max_candidates")  # sample_rows' settings
 
 
 def parse_args(argv):

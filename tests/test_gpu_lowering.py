@@ -246,7 +246,7 @@ def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma, model):
 
 def test_sample_kernel_lowers_for_hopper(as_h100):
     """scaling.kernels.sample with each mask (its while loops, radix rounds and scalar stores), a row
-    in one program and in 31 (their barriers: atomics, the spin loop, volatile loads; the atomic exchange; two stages)."""
+    in one program and in 31 (their barriers: atomics, the spin loop, volatile loads; the atomic exchange; 8K chunks)."""
     from scaling.kernels.sample import sample_rows
 
     for top_k, use_top_p in ((None, False), (50, False), (None, True), (50, True)):
@@ -256,8 +256,9 @@ def test_sample_kernel_lowers_for_hopper(as_h100):
             text = lower_for_cuda(fn, sds((3, 32000), jnp.float32), sds((3, 32000), jnp.float32),
                                   sds((), jnp.float32), sds((), jnp.float32))
             assert text.count(TRITON_CALL) == 1
-    for kw in (dict(exchange=0), dict(num_stages=2)):  # the partials by atomics; the chunk loop pipelined
-        fn = lambda lg, g, t, p, kw=kw: sample_rows(lg, g, t, p, top_k=50, splits=31, **kw)  # noqa: E731
+    # the partials by atomics; 8K chunks with 16 warps
+    for kw in (dict(exchange=0), dict(chunk=8192, num_warps=16, splits=4)):
+        fn = lambda lg, g, t, p, kw=kw: sample_rows(lg, g, t, p, top_k=50, **{"splits": 31, **kw})  # noqa: E731
         text = lower_for_cuda(fn, sds((3, 32000), jnp.float32), sds((3, 32000), jnp.float32),
                               sds((), jnp.float32), sds((), jnp.float32))
         assert text.count(TRITON_CALL) == 1

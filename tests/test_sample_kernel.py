@@ -247,8 +247,6 @@ def test_bad_input_is_refused():
         ks.sample_rows(logits, noise, 1.0, 1.0, num_warps=3)
     with pytest.raises(ValueError, match="exchange=2 must be one of \\(0, 1\\)"):
         ks.sample_rows(logits, noise, 1.0, 1.0, exchange=2)
-    with pytest.raises(ValueError, match="num_stages=0 must be in \\[1, 4\\]"):
-        ks.sample_rows(logits, noise, 1.0, 1.0, num_stages=0)
     with pytest.raises(ValueError, match="noise must be \\(8, 300\\) like the logits"):
         ks.sample_rows(logits, noise[:, :10], 1.0, 1.0)
     with pytest.raises(ValueError, match="top_k=301 must be in \\[1, 300\\]"):

@@ -31,8 +31,9 @@ the grid resident on the GPU at once); every pass above is a local fold over the
 chunks, then an exchange of [WIDTH] partials through global memory behind a per-row barrier
 (`gather`), after which every program of the row holds the same reduced values and takes the
 same branch. A program's share of the row is one chunk where it fits (`plan_chunk`, up to 8K):
-its loop over chunks waits for each chunk's loads in turn (thirty-fourth session). Interpret mode plays a row's splits one
-after another in one program through the same exchange, without the barrier.
+its loop over chunks waits for each chunk's loads in turn (thirty-fourth session). Interpret mode
+plays a row's splits one after another in one program through the same exchange, without the
+barrier.
 
 Numerics: the masses are f32 sums in another order than the reference's cumsum, so where a
 token's mass lies within rounding of top_p the two may keep different sets (never seen in the
@@ -359,16 +360,15 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
 
 def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = None, use_top_p: bool = False,
                 max_candidates: int = MAX_CANDIDATES, splits: int | None = None, chunk: int | None = None,
-                num_warps: int | None = None, num_stages: int = 1, exchange: int = 1, interpret: bool | None = None,
+                num_warps: int | None = None, exchange: int = 1, interpret: bool | None = None,
                 return_counters: bool = False):
     """One token per row drawn as `decode.sample` draws it from the same Gumbel noise
     (noise_bv = jax.random.gumbel(key_b, (V,)) per row): (token [B] int32, its log-prob [B] f32).
 
     splits: programs per row (default: plan_splits', as many as the GPU holds at once; 1 in
     interpret mode); chunk: a row's values per load (a power of two); chunk and num_warps default to
-    plan_chunk's for the batch and vocabulary; exchange: how the GPU reads the
-    shared partials (0 atomics, 1 volatile loads; see gather; no effect in interpret mode); num_stages:
-    Triton's software pipelining of the loop over a program's chunks. return_counters: also return
+    plan_chunk's for the batch and vocabulary; exchange: how the GPU reads the shared partials (0
+    atomics, 1 volatile loads; see gather; no effect in interpret mode). return_counters: also return
     the rows' barrier counters (exchanges x splits; a diagnostic; 0 on the GPU with one split)."""
     b, v = logits_bv.shape
     if noise_bv.shape != (b, v):
@@ -384,8 +384,6 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
         raise ValueError(f"chunk={chunk} must be a power of two >= 16")
     if num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16, 32")
-    if not 1 <= num_stages <= 4:
-        raise ValueError(f"num_stages={num_stages} must be in [1, 4]")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange} must be one of {EXCHANGES}")
     n_chunks = -(-v // chunk)
@@ -404,7 +402,7 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     s_pad = 1 << (splits - 1).bit_length()
     kernel = functools.partial(_sample_kernel, vocab=v, chunk=chunk, n_chunks=n_chunks, per_split=per_split,
                                splits=splits, top_k=top_k, use_top_p=use_top_p, max_candidates=max_candidates,
