@@ -246,7 +246,8 @@ def test_pallas_decode_step_lowers_for_hopper(as_h100, b, tma, model):
 
 def test_sample_kernel_lowers_for_hopper(as_h100):
     """scaling.kernels.sample with each mask (its while loops, radix rounds and scalar stores), a row
-    in one program and in 31 (their barriers: atomics, the spin loop, volatile loads; the atomic exchange; 8K chunks)."""
+    in one program and in 31 (their barriers: atomics, the spin loop, volatile loads); the atomic
+    exchange; 8K chunks with 16 warps."""
     from scaling.kernels.sample import sample_rows
 
     for top_k, use_top_p in ((None, False), (50, False), (None, True), (50, True)):

@@ -105,9 +105,9 @@ def plan_chunk(batch: int, vocab: int, programs: int | None = None) -> tuple[int
     program should hold one chunk where it can: the row's share of a program, as a power of two in
     [CHUNK, MAX_CHUNK], with 16 warps at MAX_CHUNK. Measured on an H200 (docs/benchmarks.md,
     thirty-fourth session; chunks of 1-8K with 8 or 16 warps, top-k and top-p, batches 1, 8 and 64,
-    vocabularies 32,000 and 128,256): the fastest in every case at batches 8 and 64 (at 64, 1.7-2.2x
-    chunks of 1K); at batch 1 chunks of 1K and 2K trade places within 5%, except two top-p cases
-    where 2K was 14-16% faster."""
+    vocabularies 32,000 and 128,256): the fastest in every case at batches 8 and 64 (at 64, 1.65-2.2x
+    faster than chunks of 1K); at batch 1 chunks of 1K and 2K trade places within 6%, except two
+    top-p cases where 2K took 14-15% less time."""
     share = -(-vocab // max(1, _programs(programs) // batch))
     chunk = min(MAX_CHUNK, max(CHUNK, 1 << (share - 1).bit_length()))
     return chunk, 16 if chunk >= MAX_CHUNK else 8
