@@ -29,19 +29,25 @@ def corpus_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data-cache"))
 
 
-# Files by their measured time on 2 CPU cores, heaviest first (`pytest --durations` or
-# --junitxml, twenty-first session). `./scripts/run test` hands whole files to the two workers
+# Files by their measured time on 2 CPU cores, heaviest first (`pytest --durations=0`, summed per
+# file; thirty-fifth session). `./scripts/run test` hands whole files to the two workers
 # (`--dist loadfile`) in collection order (`--no-loadscope-reorder`), each taking the next file when
-# it finishes: longest-first keeps the last file to start short, so the workers end close together
-# (a heavy file left out of this list runs last, and the suite waits for it: 14 min 10 s against
-# 12 min 57 s on a clean clone, twenty-first session).
-HEAVY_FIRST = ("test_decode_megakernel.py", "test_flash_attention_mgpu_bwd.py", "test_decode_gemv.py",
-               "test_remat.py", "test_checkpoint.py", "test_decode.py", "test_sweep.py", "test_sharding.py",
-               "test_flash_attention_mgpu.py", "test_train.py", "test_bench_streamk_chain.py", "test_multihost.py",
-               "test_chunked_loss.py", "test_scaling_laws.py", "test_gpu_lowering.py", "test_model.py",
-               "test_decode_tma.py", "test_bench_train.py", "test_flash_attention.py", "test_profile_summary.py")
+# it finishes: longest-first keeps the last file to start short, so the workers end close together.
+# A heavy file that ran last kept the suite waiting for it (14 min 10 s against 12 min 57 s,
+# twenty-first session; test_sample_kernel.py, 98 s, unlisted in the thirty-fourth), so files not
+# listed here run first: a new file is never the tail, whatever it costs.
+HEAVY_FIRST = ("test_decode_megakernel.py", "test_sample_kernel.py", "test_flash_attention_mgpu_bwd.py",
+               "test_decode_gemv.py", "test_remat.py", "test_checkpoint.py", "test_decode.py", "test_sweep.py",
+               "test_bench_streamk_chain.py", "test_sharding.py", "test_flash_attention_mgpu.py", "test_train.py",
+               "test_gpu_lowering.py", "test_multihost.py", "test_chunked_loss.py", "test_scaling_laws.py",
+               "test_decode_tma.py", "test_model.py", "test_bench_train.py", "test_flash_attention.py",
+               "test_profile_summary.py", "test_bench_weight_stream.py", "test_attention_dispatch.py",
+               "test_bench_decode.py", "test_bench_pdl.py", "test_bench_tma_gemv.py", "test_hf_interop.py",
+               "test_bench_sample.py", "test_bench_remat.py", "test_bench_grid_barrier.py", "test_accounting.py",
+               "test_bench_attention.py", "test_bench_group_exchange.py", "test_data.py", "test_bench_megakernel.py",
+               "test_config.py", "test_sm_stream_skew.py", "test_bench_gemv.py", "test_profile_mgpu_bwd.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: file order kept within
+    items.sort(key=lambda item: rank.get(item.path.name, -1))  # stable: file order kept within
