@@ -110,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default="auto", help="the decode steps' layers (scaling.decode.DecodeLayerImpl: auto, "
                    "xla, pallas, pallas_tma, megakernel); auto runs batch 1 on a Hopper GPU as one kernel where it can")
     p.add_argument("--sampler", default="auto", help="how sampled tokens are drawn: xla (sorts the vocabulary for "
-                   "top-k and top-p), pallas (one kernel, no sort, the same tokens) or auto (pallas on a GPU for "
-                   "top-p without top-k, where it was measured faster; else xla)")
+                   "top-k and top-p), pallas (one kernel, no sort, the same tokens) or auto (pallas on a GPU with "
+                   "top-k or top-p, where it was measured faster; else xla)")
     p.add_argument("--prefill-tokens", type=int, default=None,
                    help="prompt tokens one prefill call takes at most (default: scaling.decode.PREFILL_TOKENS)")
     return p

@@ -44,10 +44,11 @@ Causal: a K/V tile skips every q tile entirely above the diagonal (the producer 
 first q tile that can see it); only tiles crossing the diagonal build the mask. The dQ kernel
 skips K/V tiles past the diagonal the same way. Causal CTAs of the dQ kernel run longest-first.
 
-Persistent grids (opt-in, `MosaicBwdConfig.persistent` / `persistent_dq`, not yet timed on a
-GPU): one CTA per SM loops over every N-th work item of its kernel, numbered as the plain grid
-launches them; the producer's ring runs on across items, the next item's stationary tiles load
-while the current outputs are stored from buffers of their own (the forward's scheme,
+Persistent grids (opt-in, `MosaicBwdConfig.persistent` / `persistent_dq`; forward+backward
+2-6% slower than the split kernels on the H100 each, 4-10% both, docs/benchmarks.md, "Persistent
+backward kernels"): one CTA per SM loops over every N-th work item of its kernel, numbered as the
+plain grid launches them; the producer's ring runs on across items, the next item's stationary
+tiles load while the current outputs are stored from buffers of their own (the forward's scheme,
 `flash_attention_mgpu.py`).
 
 Limits (refused by `unsupported_reason`; `flash_attention` then uses the Triton backward):
@@ -100,9 +101,9 @@ class MosaicBwdConfig:
       (K/V tile, KV head, batch) item, as the persistent forward does (flash_attention_mgpu.py):
       the (Q, dO, L, delta) ring runs on across items, a consumer loads its next K/V tile as
       soon as its last products are done, and dK/dV are staged in buffers of their own. Not
-      with fused_dq. Off by default: not yet timed on a GPU (docs/attention.md).
+      with fused_dq. Off by default: 2-6% slower forward+backward on the H100 (docs/benchmarks.md).
     persistent_dq: the same for the dQ kernel (items: 128-query tile, head, batch; dQ staged in
-      a buffer of its own). Not with delta_in_dq. Off by default: not yet timed on a GPU.
+      a buffer of its own). Not with delta_in_dq. Off by default: 2-4% slower on the H100.
     persistent_ctas: CTAs of the persistent grids; 0 = the device's SM count.
     fused_dq: no dQ kernel: the dK/dV kernel also computes dQ (FlashAttention-3's scheme; 5
       matmuls per tile pair instead of 7). Per ring slot both consumers store their dSᵀ rows to
