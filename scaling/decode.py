@@ -790,9 +790,11 @@ def _prefill_rows(weights, cache, tokens_rt, lengths_r, row0, *, cfg, core_impl)
     return logits.astype(jnp.float32), cache
 
 
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def _first_tokens(logits_bv, lengths_b, done_b, params, *, sampling):
-    """The decode state after the prefill (without its cache) and the first sampled tokens."""
+@functools.partial(jax.jit, static_argnames=("sampling", "mk_ppr"), donate_argnames=("cache",))
+def _first_tokens(logits_bv, lengths_b, done_b, params, cache, *, sampling, mk_ppr=0):
+    """The decode state after the prefill, its first sampled tokens and whether every row is done,
+    as one call (each call is a dispatch and a launch on the way to the first token); mk_ppr > 0:
+    the cache in the megakernel's layout (megakernel_cache), with that many positions a row."""
     state = {
         "token": jnp.zeros_like(lengths_b),
         "pos": lengths_b - 1,  # position of the token just fed; _advance moves it to len
@@ -801,7 +803,16 @@ def _first_tokens(logits_bv, lengths_b, done_b, params, *, sampling):
     }
     keys = _row_keys(jax.random.wrap_key_data(params["key"]), state["count"])
     tok, lp = sample(logits_bv, keys, params["temperature"], params["top_p"], sampling)
-    return _advance(state, tok, lp, params)
+    state, tok, lp = _advance(state, tok, lp, params)
+    cache = megakernel_cache.__wrapped__(cache, mk_ppr) if mk_ppr else cache
+    return dict(state, cache=cache), tok, lp, jnp.all(state["done"])
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "layers", "dtype"))
+def _empty_cache(*, shape, layers, dtype):
+    """The prefill's cache {"k", "v": per layer [B, S, K, H]}, zeroed, as one call."""
+    return {"k": tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+            "v": tuple(jnp.zeros(shape, dtype) for _ in range(layers))}
 
 
 def prefill_rows_per_call(batch: int, prompt_len: int, token_budget: int) -> int:
@@ -1147,19 +1158,18 @@ class Decoder:
         use_top_p = (not greedy) and top_p is not None and top_p < 1
         sampling = Sampling(greedy=greedy, top_k=None if greedy else top_k, use_top_p=use_top_p,
                             kernel=not greedy and sample_kernel_runs(self.sampler, top_k=top_k, use_top_p=use_top_p))
-        params = {
-            "temperature": jnp.float32(temperature if temperature > 0 else 1.0),
-            "top_p": jnp.float32(top_p if top_p is not None else 1.0),
-            "stop_ids": jnp.asarray(stop_ids),
-            "max_new": jnp.int32(max_new_tokens),
-            "max_len": jnp.int32(max_len),
+        # (host values moved to the device in one transfer each, not one eager op per value: on
+        # the way to the first token, every call on the host is latency)
+        params = jax.device_put({
+            "temperature": np.float32(temperature if temperature > 0 else 1.0),
+            "top_p": np.float32(top_p if top_p is not None else 1.0),
+            "stop_ids": stop_ids,
+            "max_new": np.int32(max_new_tokens),
+            "max_len": np.int32(max_len),
             "key": jax.random.key_data(jax.random.key(seed)),
-        }
-        shape = (b, s, cfg.num_kv_heads, cfg.resolved_head_dim)
-        cache = {
-            "k": tuple(jnp.zeros(shape, self.cache_dtype) for _ in range(cfg.num_layers)),
-            "v": tuple(jnp.zeros(shape, self.cache_dtype) for _ in range(cfg.num_layers)),
-        }
+        })
+        cache = _empty_cache(shape=(b, s, cfg.num_kv_heads, cfg.resolved_head_dim), layers=cfg.num_layers,
+                             dtype=self.cache_dtype)
 
         t0 = time.perf_counter()
         # Rows in groups of at most prefill_tokens prompt tokens: the activations of 64 long prompts
@@ -1167,16 +1177,15 @@ class Decoder:
         r = prefill_rows_per_call(b, t, self.prefill_tokens)
         logits = []
         for row0 in range(0, b, r):
-            lg, cache = _prefill_rows(self.weights, cache, jnp.asarray(tokens[row0:row0 + r]),
-                                      jnp.asarray(lengths[row0:row0 + r]), jnp.int32(row0), cfg=cfg,
-                                      core_impl=self.core_impl)
+            lg, cache = _prefill_rows(self.weights, cache, *jax.device_put((tokens[row0:row0 + r],
+                                      lengths[row0:row0 + r], np.int32(row0))), cfg=cfg, core_impl=self.core_impl)
             logits.append(lg)
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
-        state, tok, lp = _first_tokens(logits, jnp.asarray(lengths), jnp.asarray(done), params, sampling=sampling)
-        state = dict(state, cache=cache)
-        if self._step_layers(b) == DecodeLayerImpl.megakernel:
-            state = dict(state, cache=megakernel_cache(state["cache"], megakernel_plan(cfg, s, self.mk_options).ppr))
-        tok, lp, all_done = jax.device_get((tok, lp, jnp.all(state["done"])))
+        mk_ppr = megakernel_plan(cfg, s, self.mk_options).ppr if self._step_layers(b) == DecodeLayerImpl.megakernel \
+            else 0
+        state, tok, lp, all_done = _first_tokens(logits, *jax.device_put((lengths, done)), params, cache,
+                                                 sampling=sampling, mk_ppr=mk_ppr)
+        tok, lp, all_done = jax.device_get((tok, lp, all_done))
         t1 = time.perf_counter()
         if timing is not None:
             timing.update(prefill_s=t1 - t0, decode_s=0.0, decode_steps=0)
