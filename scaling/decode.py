@@ -790,11 +790,13 @@ def _prefill_rows(weights, cache, tokens_rt, lengths_r, row0, *, cfg, core_impl)
     return logits.astype(jnp.float32), cache
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "mk_ppr"), donate_argnames=("cache",))
-def _first_tokens(logits_bv, lengths_b, done_b, params, cache, *, sampling, mk_ppr=0):
+@functools.partial(jax.jit, static_argnames=("sampling", "mk_ppr"))
+def _first_tokens(logits_bv, lengths_b, done_b, params, cache=None, *, sampling, mk_ppr=0):
     """The decode state after the prefill, its first sampled tokens and whether every row is done,
-    as one call (each call is a dispatch and a launch on the way to the first token); mk_ppr > 0:
-    the cache in the megakernel's layout (megakernel_cache), with that many positions a row."""
+    as one call (each call is a dispatch and a launch on the way to the first token). mk_ppr > 0:
+    the state holds the prefill's cache in the megakernel's layout (megakernel_cache), with that
+    many positions a row; else cache is None and the state has none (the caller adds the
+    prefill's: passed through a call, the cache would be copied or donated)."""
     state = {
         "token": jnp.zeros_like(lengths_b),
         "pos": lengths_b - 1,  # position of the token just fed; _advance moves it to len
@@ -804,8 +806,9 @@ def _first_tokens(logits_bv, lengths_b, done_b, params, cache, *, sampling, mk_p
     keys = _row_keys(jax.random.wrap_key_data(params["key"]), state["count"])
     tok, lp = sample(logits_bv, keys, params["temperature"], params["top_p"], sampling)
     state, tok, lp = _advance(state, tok, lp, params)
-    cache = megakernel_cache.__wrapped__(cache, mk_ppr) if mk_ppr else cache
-    return dict(state, cache=cache), tok, lp, jnp.all(state["done"])
+    if mk_ppr:
+        state = dict(state, cache=megakernel_cache.__wrapped__(cache, mk_ppr))
+    return state, tok, lp, jnp.all(state["done"])
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "layers", "dtype"))
@@ -1183,8 +1186,10 @@ class Decoder:
         logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits)
         mk_ppr = megakernel_plan(cfg, s, self.mk_options).ppr if self._step_layers(b) == DecodeLayerImpl.megakernel \
             else 0
-        state, tok, lp, all_done = _first_tokens(logits, *jax.device_put((lengths, done)), params, cache,
-                                                 sampling=sampling, mk_ppr=mk_ppr)
+        state, tok, lp, all_done = _first_tokens(logits, *jax.device_put((lengths, done)), params,
+                                                 cache if mk_ppr else None, sampling=sampling, mk_ppr=mk_ppr)
+        if not mk_ppr:
+            state = dict(state, cache=cache)
         tok, lp, all_done = jax.device_get((tok, lp, all_done))
         t1 = time.perf_counter()
         if timing is not None:

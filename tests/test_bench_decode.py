@@ -29,6 +29,19 @@ def test_bench_ours_reports_the_median_of_its_timed_runs():
     assert r["tok_s"] == pytest.approx(2 / (r["step_ms"] / 1e3), rel=1e-9)
 
 
+def test_end_to_end_is_the_whole_generate_call(monkeypatch):
+    """Time the decoder spends outside its own prefill and step timers (here a 50 ms sleep before
+    each call) counts end to end, as transformers' generate is timed by the wall clock."""
+    import time
+
+    dec = decode.Decoder(build_model(CFG, seed=0), layers="xla", chunk=4)
+    generate = dec.generate
+    monkeypatch.setattr(dec, "generate", lambda *a, **k: time.sleep(0.05) or generate(*a, **k))
+    r = bd.bench_ours(dec, CFG, batch=1, prompt=5, new=6, rng=np.random.default_rng(0), reps=1)
+    assert r["call_ms_beyond_prefill_and_steps"] >= 50
+    assert r["e2e_tok_s"] <= 6 / 0.05
+
+
 def test_cli_refuses_fewer_than_one_rep(capsys):
     with pytest.raises(SystemExit):
         bd.main(["--reps", "0"])

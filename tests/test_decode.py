@@ -373,3 +373,31 @@ def test_rotated_decode_kernel_matches_scatter_and_reference(n, kh, h, dtype, to
     from scaling.kernels.decode_attention import rotated_supported
 
     assert "run past" in rotated_supported(4, 4, 16) and rotated_supported(32, 8, 64) is None  # the 1b's heads
+
+
+@pytest.mark.parametrize("mk_ppr", [0, 2])
+def test_first_tokens_call_lays_out_the_cache_and_reduces_done(mk_ppr):
+    """`_first_tokens` (the prefill's last call: first tokens, the megakernel's cache layout, the
+    done flags) against its parts called apart: `sample` and `_advance` on the same logits,
+    `megakernel_cache` on the same cache (ppr 2: paired positions), `all` on the state's flags."""
+    shape, n_layers = (1, 8, 2, 4), 2
+    cache = decode._empty_cache(shape=shape, layers=n_layers, dtype=jnp.bfloat16)
+    assert all(a.shape == shape and not a.any() for a in cache["k"] + cache["v"]) and len(cache["k"]) == n_layers
+    key = jax.random.key(9)
+    cache = jax.tree.map(lambda a: jax.random.normal(key, a.shape).astype(a.dtype), cache)
+    want_kv = decode.megakernel_cache(cache, mk_ppr)["kv"] if mk_ppr else None
+    logits = jax.random.normal(jax.random.key(1), (1, 11))
+    lengths, done = jnp.asarray([4]), jnp.asarray([False])
+    params = {"temperature": jnp.float32(1.0), "top_p": jnp.float32(1.0), "stop_ids": jnp.full((8,), -1, jnp.int32),
+              "max_new": jnp.int32(1), "max_len": jnp.int32(8), "key": jax.random.key_data(jax.random.key(0))}
+    sampling = decode.Sampling(greedy=True, top_k=None, use_top_p=False)
+    state, tok, lp, all_done = decode._first_tokens(logits, lengths, done, params, cache if mk_ppr else None,
+                                                    sampling=sampling, mk_ppr=mk_ppr)
+    want_tok = int(jnp.argmax(logits[0]))
+    assert tok.tolist() == [want_tok] and state["pos"].tolist() == [4] and state["count"].tolist() == [1]
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(logits)[0, want_tok][None], rtol=1e-6)
+    assert bool(all_done) and state["done"].tolist() == [True]  # (max_new 1: done after the first token)
+    if mk_ppr:
+        np.testing.assert_array_equal(np.asarray(state["cache"]["kv"], np.float32), np.asarray(want_kv, np.float32))
+    else:  # (the caller keeps the prefill's cache: no copy of it)
+        assert "cache" not in state
