@@ -807,7 +807,7 @@ def _first_tokens(logits_bv, lengths_b, done_b, params, cache=None, *, sampling,
     tok, lp = sample(logits_bv, keys, params["temperature"], params["top_p"], sampling)
     state, tok, lp = _advance(state, tok, lp, params)
     if mk_ppr:
-        state = dict(state, cache=megakernel_cache.__wrapped__(cache, mk_ppr))
+        state = dict(state, cache=megakernel_cache(cache, ppr=mk_ppr))
     return state, tok, lp, jnp.all(state["done"])
 
 
