@@ -156,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--layers", default="auto", help="the decoder's layers (DecodeLayerImpl)")
     args = ap.parse_args(argv)
+    if args.reps < 1 or args.new < 1:
+        ap.error(f"--reps and --new must be >= 1, got {args.reps} and {args.new}")
     result = {"versions": {"jax": jax.__version__, "device": jax.devices()[0].device_kind}, "args": vars(args),
               "cases": []}
     for name in args.models.split(","):

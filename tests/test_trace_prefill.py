@@ -22,3 +22,9 @@ def test_kernel_summary_counts_busy_time_span_and_gaps():
     assert got["heaviest"][0] == {"name": "b", "count": 1, "ms": pytest.approx(3000 / 1e6)}
     assert got["heaviest"][1] == {"name": "a", "count": 2, "ms": pytest.approx(2500 / 1e6)}
     assert trace_prefill.kernel_summary([]) == {"error": "no GPU kernels in the trace"}
+
+
+def test_cli_refuses_fewer_than_one_rep(capsys):
+    with pytest.raises(SystemExit):
+        trace_prefill.main(["--reps", "0"])
+    assert "--reps and --new must be >= 1, got 0 and 256" in capsys.readouterr().err
