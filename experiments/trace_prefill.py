@@ -44,13 +44,16 @@ PARTS = ("_empty_cache", "_prefill_rows", "_first_tokens", "megakernel_cache")
 
 
 def timed_parts(dec, prompts, max_len, reps: int) -> dict:
-    """Each part's wall time with a sync after it (medians over reps calls), and the prefill_s of
-    the same calls (which the syncs lengthen a little)."""
+    """Each part's wall time with a sync before and after it (medians over reps calls), and the
+    prefill_s of the same calls (which the syncs lengthen a little). A part called while another
+    one is traced (a jitted function inside a jitted one) runs unwrapped: it has no time of its own."""
     spent: dict[str, list[float]] = defaultdict(list)
     originals = {name: getattr(decode, name) for name in PARTS if hasattr(decode, name)}
 
     def wrap(name, fn):
         def run(*a, **k):
+            if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((a, k))):
+                return fn(*a, **k)  # (inside another part's trace)
             jax.block_until_ready((a, k))  # (the part alone: what was queued before it has run)
             t = time.perf_counter()
             out = fn(*a, **k)
