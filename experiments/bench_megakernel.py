@@ -272,6 +272,9 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             # (fuse_out with a KV head's positions split over up to n of its group's CTAs, which
             # exchange their partials behind a group semaphore: long caches without attn_splits' combine)
             **{f"group{n}": {"fuse_out": True, "attn_splits": 1, "group_splits": n} for n in (4, 8, 16)},
+            # (attention and W_o as separate phases again: for models whose KV head's q heads span
+            # several K steps of W_o, fused since the thirty-sixth session, what they ran before)
+            "unfused": {"fuse_out": False, "group_splits": 0},
             # (128 CTAs on 132 SMs: 16 per KV head's group, none spare; what a cluster of 8 would need)
             "ctas128": {"ctas": 128},
             # (--decoder-plan: the plan the decoder runs a long cache's first steps on, those that attend

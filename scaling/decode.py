@@ -312,7 +312,7 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     span = min(max_len, reach) if reach else max_len
     splits = max(1, min(span // 256, x_stages, max(1, ctas // cfg.num_kv_heads)))
     # Without splits, attention and the output projection as one phase where a KV head's q heads
-    # are one K step of W_o (the 1b at prompt 128: 1.08x on the H200, 1.06x on the H100;
+    # are whole K steps of W_o (the 1b at prompt 128: 1.08x on the H200, 1.06x on the H100;
     # docs/benchmarks.md, eighteenth session)
     # gate/up and down as one phase where the MLP's 64-wide slices spread evenly over the CTAs (the
     # 1b: 128 on 132 SMs; not the 7b's 172), with a deeper weight ring (the 1b at prompt 128 on the
@@ -348,6 +348,12 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
     # H200: 0.627-0.630 against 0.633-0.642 ms in three alternating pairs, 1.016x; the kernel
     # alone 1.01x; 3 held 0.669 against 0.650-0.656; twenty-sixth session)
     grouped = dataclasses.replace(fused, group_splits=min(fused.out_group, decode_megakernel.MAX_GATHERED), hold_slots=1)
+    # A KV head's q heads over several K steps of W_o (`out_ksteps`; fused since the thirty-sixth
+    # session) only with the MLP fused: tinyllama_1.1b's kernel on the H200 1.055-1.07x at prompt
+    # 128 and 1.04-1.08x at 2048 (three alternating pairs each); llama3_8b, whose MLP is not
+    # fused, level (3.895 against 3.887 ms at 128); docs/benchmarks.md, thirty-sixth session
+    if fused.out_ksteps > 1 and not plan.fuse_mlp:
+        fused = grouped = None
     # Below GROUPS_FROM positions every member of a group reads all of its head's positions
     # instead, with no exchange (the 1b: 1.09x at 128, 1.035x at 448-511, 1.024x at 640, level
     # at 768, 0.99x at 896 on the H200; twenty-ninth session). Models without fuse_out (the 7b,
@@ -356,6 +362,7 @@ def _measured_plan(cfg: ModelConfig, max_len: int, reach: int | None = None) -> 
                   (grouped, dataclasses.replace(plan, attn_splits=splits), plan))
     if splits > 1 and span < GROUPS_FROM:
         candidates = (fused,) + candidates
+    candidates = tuple(p for p in candidates if p is not None)
     # With the MLP fused, one operand slot makes room for a sixth ring slot (the 1b at prompt 128 on
     # the H200: 1.017-1.028x in two runs; one operand alone at 5 slots level; docs/benchmarks.md,
     # twenty-first session); else the deepest ring that fits

@@ -345,15 +345,23 @@ CFG8 = ModelConfig(vocab_size=200, hidden_size=256, num_layers=2, num_heads=16, 
                    mlp_dim=512, init_std=0.05, compute_dtype=DType.float32)
 
 
-@pytest.mark.parametrize("pos,splits,mlp", [(100, 1, False), (200, 3, "mlp")])
+# "out": attention fused with W_o, whose K steps (block_k 128) each hold 2 of a KV head's 8 q heads:
+# 4 ring slots per row tile and 4 operand slots for the heads' outputs; "grouped": as the decoder's
+# long caches, the positions split over 3 of the group's 4 members, which merge their partials
+@pytest.mark.parametrize("pos,splits,mlp", [(100, 1, False), (200, 3, "mlp"), (100, 1, "out"), (200, 1, "grouped")])
 def test_eight_q_heads_per_kv_head_match_reference_in_interpret_mode(pos, splits, mlp):
     model = build_model(dataclasses.replace(CFG8, param_dtype=DType.bfloat16), seed=3)
     rows = decode.prepare_weights(model, jnp.bfloat16, rows=True)
     fused = bool(mlp)
+    out = mlp in ("out", "grouped")
     plan = mk.plan_for(CFG8, 256, vocab_rows=rows["head_xd"].shape[0], ctas=1, x_stages=8 if fused else 4, attn_splits=splits,
                        fuse_mlp=fused, one_operand=fused, norm_in_qkv=fused, qkv_ld=fused, hold_slots=2 * fused,
-                       stages=6 if fused else 3)
-    assert (plan.groups, plan.ppr, plan.phases_per_layer) == (8, 1, 5 - fused + (splits > 1))
+                       stages=6 if fused else 3, fuse_out=out, group_ctas=4 if mlp == "grouped" else 0,
+                       group_splits=3 if mlp == "grouped" else 0)
+    plan.check()
+    assert (plan.groups, plan.ppr, plan.phases_per_layer) == (8, 1, 5 - fused - out + (splits > 1))
+    assert (plan.out_ksteps, plan.grouped) == ((4, mlp == "grouped") if out else (1, False))
+    assert plan.x_slots() == 4 or not out  # (one operand slot, but the heads' outputs take 4)
     cache = (jax.random.normal(jax.random.key(4), (CFG8.num_layers, 256, CFG8.num_kv_heads, 2 * plan.head_dim))
              * 0.5).astype(jnp.bfloat16)
     x = rows["embed_vd"][7].astype(jnp.float32)
@@ -434,7 +442,7 @@ def test_fused_output_projection_refuses_what_it_cannot_run():
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, ctas=72, group_splits=17).check()
     with pytest.raises(ValueError, match="group_ctas and group_splits must be >= 0"):
         mk.plan_for(CFG3, 256, x_stages=8, fuse_out=True, group_ctas=-1).check()
-    with pytest.raises(ValueError, match="groups \\* head_dim = 128 == block_k = 256"):
+    with pytest.raises(ValueError, match="groups \\* head_dim = 128 a multiple of block_k = 256"):
         mk.plan_for(dataclasses.replace(CFG3, num_kv_heads=4), 256, x_stages=8, block_k=256, fuse_out=True).check()
 
 
@@ -707,12 +715,19 @@ def test_auto_takes_the_megakernel_where_it_runs_and_its_copy_fits(setup, monkey
         tiny, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None)
     # tinyllama_1.1b: 8 q heads per KV head fill the q operand's 8 columns (one position per cache
     # row); its 88 MLP slices take one wave of the 132 CTAs, so the MLP is fused, with x stages
-    # for all 16 of h1's chunks; W_o's K step cannot hold its 8 q heads, so attention is not
+    # for all 16 of h1's chunks; attention is fused with W_o, its 8 q heads over 4 of W_o's K steps
+    # (its long caches split within the groups)
     tl = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "tinyllama_1.1b.yaml").model
     assert decode.auto_megakernel_reason(tl, jnp.bfloat16, hopper=True, copy_bytes=1, free_bytes=None) is None
     tl_plan = decode.megakernel_plan(tl, 384)
-    assert (tl_plan.groups, tl_plan.ppr, tl_plan.fuse_out, tl_plan.fuse_mlp, tl_plan.x_stages, tl_plan.stages,
-            tl_plan.one_operand) == (8, 1, False, True, 16, 6, True)
+    assert (tl_plan.groups, tl_plan.ppr, tl_plan.fuse_out, tl_plan.out_ksteps, tl_plan.fuse_mlp, tl_plan.x_stages,
+            tl_plan.stages, tl_plan.one_operand) == (8, 1, True, 4, True, 16, 6, True)
+    tl_long = decode.megakernel_plan(tl, 2304)
+    assert tl_long.grouped and tl_long.group_splits == 16 and tl_long.attn_splits == 1
+    # llama3_8b's q heads span 2 K steps too, but its MLP is not fused: measured level, so not fused
+    eight_b = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama3_8b.yaml").model
+    assert not decode.megakernel_plan(eight_b, 384).fuse_out
+    assert decode.megakernel_plan(eight_b, 384, (("fuse_out", True),)).out_ksteps == 2
     # the 7b's 172 slices take two uneven waves: not fused, its ring what fits (3 slots of 32 KiB)
     seven_b = load_config(Path(__file__).resolve().parents[1] / "configs" / "models" / "llama2_7b.yaml").model
     assert (decode.megakernel_plan(seven_b, 384).fuse_mlp, decode.megakernel_plan(seven_b, 384).stages) == (False, 3)

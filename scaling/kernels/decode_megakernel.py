@@ -126,7 +126,8 @@ class MegaPlan:
     # attention and the output projection as one phase (one barrier and the attention output's
     # round trip through global memory fewer per layer): the CTAs form one group per KV head
     # (`out_group` each); every CTA of a group computes its head's attention and multiplies it by
-    # its share of the head's W_o columns, one K step of block_k = G H (the 1b at block_k 256)
+    # its share of the head's W_o columns, one K step of block_k = G H (the 1b at block_k 256) or
+    # several (`out_ksteps`: tinyllama_1.1b's G H = 512 at block_k 128)
     fuse_out: bool = False
     # gate/up and down as one phase (one barrier fewer per layer): the MLP's hidden units in
     # slices of 64, one CTA per slice, which computes the slice's gate and up over all of h1,
@@ -177,6 +178,13 @@ class MegaPlan:
         """(fuse_out) CTAs per KV head: each computes the head's attention, then its share of
         the row tiles of W_o's K step for that head."""
         return self.group_ctas or max(1, self.ctas // self.kv_heads)
+
+    @property
+    def out_ksteps(self) -> int:
+        """(fuse_out) W_o's K steps per KV head: its G q heads' G H values over block_k (1 for the
+        1b; tinyllama_1.1b's 8 heads of 64 at block_k 128: 4, each row tile of W_o then takes four
+        ring slots and the heads' outputs four operand slots)."""
+        return max(1, self.groups * self.head_dim // self.block_k) if self.fuse_out else 1
 
     @property
     def grouped(self) -> bool:
@@ -318,10 +326,11 @@ class MegaPlan:
 
     def x_slots(self) -> int:
         """Operand slots a CTA holds at once: the K chunks its units of one phase touch, at most."""
-        if self.one_operand:
-            return 1
+        if self.one_operand:  # (fuse_out: the heads' outputs, one slot per K step of W_o)
+            return self.out_ksteps
         n = max(min(k // self.block_k, -(-self.units(name) // self.ctas) + 1)
                 for name, (_, k) in self.gemvs().items())
+        n = max(n, self.out_ksteps)
         return max(n, self.hidden // self.block_k) if self.fuse_mlp else n  # (fuse_mlp: all of h1)
 
     def smem_bytes(self, profile: bool = False) -> int:
@@ -360,9 +369,9 @@ class MegaPlan:
         if self.norm_prefetch and self.hidden // bk > 2 * self.x_stages:
             raise ValueError(f"norm_prefetch holds all of h in the x and up stages: hidden / block_k = "
                              f"{self.hidden // bk} must be <= 2 * x_stages = {2 * self.x_stages}")
-        if self.fuse_out and (self.attn_splits > 1 or self.out_skips_attn or self.groups * hd != bk):
-            raise ValueError(f"fuse_out needs attn_splits=1, out_skips_attn off and a KV head's q heads to be one K "
-                             f"step of W_o: groups * head_dim = {self.groups * hd} == block_k = {bk}")
+        if self.fuse_out and (self.attn_splits > 1 or self.out_skips_attn or self.groups * hd % bk):
+            raise ValueError(f"fuse_out needs attn_splits=1, out_skips_attn off and a KV head's q heads to be whole K "
+                             f"steps of W_o: groups * head_dim = {self.groups * hd} a multiple of block_k = {bk}")
         if self.group_ctas < 0 or self.group_splits < 0:
             raise ValueError(f"group_ctas and group_splits must be >= 0, got {self.group_ctas}, {self.group_splits}")
         if self.group_splits > 1 and not self.fuse_out:
@@ -928,7 +937,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
 
         def fused_operand(m, l, o):
             """(fuse_out) The G heads' outputs as the output projection's operand: head i's rows
-            (i H.. (i + 1) H, one K step) hold its stream's o (`compact`), normalised (with ppr 2,
+            (i H.. (i + 1) H; out_ksteps operand slots of block_k rows) hold its stream's o (`compact`), normalised (with ppr 2,
             the even positions' stream in column i and the odd ones' in column G + i, each weighted
             for the merge: the product's columns are summed, so no stream is added to another).
             Only 64-row tiles move, which in registers is a renaming; the per-column weights come
@@ -956,7 +965,10 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
                     for par in range(ppr):
                         t = jnp.where(col == i + g_heads * par, o[k * BLOCK_F: (k + 1) * BLOCK_F] * scale, t)
                     tiles.append(t)
-            x_smem.at[0].T[...] = jnp.concatenate(tiles, axis=0).astype(x_smem.dtype)
+            per_slot = bk // BLOCK_F  # (out_ksteps > 1: K step s of the head's rows into operand slot s)
+            for s_ in range(plan.out_ksteps):
+                x_smem.at[s_].T[...] = jnp.concatenate(tiles[s_ * per_slot: (s_ + 1) * per_slot],
+                                                       axis=0).astype(x_smem.dtype)
             plgpu.commit_smem()
 
         def residual_tiles(layer, kvh, member):
@@ -976,19 +988,24 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             last unit, whose last hold_slots tiles' slots are held."""
             t_lo, t_hi = plan.out_tiles(member)
             h1 = plan.region("h1", layer)
+            n_k = plan.out_ksteps  # (ring slots per row tile: W_o's K steps for this KV head)
 
             def tile(t, r):
-                slot = lax.rem(r, plan.stages)
-                plgpu.barrier_wait(w_full.at[slot])
-                y = jnp.sum(product(zero_acc(BLOCK_F), ring.at[slot], x_smem.at[lax.rem(t, 1)]), axis=1)
-                free_unless(slot, last & (t >= t_hi - plan.hold_slots))
+                slots = [lax.rem(r + s_, plan.stages) for s_ in range(n_k)]
+                for slot in slots:
+                    plgpu.barrier_wait(w_full.at[slot])
+                # (a computed index: a constant one reaches run_state's discharge as a bare literal)
+                y = jnp.sum(products([zero_acc(BLOCK_F)], [[(ring.at[slot], x_smem.at[lax.rem(t, 1) + s_])
+                                                             for s_, slot in enumerate(slots)]])[0], axis=1)
+                for s_, slot in enumerate(slots):  # (held: the unit's last hold_slots slots)
+                    free_unless(slot, last & ((t - t_lo) * n_k + s_ >= (t_hi - t_lo) * n_k - plan.hold_slots))
                 plgpu.barrier_wait(res_full.at[t - t_lo])
                 y = y + vec(res.at[pl.ds((t - t_lo) * BLOCK_F, BLOCK_F)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduce has read `part`
                 part[...] = y
                 plgpu.commit_smem()
                 reduce_add(part, vbuf().at[pl.ds(h1 + t * BLOCK_F, BLOCK_F)])
-                return r + 1
+                return r + n_k
 
             return lax.fori_loop(t_lo, t_hi, tile, r)
 
@@ -1250,7 +1267,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         if not fused:
             return r, 0
         t_lo, t_hi = plan.out_tiles(lax.rem(c + (n_mine - 1) * ctas, gs))  # (the last unit's W_o tiles, held)
-        return r, jnp.where(n_mine > 0, jnp.minimum(plan.hold_slots, t_hi - t_lo), 0)
+        return r, jnp.where(n_mine > 0, jnp.minimum(plan.hold_slots, (t_hi - t_lo) * plan.out_ksteps), 0)
 
     def combine(layer):
         """(attn_splits > 1) q heads c, c + C, ...: the splits' partials into the head's output,
@@ -1645,8 +1662,14 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             def out_tiles(u, r):  # (fuse_out) its row tiles of W_o's K step for its KV head
                 kvh, member = u // plan.out_group, lax.rem(u, plan.out_group)
                 t_lo, t_hi = plan.out_tiles(member)
-                steps = plan.gemvs()["out"][1] // bk
-                return lax.fori_loop(t_lo, t_hi, lambda t, r: fetch(wo.at[layer, t * steps + kvh], r), r)
+                steps, n_k = plan.gemvs()["out"][1] // bk, plan.out_ksteps
+
+                def tile(t, r):  # (its n_k K steps: the KV head's q heads' columns of W_o)
+                    for s_ in range(n_k):
+                        r = fetch(wo.at[layer, t * steps + kvh * n_k + s_], r)
+                    return r
+
+                return lax.fori_loop(t_lo, t_hi, tile, r)
 
             units = plan.kv_heads * (plan.out_group if plan.fuse_out else splits)
             n_mine = pl.cdiv(units - c, ctas)
