@@ -1095,7 +1095,7 @@ class Decoder:
 
     # ---------------------------------------------------------------- validation
 
-    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, max_len) -> int:
+    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, max_len, seed=0) -> int:
         """Every error a call can make, raised before anything compiles. Returns max_len."""
         v = self.cfg.vocab_size
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -1122,6 +1122,9 @@ class Decoder:
             raise ValueError(f"top_k={top_k} must be in [1, vocab_size={v}]")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p={top_p} must be in (0, 1]")
+        # (JAX's key(seed) keeps a seed's low 32 bits: 2**32 would draw what 0 draws, -1 what 2**32 - 1 does)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
         if max_len is None:
             max_len = _round_up(longest + max_new_tokens, LEN_BUCKET)
         if longest > max_len:
@@ -1145,7 +1148,7 @@ class Decoder:
     ) -> Iterator[list[tuple[int, list[int], list[float]]]]:
         """Yields, as they are produced, lists of (row, new tokens, their log-probs)."""
         max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p,
-                              max_len if max_len is not None else self.max_len)
+                              max_len if max_len is not None else self.max_len, seed)
         cfg = self.cfg
         n_rows = len(prompts)
         b = self.bucket(n_rows)

@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, 0..2**32-1 (the same seed, the same tokens)")
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")

@@ -175,6 +175,10 @@ def test_generate_api_and_errors(model, decoder, monkeypatch):
         decoder.generate([[1]], 0)
     with pytest.raises(ValueError, match="top_p"):
         decoder.generate([[1]], 2, temperature=1.0, top_p=0.0)
+    # (JAX would keep a seed's low 32 bits: 2**32 would silently draw seed 0's tokens)
+    for seed in (-1, 2**32, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed=.* must be an int in \[0, 2\*\*32\)"):
+            decoder.generate([[1]], 2, temperature=1.0, seed=seed)
     with pytest.raises(ValueError, match="longer than the cache"):
         decode.generate(model, [list(range(1, 20))], 2, max_len=8)
 

@@ -107,10 +107,12 @@ def test_lowers_at_the_benchmarked_shapes_with_every_option(preset, block_k, fus
         monkeypatch.undo()
         if preset == "1b":
             assert plan.fuse_mlp and plan.stages == (6 if fuse == 384 else 5) and plan.grouped == (fuse == 2304)
-        # (tinyllama: 16 x stages, 8 attention splits; the 350m: 33 CTAs per KV head's group, of which
+        # (tinyllama: 16 x stages, attention fused with W_o over 4 of its K steps, the positions split
+        # within its groups of 33; the 350m: 33 CTAs per KV head's group, of which
         # 16 split its positions, as many partials as one TMA copy of their m and l holds; the 125m's
         # plan is 1.7 KiB below the shared-memory limit)
         assert plan.block_k == block_k and (preset != "350m" or (plan.out_group, plan.group_splits) == (33, 16))
+        assert preset != "tinyllama_1.1b" or (plan.out_ksteps, plan.out_group, plan.group_splits) == (4, 33, 16)
     else:
         plan = mk.plan_for(cfg, 384, ctas=132, norm_prefetch=True, block_k=block_k, attn_splits=2, hold_slots=1)
     plan.check()
