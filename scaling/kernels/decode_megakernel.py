@@ -936,8 +936,9 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             return jnp.concatenate([t for o_ in os_ for t in (zero, o_)], axis=0)
 
         def fused_operand(m, l, o):
-            """(fuse_out) The G heads' outputs as the output projection's operand: head i's rows
-            (i H.. (i + 1) H; out_ksteps operand slots of block_k rows) hold its stream's o (`compact`), normalised (with ppr 2,
+            """(fuse_out) The G heads' outputs as the output projection's operand (block_k rows
+            per operand slot, `out_ksteps` slots): head i's rows i H.. (i + 1) H hold its stream's o
+            (`compact`), normalised (with ppr 2,
             the even positions' stream in column i and the odd ones' in column G + i, each weighted
             for the merge: the product's columns are summed, so no stream is added to another).
             Only 64-row tiles move, which in registers is a renaming; the per-column weights come
@@ -985,7 +986,7 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
         def fused_out(layer, kvh, member, r, last):
             """(fuse_out) fused_operand's operand times the member's row tiles of W_o's K step kvh,
             each reduce-added into h1 (plus the residual: the group of KV head 0); last: the CTA's
-            last unit, whose last hold_slots tiles' slots are held."""
+            last unit, whose last hold_slots ring slots are held."""
             t_lo, t_hi = plan.out_tiles(member)
             h1 = plan.region("h1", layer)
             n_k = plan.out_ksteps  # (ring slots per row tile: W_o's K steps for this KV head)
