@@ -1,6 +1,9 @@
 """Simulate 8 CPU devices; must run before jax is imported anywhere."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -10,6 +13,19 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # unchanged) cut the suite from 14.5 to 10.9 minutes on 2 cores (thirteenth session).
     # Subprocesses the tests start inherit it. GPU runs (JAX_PLATFORMS=cuda) keep full optimization.
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # Many tests compile the same programs (the same tiny models, kernels in interpret mode,
+    # training children): one persistent compilation cache for the whole run lets each compile
+    # once. pytest loads this file before xdist starts its workers, so the workers and the
+    # subprocesses the tests start inherit the directory; only the process that made it removes
+    # it. A fresh directory per run, so nothing stale is ever read. (An interrupted concurrent
+    # write reads as a warning and a recompile in jax, not an error.)
+    _cache_dir = tempfile.mkdtemp(prefix="scaling-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
