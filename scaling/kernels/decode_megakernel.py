@@ -1880,6 +1880,7 @@ def _launch(ids, x_table, rope_rows, weights: dict, cache, *, plan: MegaPlan, in
 # ----------------------------------------------------------------------------------- reference
 
 
+@functools.partial(jax.jit, static_argnames=("plan", "hidden"))
 def megakernel_reference(x, rope, pos, rows: dict, cache, *, plan: MegaPlan, hidden: bool = False):
     """megakernel_step in pure jnp with the kernel's rounding points: x of every projection
     rounded to bf16, f32 products and sums, q (scaled) and p rounded to bf16 for the tensor cores.
