@@ -32,6 +32,11 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Interpret-mode kernels make an io_callback of every memory operation; see _fast_io_callback.py
+from _fast_io_callback import install as _install_fast_io_callback  # noqa: E402
+
+FAST_IO_CALLBACK = _install_fast_io_callback()
+
 
 @pytest.fixture(scope="session")
 def devices():
