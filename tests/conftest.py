@@ -37,6 +37,12 @@ from _fast_io_callback import install as _install_fast_io_callback  # noqa: E402
 
 FAST_IO_CALLBACK = _install_fast_io_callback()
 
+# The Hopper lowering tests: one pure check of Mosaic GPU's layout inference asked thousands of
+# times per kernel; see _memo_mosaic_transfers.py
+from _memo_mosaic_transfers import install as _install_mosaic_transfer_memo  # noqa: E402
+
+MEMO_MOSAIC_TRANSFERS = _install_mosaic_transfer_memo()
+
 
 @pytest.fixture(scope="session")
 def devices():
