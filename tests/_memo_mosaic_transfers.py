@@ -6,17 +6,19 @@ time in Mosaic GPU's layout inference, and a third of that in
 whether a register layout can be stored to (or loaded from) a shared-memory ref of some tiling,
 jax 0.11.2 builds a throwaway function and plans the whole transfer in MLIR to find out. The
 answer depends only on the constraint's shape, strides, bit width and transfer kind and on the
-two layouts, and the solver asks the same questions thousands of times per kernel: ~40 of the
-suite's ~1,700 CPU-seconds (py-spy over `./scripts/run test`, fortieth session).
+two layouts, and the solver asks the same questions thousands of times per kernel: ~40
+CPU-seconds of the suite, ~2% (py-spy over `./scripts/run test`, thirty-ninth session); the
+suite's wall time went from 857 to 832 s with it (fortieth session).
 
 `install()` wraps the method in a dictionary keyed on exactly those inputs. 8-bit transfers are
 not memoized (their answer also depends on the target's architecture). Installed only for the jax
 it was written against, with the method's signature checked; SCALING_TESTS_PLAIN_MOSAIC=1 turns
-it off.
+it off. `plain()` lowers without it for a while (tests/test_speedups.py compares the two).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -24,6 +26,8 @@ import os
 import jax
 
 _WRITTEN_FOR = "0.11.2"
+MEMO: dict = {}  # (shape, strides, bitwidth, transfer kind, smem transforms, register layout) -> answer
+_ORIGINAL = None
 
 
 def install() -> bool:
@@ -33,11 +37,12 @@ def install() -> bool:
         from jax.experimental.mosaic.gpu import constraints
     except ImportError:  # a jaxlib without Mosaic GPU: nothing to speed up
         return False
+    global _ORIGINAL
     cls = constraints.IsTransferableSmemRegisters
     original = cls._is_supported_smem_transfer
     if list(inspect.signature(original).parameters) != ["self", "smem_layout", "reg_layout"]:
         return False
-    memo: dict = {}
+    memo = MEMO
 
     @functools.wraps(original)
     def memoized(self, smem_layout, reg_layout):
@@ -54,4 +59,22 @@ def install() -> bool:
         return answer
 
     cls._is_supported_smem_transfer = memoized
+    _ORIGINAL = original
     return True
+
+
+@contextlib.contextmanager
+def plain():
+    """Mosaic GPU's own check, unmemoized, inside the block (a no-op where install() did nothing)."""
+    if _ORIGINAL is None:
+        yield
+        return
+    from jax.experimental.mosaic.gpu import constraints
+
+    cls = constraints.IsTransferableSmemRegisters
+    memoized = cls._is_supported_smem_transfer
+    cls._is_supported_smem_transfer = _ORIGINAL
+    try:
+        yield
+    finally:
+        cls._is_supported_smem_transfer = memoized
