@@ -5,8 +5,11 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import _fast_io_callback as fast_io
 import _memo_mosaic_transfers as memo_mosaic
 from scaling.kernels import decode_tma as t
 
@@ -40,3 +43,28 @@ def test_memoized_layout_inference_lowers_the_same_module(monkeypatch):
         return re.sub(r'kernel_hash = "[^"]*"', "kernel_hash", re.sub(r"anonymous_\d+", "anonymous", text))
 
     assert same_names(texts[0]) == same_names(texts[1])
+
+
+def test_interpreter_callbacks_on_numpy_compute_the_same_kernel():
+    """A Mosaic GPU kernel in interpret mode (the TMA gate/up + SwiGLU: two CTAs, a ring of TMA
+    copies, barriers, wgmma, race detection on) run with jax's own io_callback and with the
+    interpreter's callbacks handed numpy copies: the same bits out, and the numpy path was taken."""
+    if fast_io._ORIGINAL is None:
+        pytest.skip("the fast io_callback is not installed (another jax, or SCALING_TESTS_PLAIN_IO_CALLBACK=1)")
+    rng = np.random.default_rng(0)
+    x8 = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 512)) * 0.05, jnp.bfloat16)
+    blocks = t.TmaBlocks(block_f=64, block_k=128, stages=2)
+
+    def run():
+        return np.asarray(t.gate_up_swiglu_tma(x8, None, w, blocks=blocks, norm_eps=1e-5,
+                                               interpret=plgpu.InterpretGPUParams(detect_races=True)))
+
+    before = fast_io.NUMPY_CALLS[0]
+    with fast_io.plain():
+        want = run()
+    assert fast_io.NUMPY_CALLS[0] == before  # plain() bypassed it
+    got = run()
+    assert fast_io.NUMPY_CALLS[0] > before + 50  # every load, store, copy and barrier of the kernel
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(got, want)
