@@ -21,7 +21,7 @@ and is widened here to numpy integers (int() of them, the value .item() gives). 
 the callback may keep what it is handed (a stored value, a thread's constants), and XLA may reuse
 its buffer once the callback returns. That took the callbacks' argument handling (the transfer,
 .item() and indexing of jax Arrays) out of the run: test_decode_megakernel.py alone from 198 to
-172 s on one core (forty-second session).
+172 s in one pytest process (-n0; forty-second session).
 `plain()` runs jax's own io_callback_impl for a while (tests/test_speedups.py compares the two).
 """
 
