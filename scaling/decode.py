@@ -1154,9 +1154,17 @@ class Decoder:
         max_len: int | None = None,
         timing: dict | None = None,
     ) -> Iterator[list[tuple[int, list[int], list[float]]]]:
-        """Yields, as they are produced, lists of (row, new tokens, their log-probs)."""
+        """Yields, as they are produced, lists of (row, new tokens, their log-probs).
+
+        Bad arguments raise here, at the call, not at the first item (a caller may print the
+        prompt between the two)."""
         max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p,
                               max_len if max_len is not None else self.max_len, seed)
+        return self._stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop_tokens=stop_tokens, max_len=max_len, timing=timing)
+
+    def _stream(self, prompts, max_new_tokens, *, temperature, top_k, top_p, seed, stop_tokens, max_len, timing):
+        """stream's generator, for arguments _check has passed (max_len resolved)."""
         cfg = self.cfg
         n_rows = len(prompts)
         b = self.bucket(n_rows)

@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             new: list[int] = []
             shown = ""
+            items_stream = dec.stream(prompts, args.max_new_tokens, **kw)  # (bad arguments raise here)
             sys.stdout.write(args.prompt[0])
-            for items in dec.stream(prompts, args.max_new_tokens, **kw):
+            for items in items_stream:
                 for _, toks, _ in items:
                     new += toks
                 text = tok.decode([t for t in new if t not in stop])

@@ -181,6 +181,9 @@ def test_generate_api_and_errors(model, decoder, monkeypatch):
             decoder.generate([[1]], 2, temperature=1.0, seed=seed)
     with pytest.raises(ValueError, match="longer than the cache"):
         decode.generate(model, [list(range(1, 20))], 2, max_len=8)
+    # stream validates at the call, before the caller has its generator (the CLI prints the prompt then)
+    with pytest.raises(ValueError, match="top_p"):
+        decoder.stream([[1]], 2, temperature=1.0, top_p=1.5)
 
 
 # ------------------------------------------------------------------------------ kernel
@@ -327,6 +330,10 @@ def test_cli_hf_directory_streams_text(tmp_path, capsys):
     assert "sampler must be one of ('auto', 'xla', 'pallas'), got 'sort'" in capsys.readouterr().err
     assert main(args + ["--prefill-tokens", "0"]) == 2
     assert "prefill_tokens must be an int >= 1, got 0" in capsys.readouterr().err
+    # one prompt streams, but a bad argument is reported before the prompt is echoed
+    assert main(["--checkpoint", str(d), "--prompt", "hello", "--temperature", "1", "--top-p", "1.5"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "top_p=1.5 must be in (0, 1]" in out.err
 
 
 def test_cli_run_directory(tmp_path, capsys):
