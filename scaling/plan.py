@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import sys
 
 from scaling import accounting as acc
 from scaling.config import Config, RematPolicyName
@@ -193,10 +194,17 @@ def main(argv: list[str]) -> int:
         p.add_argument("--top", type=int, default=10)
 
     args, cfg = _config_args(argv, "plan", extra)
-    hw = get_hardware(args.hardware)
+    try:
+        hw = get_hardware(args.hardware)
+    except ValueError as e:
+        print(f"error: --hardware: {e}", file=sys.stderr)
+        return 2
+    if args.devices is not None and args.devices < 1:
+        print(f"error: --devices must be >= 1, got {args.devices}", file=sys.stderr)
+        return 2
     mc = cfg.mesh
     fixed = [s for s in (mc.data, mc.fsdp, mc.tensor) if s != -1]
-    devices = args.devices or (8 if -1 in (mc.data, mc.fsdp, mc.tensor) else max(1, fixed[0] * fixed[1] * fixed[2]))
+    devices = args.devices if args.devices is not None else (8 if -1 in (mc.data, mc.fsdp, mc.tensor) else max(1, fixed[0] * fixed[1] * fixed[2]))
     if mc.rules not in RULE_SETS:
         raise SystemExit(f"unknown rule set {mc.rules!r}")
     try:

@@ -259,6 +259,12 @@ def validate_spec(spec: SweepSpec) -> None:
     e = spec.estimate
     require(e.mfu > 0, "estimate.mfu", f"must be positive, got {e.mfu}")
     require(e.tokens_per_sec is None or e.tokens_per_sec > 0, "estimate.tokens_per_sec", f"must be positive, got {e.tokens_per_sec}")
+    from scaling.hardware import get_hardware  # (imports jax; no backend, no device memory)
+
+    try:
+        get_hardware(e.hardware)
+    except ValueError as err:
+        require(False, "estimate.hardware", str(err))
     for pattern, delta in spec.point_overrides.items():
         require(isinstance(delta, Mapping), f"point_overrides.{pattern}", f"must be a mapping of config deltas, got {delta!r}")
 

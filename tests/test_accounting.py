@@ -165,3 +165,11 @@ def test_plan_prints_roofline_and_calibrated_time(capsys):
                       "--train.seq_len=2048", "--remat.policy=dots"]) == 0
     out = capsys.readouterr().out
     assert "roofline per step" in out and "calibrated step time" in out and "<- peak" in out
+
+
+def test_plan_cli_errors_name_the_flag(capsys):
+    cfg = str(PRESETS[0].parent / "1b.yaml")
+    assert plan.main(["--config", cfg, "--hardware", "h300"]) == 2
+    assert "--hardware: unknown hardware 'h300'; allowed: h100, h200, a100" in capsys.readouterr().err
+    assert plan.main(["--config", cfg, "--devices", "0"]) == 2  # (0 had meant the default, 8)
+    assert "--devices must be >= 1, got 0" in capsys.readouterr().err

@@ -75,6 +75,7 @@ def test_gpu_spec_is_three_budgets_by_five_sizes():
         ({"hparams": {"learning_rate": {"base": -1.0}}}, "hparams.learning_rate"),
         ({"hparams": {"batch_size": {"base": 8, "of": "width"}}}, "hparams.batch_size.of"),
         ({"hparams": {"warmup_fraction": 1.5}}, "hparams.warmup_fraction"),
+        ({"estimate": {"hardware": "h300"}}, "estimate.hardware: unknown hardware 'h300'; allowed: h100, h200"),
     ],
 )
 def test_spec_errors_name_the_key(delta, match):
