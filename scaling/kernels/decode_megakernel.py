@@ -180,6 +180,7 @@ class MegaPlan:
     # evict_last cache policy (inline PTX), so that the streamed tiles are evicted before them
     l2_prefetch: int = 0
     l2_policy: str = "normal"
+    l2_after_heads: bool = False  # (l2_prefetch) issued once the producer has issued attention's tiles
 
     @property
     def out_group(self) -> int:
@@ -1725,9 +1726,11 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
 
             def layer(l, r):
                 r = stream("qkv", l, r)
-                if plan.l2_prefetch:
+                if plan.l2_prefetch and not plan.l2_after_heads:
                     l2_prefetch(l)
                 r = heads(l, r, pos)
+                if plan.l2_prefetch and plan.l2_after_heads:
+                    l2_prefetch(l)
                 if not plan.fuse_out:
                     r = stream("out", l, r)
                 if plan.fuse_mlp:
