@@ -279,13 +279,7 @@ VARIANTS = {"base": {}, "norm_prefetch": {"norm_prefetch": True}, "splits2": {"a
             "ctas128": {"ctas": 128},
             # (--decoder-plan: the plan the decoder runs a long cache's first steps on, those that attend
             # at most decode.MEGAKERNEL_SHORT_REACH positions; no fields of its own, see `variant_base`)
-            "short": {},
-            # (experiment, thirty-eighth session: MegaPlan.l2_prefetch) n of the MLP's units beyond the
-            # ring prefetched into L2 as the producer reaches attention, by TMA or with evict_last
-            **{f"l2pf{n}": {"l2_prefetch": n} for n in (2, 4, 8)},
-            **{f"l2el{n}": {"l2_prefetch": n, "l2_policy": "evict_last"} for n in (2, 4, 8)},
-            **{f"l2late{n}": {"l2_prefetch": n, "l2_after_heads": True} for n in (2, 4)},
-            **{f"l2ellate{n}": {"l2_prefetch": n, "l2_policy": "evict_last", "l2_after_heads": True} for n in (2, 4)}}
+            "short": {}}
 
 
 def variant_base(plan: mk.MegaPlan, variant: str, short: mk.MegaPlan | None) -> mk.MegaPlan:

@@ -83,7 +83,6 @@ NO_ROW = 2.0**30  # (loop's argmax) no row: larger than every row number, exact 
 SMEM_BYTES = 232448  # shared memory per CTA on sm_90 (227 KiB)
 MOSAIC_RESERVED = 2048  # Mosaic GPU's own reduction scratch, beyond the kernel's buffers (MegaPlan.smem_bytes)
 MAX_GATHERED = 16  # (grouped) partials a member gathers: their m and l, 2 * ROWS floats each, in one TMA copy of <= 256
-L2_POLICIES = ("normal", "evict_last")  # (MegaPlan.l2_policy)
 NEG = -1e30  # a masked score: exp(NEG - m) is 0 for any real m, and NEG - NEG is no NaN
 PROFILE_EVENTS = 512  # profiled regions per warpgroup (a 32-layer step records ~390 per consumer)
 PROFILE_BYTES = 2 * 16 * PROFILE_EVENTS  # the profiler's buffer: 4 i32 per region, two warpgroups
@@ -173,14 +172,6 @@ class MegaPlan:
     # caches, where each member would otherwise read all of its head's tiles one after another,
     # without the two extra grid barriers of attn_splits' combine phase
     group_splits: int = 0
-    # (fuse_mlp; experiment, thirty-eighth session) this many of a CTA's gate/up units beyond its
-    # ring's depth prefetched into L2 when its producer reaches the attention phase, where HBM idles
-    # while the rings are full. l2_policy "normal": TMA prefetches (the eighteenth and nineteenth
-    # sessions: slower, the lines evicted before use); "evict_last": bulk prefetches with an L2
-    # evict_last cache policy (inline PTX), so that the streamed tiles are evicted before them
-    l2_prefetch: int = 0
-    l2_policy: str = "normal"
-    l2_after_heads: bool = False  # (l2_prefetch) issued once the producer has issued attention's tiles
 
     @property
     def out_group(self) -> int:
@@ -411,11 +402,6 @@ class MegaPlan:
             raise ValueError("down_rotate orders the fused MLP's down units: it needs fuse_mlp")
         if not 0 <= self.hold_slots <= self.stages:
             raise ValueError(f"hold_slots must be 0..stages={self.stages}, got {self.hold_slots}")
-        if self.l2_prefetch and not (self.fuse_mlp and 0 < self.l2_prefetch <= 2 * (self.hidden // bk) - self.stages):
-            raise ValueError(f"l2_prefetch needs fuse_mlp and at most the slice's gate/up units beyond the ring: "
-                             f"0..{2 * (self.hidden // bk) - self.stages}, got {self.l2_prefetch}")
-        if self.l2_policy not in L2_POLICIES:
-            raise ValueError(f"l2_policy must be one of {L2_POLICIES}, got {self.l2_policy!r}")
         if self.out_skips_attn and self.attn_ctas >= self.ctas:
             raise ValueError(f"out_skips_attn needs CTAs beyond the {self.attn_ctas} that run attention, got "
                              f"ctas={self.ctas}")
@@ -1709,28 +1695,12 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
 
             return lax.fori_loop(0, pl.cdiv(n_f - c, ctas), lambda k, r: slice_(c + k * ctas, r), r)
 
-        def l2_prefetch(layer):  # (the slice's gate/up units at places stages.. of its order: gate j, up j, ...)
-            steps, n_f = plan.hidden // bk, plan.mlp // BLOCK_F
-
-            @pl.when(c < n_f)
-            def _():
-                for p in range(plan.stages, plan.stages + plan.l2_prefetch):
-                    src = wgu.at[layer, (c + (n_f if p % 2 else 0)) * steps + p // 2]
-                    if plan.l2_policy == "normal":
-                        plgpu.async_prefetch(src)
-                    elif not interpret:  # (a hint: the interpreter has no L2)
-                        _l2_prefetch_evict_last(src)
-
         def step(s, r):
             pos = jnp.minimum(pos0 + s, plan.max_len - 1) if loop else pos0
 
             def layer(l, r):
                 r = stream("qkv", l, r)
-                if plan.l2_prefetch and not plan.l2_after_heads:
-                    l2_prefetch(l)
                 r = heads(l, r, pos)
-                if plan.l2_prefetch and plan.l2_after_heads:
-                    l2_prefetch(l)
                 if not plan.fuse_out:
                     r = stream("out", l, r)
                 if plan.fuse_mlp:
@@ -1749,28 +1719,6 @@ def _body(x_ref, rope_ref, pos_ref, wqkv, wo, wgu, wd, wh, cache, buf_all, xchg_
             @pl.when(r - plan.stages + i >= 0)
             def _():
                 plgpu.barrier_wait(free.at[lax.rem(r - plan.stages + i, plan.stages)])
-
-
-def _l2_prefetch_evict_last(src):
-    """Prefetch a contiguous GMEM ref into L2 with an evict_last cache policy, from one thread of
-    the warpgroup (cp.async.bulk.prefetch.L2, sm_90; Pallas's async_prefetch takes no cache hint)."""
-    from jax._src.lib.mlir import ir
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    nbytes = math.prod(src.shape) * jnp.dtype(src.dtype).itemsize
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def _(ctx, ref):
-        del ctx
-        ptr = mgpu_utils.memref_ptr(ref)
-        size = mgpu_utils.c(nbytes, ir.IntegerType.get_signless(32))
-        with mgpu_utils.single_thread(mgpu_utils.ThreadSubset.WARPGROUP):
-            mgpu_utils.inline_ptx(
-                "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, pol; }", ptr, size)
-
-    _(src)
 
 
 def megakernel_step(x, rope, pos, weights: dict, cache, *, plan: MegaPlan, interpret: bool = False,
