@@ -204,7 +204,10 @@ def main(argv: list[str]) -> int:
         return 2
     mc = cfg.mesh
     fixed = [s for s in (mc.data, mc.fsdp, mc.tensor) if s != -1]
-    devices = args.devices if args.devices is not None else (8 if -1 in (mc.data, mc.fsdp, mc.tensor) else max(1, fixed[0] * fixed[1] * fixed[2]))
+    if args.devices is not None:
+        devices = args.devices
+    else:  # (8 where an axis takes the rest, else what the fixed axes multiply to)
+        devices = 8 if -1 in (mc.data, mc.fsdp, mc.tensor) else max(1, fixed[0] * fixed[1] * fixed[2])
     if mc.rules not in RULE_SETS:
         raise SystemExit(f"unknown rule set {mc.rules!r}")
     try:
