@@ -115,3 +115,80 @@ def test_save_loads_in_transformers(tmp_path):
     with torch.no_grad():
         want = theirs(torch.from_numpy(tokens).long()).logits.numpy()
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), want, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------- tokenizer
+
+TEXTS = ["def main(argv):\n    return 0\n", "héllo wörld ✓ 日本語", "  tabs\tand  spaces  ", "", "x" * 40]
+
+
+def _tiny_model(vocab_size):
+    from flax import nnx
+
+    from scaling.config import ModelConfig
+    from scaling.model import Transformer
+
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48,
+                      max_seq_len=64, param_dtype="float32", compute_dtype="float32")
+    return cfg, Transformer(cfg, rngs=nnx.Rngs(params=0))
+
+
+def test_byte_tokenizer_as_hf_matches_ours():
+    """The HF file written for the byte tokenizer against our pure-Python UTF-8 tokenizer."""
+    from scaling.data import ByteTokenizer
+
+    ours, theirs = ByteTokenizer(), hf.byte_tokenizer_as_hf()
+    rng = np.random.default_rng(0)
+    texts = TEXTS + ["".join(chr(c) for c in rng.integers(0, 0x3000, size=50)) for _ in range(20)]
+    for text in texts:
+        assert theirs.encode(text).ids == ours.encode(text) == list(text.encode("utf-8"))
+    for _ in range(50):  # any byte sequence, invalid UTF-8 and the EOS id included
+        ids = [int(i) for i in rng.integers(0, 257, size=int(rng.integers(1, 30)))]
+        assert theirs.decode(ids) == ours.decode(ids)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_save_with_tokenizer_is_a_generate_ready_directory(tmp_path, kind):
+    """save(..., tokenizer=run's tokenizer.json) -> the generate CLI's loader reads the model, the
+    same token ids and the EOS stop token back."""
+    from scaling.data import BPETokenizer, ByteTokenizer
+    from scaling.generate_cli import load_any
+
+    tok = BPETokenizer.train(TEXTS * 3 + ["the quick brown fox jumps over the lazy dog"] * 5, 300) if kind == "bpe" \
+        else ByteTokenizer()
+    tok_file = tmp_path / "tokenizer.json"
+    tok.save(tok_file)
+    cfg, model = _tiny_model(tok.vocab_size + 3)
+    out = hf.save(cfg, model, tmp_path / "hf", tokenizer=tok_file)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.eos_id
+    model2, tok2, stops = load_any(out)
+    assert stops == [tok.eos_id]
+    for text in TEXTS + ["the lazy fox"]:
+        ids = tok.encode(text)
+        assert tok2.encode(text) == ids
+        assert tok2.decode(ids + [tok.eos_id]) == tok.decode(ids + [tok.eos_id])
+    tokens = jnp.asarray([tok.encode("the quick brown fox")], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model2(tokens)), np.asarray(model(tokens)))
+
+
+def test_save_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    from scaling.data import ByteTokenizer
+
+    cfg, model = _tiny_model(200)
+    with pytest.raises(ValueError, match="257 tokens.*vocab_size 200"):
+        hf.save(cfg, model, tmp_path / "hf", tokenizer=ByteTokenizer())
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
+
+
+def test_saved_tokenizer_loads_in_transformers(tmp_path):
+    """AutoTokenizer on our saved directory: the same ids and EOS (only where transformers exists)."""
+    transformers = pytest.importorskip("transformers")
+    from scaling.data import BPETokenizer
+
+    tok = BPETokenizer.train(TEXTS * 3, 280)
+    cfg, model = _tiny_model(tok.vocab_size)
+    out = hf.save(cfg, model, tmp_path, tokenizer=tok)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs.eos_token_id == tok.eos_id and theirs.bos_token_id is None
+    for text in TEXTS:
+        assert theirs(text)["input_ids"] == tok.encode(text)

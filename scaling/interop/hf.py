@@ -301,12 +301,21 @@ def params_to_hf(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def save(model_config: ModelConfig, model: Transformer, path: str | os.PathLike, *, dtype=None) -> Path:
+def save(model_config: ModelConfig, model: Transformer, path: str | os.PathLike, *, dtype=None,
+         tokenizer=None) -> Path:
     """Write config.json + model.safetensors (transformers' LlamaForCausalLM loads them).
 
     dtype: the dtype of the written weights; None keeps the model's parameter dtype.
+    tokenizer: None, or one of our tokenizers (`scaling.data.BPETokenizer` / `ByteTokenizer`) or
+    the path of a run's `tokenizer.json`: written with `save_tokenizer`, so the directory is a
+    whole model transformers' AutoTokenizer and our `generate` CLI can use.
     """
     path = Path(path)
+    if tokenizer is not None:
+        tokenizer = _as_tokenizer(tokenizer)
+        if tokenizer.vocab_size > model_config.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                             f"vocab_size {model_config.vocab_size}")
     path.mkdir(parents=True, exist_ok=True)
     params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     dt = np.dtype(dtype) if dtype is not None else np.asarray(jax.tree.leaves(params)[0]).dtype
@@ -314,8 +323,91 @@ def save(model_config: ModelConfig, model: Transformer, path: str | os.PathLike,
     if dt not in names:
         raise ValueError(f"cannot save weights as {dt}")
     tensors = {k: np.ascontiguousarray(np.asarray(v).astype(dt)) for k, v in params_to_hf(model_config, params).items()}
-    (path / "config.json").write_text(json.dumps(config_to_hf(model_config, names[dt]), indent=2) + "\n")
+    hf_config = config_to_hf(model_config, names[dt])
+    if tokenizer is not None:
+        hf_config["eos_token_id"] = int(tokenizer.eos_id)
+        save_tokenizer(tokenizer, path, model_max_length=model_config.max_seq_len)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_safetensors(path / "model.safetensors", tensors)
+    return path
+
+
+# ------------------------------------------------------------------------- tokenizer
+
+
+def _as_tokenizer(tokenizer):
+    from scaling.data import load_tokenizer
+
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return load_tokenizer(Path(tokenizer))
+    if not hasattr(tokenizer, "eos_id") or not hasattr(tokenizer, "vocab_size"):
+        raise TypeError(f"tokenizer: expected a scaling.data tokenizer or a tokenizer.json path, got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as one printable character (bytes that print as
+    themselves keep their code point; the rest map to 256, 257, ... in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer_as_hf():
+    """Our ByteTokenizer (ids = UTF-8 byte values, EOS = 256) as a HF `tokenizers.Tokenizer`:
+    a byte-level BPE without merges whose vocabulary puts each byte at its own value."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from scaling.data import BPETokenizer, ByteTokenizer
+
+    vocab = {ch: b for b, ch in _byte_to_char().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BPETokenizer.EOS, special=True)])
+    assert tok.token_to_id(BPETokenizer.EOS) == ByteTokenizer.eos_id
+    return tok
+
+
+def save_tokenizer(tokenizer, path: str | os.PathLike, *, model_max_length: int | None = None) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json for HF tools.
+
+    tokenizer: one of our tokenizers or a run's tokenizer.json path. A BPE tokenizer's file is
+    already HF's format; the byte tokenizer is written as an equivalent byte-level BPE
+    (`byte_tokenizer_as_hf`). Our models train without BOS, with `<|eos|>` between documents,
+    which is also the stop token and (for batched HF generation) the pad token.
+    """
+    from scaling.data import BPETokenizer, ByteTokenizer
+
+    tokenizer = _as_tokenizer(tokenizer)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if isinstance(tokenizer, ByteTokenizer):
+        hf_tok = byte_tokenizer_as_hf()
+    elif isinstance(tokenizer, BPETokenizer):
+        hf_tok = tokenizer.tok
+    else:
+        raise TypeError(f"tokenizer: cannot write a {type(tokenizer).__name__} in HF's format")
+    hf_tok.save(str(path / "tokenizer.json"))
+    eos = int(tokenizer.eos_id)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": BPETokenizer.EOS,
+        "pad_token": BPETokenizer.EOS,
+        "bos_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    if model_max_length is not None:
+        config["model_max_length"] = int(model_max_length)
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"eos_token_id": eos, "pad_token_id": eos}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return path
 
 
