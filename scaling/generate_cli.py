@@ -42,6 +42,15 @@ def _hf_stop_ids(d: Path) -> list[int]:
     return sorted(set(ids))
 
 
+def continuation(tok, prompt: list[int], new: list[int]) -> str:
+    """The text `new` adds after `prompt`. Decoded together with the prompt and cut after the
+    prompt's text, because decoders treat a sequence's first token specially (SentencePiece's
+    Metaspace, as in Llama 2's tokenizer, drops its leading space: "Hello" + "world")."""
+    head = tok.decode(prompt)
+    text = tok.decode(list(prompt) + list(new))
+    return text[len(head):] if text.startswith(head) else tok.decode(new)
+
+
 def load_hf_dir(d: Path):
     from scaling.interop import hf
 
@@ -145,14 +154,14 @@ def main(argv: list[str] | None = None) -> int:
             for items in items_stream:
                 for _, toks, _ in items:
                     new += toks
-                text = tok.decode([t for t in new if t not in stop])
+                text = continuation(tok, prompts[0], [t for t in new if t not in stop])
                 # Hold back a trailing partial UTF-8 character until its remaining bytes arrive.
                 ready = text[: len(text) - 1] if text.endswith("\ufffd") else text
                 if ready.startswith(shown):
                     sys.stdout.write(ready[len(shown):])
                     shown = ready
                 sys.stdout.flush()
-            text = tok.decode([t for t in new if t not in stop])
+            text = continuation(tok, prompts[0], [t for t in new if t not in stop])
             sys.stdout.write(text[len(shown):] + "\n")
             dt = time.perf_counter() - t0
             ran = dec._step_layers(dec.bucket(1)).value
@@ -161,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         else:
             out = dec.generate(prompts, args.max_new_tokens, **kw)
-            for text, toks in zip(args.prompt, out.tokens):
+            for text, ids, toks in zip(args.prompt, prompts, out.tokens):
                 print(f"=== {text!r}")
-                print(text + tok.decode([t for t in toks if t not in stop]))
+                print(text + continuation(tok, ids, [t for t in toks if t not in stop]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -412,3 +412,35 @@ def test_first_tokens_call_lays_out_the_cache_and_reduces_done(mk_ppr):
         np.testing.assert_array_equal(np.asarray(state["cache"]["kv"], np.float32), np.asarray(want_kv, np.float32))
     else:  # (the caller keeps the prefill's cache: no copy of it)
         assert "cache" not in state
+
+
+def test_cli_keeps_the_space_a_sentencepiece_decoder_drops(tmp_path, capsys):
+    """A Llama-2-style tokenizer (Metaspace: each word carries its leading '▁', and decoding a
+    sequence drops the first one's space): the CLI prints the prompt, then the new tokens as they
+    read after it, which the decoder gives only when it sees them after the prompt."""
+    import shutil
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from scaling.generate_cli import main
+    from scaling.interop import hf
+
+    d = tmp_path / "hf"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "hf_tiny" / "plain", d)
+    vocab = {"<unk>": 0, **{f"▁w{i}": i for i in range(1, 256)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.save(str(d / "tokenizer.json"))
+    prompt = tok.encode("w3 w17").ids
+    assert prompt == [3, 17] and tok.decode([5, 6]) == "w5 w6"  # the decoder drops the first space
+    _, model = hf.load(d)
+    for prompts in (["w3 w17"], ["w3 w17", "w9"]):  # streamed, and a batch printed at the end
+        new = decode.generate(model, [tok.encode(p).ids for p in prompts], 6)
+        args = ["--checkpoint", str(d), "--max-new-tokens", "6", "--no-stop"]
+        assert main(args + [a for p in prompts for a in ("--prompt", p)]) == 0
+        out = capsys.readouterr().out
+        for p, toks in zip(prompts, new):
+            want = p + "".join(f" w{t}" for t in toks)  # every new word after a space
+            assert want + "\n" in out
