@@ -119,16 +119,20 @@ class MeshShape:
     def rule_set(self) -> RuleSet:
         return get_rule_set(self.rules)
 
-    def shards(self, names: Sequence[str | None], mapping: Mapping[str, tuple[str, ...]]) -> list[int]:
-        """Per dimension, how many ways it is split (a mesh axis used at most once per spec,
+    def dim_axes(self, names: Sequence[str | None], mapping: Mapping[str, tuple[str, ...]]) -> list[tuple[str, ...]]:
+        """Per dimension, the mesh axes that split it (a mesh axis used at most once per spec,
         size-1 axes ignored: scaling.sharding.mesh.logical_to_spec)."""
         used: set[str] = set()
         out = []
         for name in names:
-            axes = [a for a in mapping.get(name, ()) if a not in used and self.sizes[a] > 1] if name else []
+            axes = tuple(a for a in mapping.get(name, ()) if a not in used and self.sizes[a] > 1) if name else ()
             used.update(axes)
-            out.append(math.prod(self.sizes[a] for a in axes))
+            out.append(axes)
         return out
+
+    def shards(self, names: Sequence[str | None], mapping: Mapping[str, tuple[str, ...]]) -> list[int]:
+        """Per dimension, how many ways it is split (see `dim_axes`)."""
+        return [math.prod(self.sizes[a] for a in axes) for axes in self.dim_axes(names, mapping)]
 
     def axes_of(self, name: str, params: bool) -> tuple[str, ...]:
         mapping = self.rule_set.params if params else self.rule_set.activations
@@ -143,6 +147,21 @@ def params_per_device(m: ModelConfig, mesh: MeshShape) -> int:
     total = 0
     for shape, names in param_shapes(m).values():
         total += math.prod(-(-s // k) for s, k in zip(shape, mesh.shards(names, mesh.rule_set.params)))
+    return total
+
+
+def gathered_params_per_device(m: ModelConfig, mesh: MeshShape) -> int:
+    """Parameter elements a device holds once FSDP has all-gathered them: what its matmuls read.
+
+    FSDP splits a parameter over mesh axes that also split the batch, and all-gathers it over
+    those axes before use [HSM-TR]; only its split over the other axes (`tensor` under the
+    default rules: Megatron) remains. Equals `params_per_device` without FSDP."""
+    batch_axes = set(mesh.axes_of(A.BATCH, params=False))
+    total = 0
+    for shape, names in param_shapes(m).values():
+        dims = mesh.dim_axes(names, mesh.rule_set.params)
+        total += math.prod(-(-s // math.prod(mesh.sizes[a] for a in axes if a not in batch_axes))
+                           for s, axes in zip(shape, dims))
     return total
 
 
@@ -560,7 +579,10 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
 
     FSDP (params over an axis that also splits the batch): AllGather each layer's weights
     forward, again backward, ReduceScatter the grads [HSM-TR]. Replicated-param batch axes
-    (data parallel): AllReduce of the (FSDP-sharded) grads. Tensor parallel (Megatron):
+    (data parallel): AllReduce of the (FSDP-sharded) grads. Over several batch axes at once
+    (`fsdp` rules with tensor > 1, `dp` rules over two or three axes) one collective spans
+    them all: it is priced as one stage per axis, innermost first, each on what the stages
+    before it left ((N-1)/N of the array in all, not (n-1)/n of it per axis). Tensor parallel (Megatron):
     2 AllReduces of [B, T, D] per layer forward (after the out and down projections) and 2
     backward (grads of the q/k/v and gate/up inputs) [HSM-TR, K22]; `full` remat re-runs the
     forward ones. With grad accumulation (scaling/train.py scans over micro-batches, each
@@ -575,23 +597,46 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
     rules = mesh.rule_set
     out: list[Collective] = []
+    order = A.MESH_AXES  # jax.make_mesh puts the last axis on the nearest devices
     batch_axes = mesh.axes_of(A.BATCH, params=False)
-    # Bytes of params on one device *before* sharding over a given axis: per_device x axis size.
-    per_dev = params_per_device(m, mesh) * p
-    param_axes = {a for _, names in param_shapes(m).values() for n in names for a in rules.params.get(n, ())}
+    # Per axis, the bytes of the arrays that pass through its stage of the collectives. A
+    # collective over several axes runs as one stage per axis, the innermost (fastest link)
+    # first on the whole array, each next on what is left: a reduce-scatter over the inner
+    # axis leaves 1/n of the array for the outer one (an all-gather is the mirror image), so
+    # the bytes add up to one ring over all the axes, (N-1)/N of the array, and the slow
+    # outer links carry the least.
+    gather: dict[str, float] = {a: 0.0 for a in batch_axes}
+    reduce: dict[str, float] = {a: 0.0 for a in batch_axes}
+    inner_first = sorted(batch_axes, key=order.index, reverse=True)
+    for shape, names in param_shapes(m).values():
+        dims = mesh.dim_axes(names, rules.params)
+        shard = math.prod(-(-s // math.prod(mesh.sizes[a] for a in axes)) for s, axes in zip(shape, dims)) * p
+        sharded_over = {a for axes in dims for a in axes}
+        # FSDP: the param is split over these batch axes: gather it, reduce-scatter its grad.
+        size = shard * math.prod(mesh.sizes[a] for a in batch_axes if a in sharded_over)
+        for a in (a for a in inner_first if a in sharded_over):
+            gather[a] += size
+            size /= mesh.sizes[a]
+        # Data parallel: replicated over these batch axes: all-reduce its (sharded) grad.
+        size = shard
+        for a in (a for a in inner_first if a not in sharded_over):
+            reduce[a] += size
+            size /= mesh.sizes[a]
     for axis in batch_axes:
         n = mesh.sizes[axis]
         bw = axis_bandwidth(axis, mesh, hw)
-        if axis in param_axes:
-            gathered = per_dev * n  # weights before sharding over this axis
+        if gather[axis]:
+            g = gather[axis]
             for what in ("weights (forward)", "weights (backward re-gather)"):
-                out.append(Collective(axis, "all-gather", what, gathered * accum,
-                                      collective_seconds("all-gather", gathered, n, bw) * accum))
-            out.append(Collective(axis, "reduce-scatter", "grads", gathered * accum,
-                                  collective_seconds("reduce-scatter", gathered, n, bw) * accum))
-        else:
-            out.append(Collective(axis, "all-reduce", "grads", per_dev * accum,
-                                  collective_seconds("all-reduce", per_dev, n, bw) * accum))
+                out.append(Collective(axis, "all-gather", what, g * accum,
+                                      collective_seconds("all-gather", g, n, bw) * accum))
+            out.append(Collective(axis, "reduce-scatter", "grads", g * accum,
+                                  collective_seconds("reduce-scatter", g, n, bw) * accum))
+        if reduce[axis]:
+            r = reduce[axis]
+            what = "grads" if not gather[axis] else "grads of replicated params"
+            out.append(Collective(axis, "all-reduce", what, r * accum,
+                                  collective_seconds("all-reduce", r, n, bw) * accum))
     t = mesh.sizes["tensor"]
     if t > 1 and "tensor" in rules.activations.get(A.ACT_MLP, ()):
         micro = cfg.train.batch_size // accum
@@ -651,7 +696,8 @@ def training_roofline(cfg: Config, mesh: MeshShape, hw: Hardware, *, policy: Rem
     """Step time bounds for one optimizer step.
 
     Compute: (model + recompute) FLOPs / peak. Memory (HBM traffic, a lower bound): weights
-    read in the compute dtype forward and twice backward (per micro-batch), saved
+    read in the compute dtype forward and twice backward (per micro-batch; under FSDP the
+    all-gathered weights, `gathered_params_per_device`, which are what the matmuls read), saved
     activations written once and read once, logits written and read in f32, and AdamW
     reading params, grads and two moments and writing params and moments (7 param-sized
     passes). Communication: `training_comms`, axes not overlapped with each other.
@@ -668,8 +714,9 @@ def training_roofline(cfg: Config, mesh: MeshShape, hw: Hardware, *, policy: Rem
     p = dtype_bytes(m.param_dtype)
     c = dtype_bytes(m.compute_dtype)
     n_dev = mem.params / p
+    gathered = gathered_params_per_device(m, mesh)
     act = mem.activations
-    hbm = accum * (3 * n_dev * c + 2 * (act.layers + act.head)) + 7 * n_dev * p
+    hbm = accum * (3 * gathered * c + 2 * (act.layers + act.head)) + 7 * n_dev * p
     comms = sum(x.seconds for x in training_comms(cfg, mesh, hw, policy=policy, grad_accum=accum))
     return Roofline(tokens, model_flops, hw_flops, hbm, comms, hw_flops / hw.bf16_flops, hbm / hw.hbm_bandwidth,
                     hw.bf16_flops)
@@ -813,7 +860,8 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
       - scanned layers (`lax.scan`) copy every saved residual into the [L, ...] stack
         (a dynamic-update-slice: read + write); unrolled layers keep them in place;
       - the f32 -> c weight casts (forward; again backward unless `none` saved them) and the
-        c -> f32 conversion of weight gradients, when c != p, per micro-batch;
+        c -> f32 conversion of weight gradients, when c != p, per micro-batch, on the weights
+        as the matmuls use them (all-gathered under FSDP: `gathered_params_per_device`);
       - the loss: one-pass, read the f32 logits for the log-sum-exp, again backward, and write
         the f32 gradient (12·V per token; the head's backward then runs as f32 matmuls at the
         f32 rate); chunked (train.loss_chunk), read each chunk's f32 logits once and write its
@@ -888,11 +936,14 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         # Read the f32 logits for the log-sum-exp, again backward, write the f32 gradient.
         traffic["loss (f32 logits read twice, f32 gradient)"] = 3 * F32 * v_dev * shard_tokens
     if c != p:
-        layer_w = layer_matmul_params(m) * layers * n_dev / param_count(m)
-        other_w = n_dev - layer_w  # embedding and head (as sharded)
+        # The casts work on the weights as the matmuls use them: after FSDP's all-gather
+        # (training_comms: weights move in the parameter dtype), so on the gathered sizes.
+        gathered = gathered_params_per_device(m, mesh)
+        layer_w = layer_matmul_params(m) * layers * gathered / param_count(m)
+        other_w = gathered - layer_w  # embedding and head (as the matmuls see them)
         casts = (2 if recomputes else 1) * layer_w + other_w
         traffic["weight casts f32 -> c"] = (p + c) * casts * accum
-        traffic["weight gradients c -> f32"] = (p + c) * n_dev * accum
+        traffic["weight gradients c -> f32"] = (p + c) * gathered * accum
     traffic["optimizer (grad norm + fused AdamW)"] = 8 * p * n_dev
     if accum > 1:
         traffic["grad accumulation"] = 2 * p * n_dev * accum

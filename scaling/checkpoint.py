@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -313,6 +314,8 @@ def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     `export.json` where it came from. Load it with `load_params(out_dir)`.
     """
     run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
     ckpt_dir = run_dir / "checkpoints"
     steps = complete_steps(ckpt_dir)
     if not steps:
@@ -320,10 +323,16 @@ def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     step = steps[-1] if step is None else step
     if step not in steps:
         raise CheckpointError(f"no complete checkpoint for step {step} in {ckpt_dir}; have {steps}")
-    cfg = config_from_dict(read_meta(ckpt_dir / str(step))["config"])
-    params = _restore_params(ckpt_dir / str(step) / "state", cfg.model, _host_sharding(), under="params")
+    # Refuse a bad destination before reading anything (a large model's params take a while).
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} exists and is not a directory; choose another --out")
     if (out_dir / "params").exists():
         raise CheckpointError(f"{out_dir / 'params'} already exists; choose another --out")
+    if out_dir == run_dir:
+        raise CheckpointError(f"--out {out_dir} is the run directory itself (its config.yaml would be overwritten); "
+                              "choose another --out")
+    cfg = config_from_dict(read_meta(ckpt_dir / str(step))["config"])
+    params = _restore_params(ckpt_dir / str(step) / "state", cfg.model, _host_sharding(), under="params")
     out_dir.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out_dir / "params", params)
@@ -381,8 +390,8 @@ def export_main(argv: list[str]) -> int:
     try:
         out = export_params(args.run_dir, args.out, args.step)
     except (CheckpointError, CheckpointMismatchError) as e:
-        print(f"error: {e}", flush=True)
-        return 1
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     step = json.loads((out / "export.json").read_text())["step"]
     print(f"exported params of step {step} from {Path(args.run_dir).absolute()} to {out}")
     return 0

@@ -24,10 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
-from scaling.config import Config, DataSource, TokenizerKind
+from scaling.config import Config, ConfigError, DataSource, TokenizerKind
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".html", ".tex", ".csv"}
 DATA_SEED = 1234  # document shuffle before packing; part of the cache key
+RANGE_CHECK_CHUNK = 1 << 24  # tokens per read when checking a token file's ids
+
+
+class DataError(ConfigError):
+    """The data a config points at is missing, empty, malformed or does not fit the model.
+
+    A ConfigError (and so a ValueError): `python -m scaling` prints the message, which names
+    the config field, without a traceback and exits 2."""
 
 
 # --------------------------------------------------------------------------- corpus
@@ -58,8 +66,8 @@ def text_files(path: Path) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if files:
             return files
-        raise ValueError(f"data.path={str(path)!r} holds no text files (suffixes {sorted(TEXT_SUFFIXES)})")
-    raise ValueError(f"data.path={str(path)!r} does not exist")
+        raise DataError(f"data.path={str(path)!r} holds no text files (suffixes {sorted(TEXT_SUFFIXES)})")
+    raise DataError(f"data.path={str(path)!r} does not exist")
 
 
 def read_documents(files: list[Path]) -> list[str]:
@@ -190,6 +198,9 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
         what = f"Python {sys.version.split()[0]} stdlib sources" if d.path is None else d.path
         log(f"data: tokenizing {len(files)} files from {what} into {directory} (once)")
         docs = read_documents(files)
+        if not docs:
+            where = f"data.path={d.path!r}" if d.path is not None else "the default corpus"
+            raise DataError(f"{where}: every file is empty or whitespace ({len(files)} files); no text to train on")
         # Shuffle documents so the held-out tail is not one corner of the corpus.
         order = np.random.default_rng(DATA_SEED).permutation(len(docs))
         docs = [docs[i] for i in order]
@@ -200,7 +211,7 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
             tok = BPETokenizer.train(docs, cfg.model.vocab_size)
             ids = tok.encode_batch(docs)
         if tok.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"tokenizer has {tok.vocab_size} tokens > model.vocab_size={cfg.model.vocab_size}")
+            raise DataError(f"tokenizer has {tok.vocab_size} tokens > model.vocab_size={cfg.model.vocab_size}")
         flat = np.fromiter(
             (t for doc in ids for t in (*doc, tok.eos_id)), dtype=np.uint32, count=sum(len(x) + 1 for x in ids)
         )
@@ -223,17 +234,51 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
 
 
 def load_token_file(cfg: Config) -> TokenStore:
-    """A pre-tokenized flat token file: .npy, or raw .bin (uint16 if vocab <= 65536, else uint32)."""
+    """A pre-tokenized flat token file: .npy, or raw .bin (uint16 if vocab <= 65536, else uint32).
+
+    Checked before training: an integer array, at least one token, and every id in
+    [0, model.vocab_size) (the whole file, read in chunks: an id out of range would index past
+    the embedding table, which on an accelerator does not fail but reads a clamped row).
+    """
     path = Path(cfg.data.path)  # type: ignore[arg-type]
     if not path.is_file():
-        raise ValueError(f"data.path={str(path)!r} is not a file")
+        raise DataError(f"data.path={str(path)!r} is not a file")
+    where = f"data.path={str(path)!r}"
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"{where} is not a readable .npy file ({e})") from e
+        if tokens.ndim != 1:
+            raise DataError(f"{where}: expected a flat token array, got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise DataError(f"{where}: expected integer token ids, got dtype {tokens.dtype}")
     else:
-        tokens = np.memmap(path, dtype=np.uint16 if cfg.model.vocab_size <= 2**16 else np.uint32, mode="r")
-    if tokens.ndim != 1:
-        raise ValueError(f"data.path={str(path)!r}: expected a flat token array, got shape {tokens.shape}")
+        dtype = np.dtype(np.uint16 if cfg.model.vocab_size <= 2**16 else np.uint32)
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise DataError(
+                f"{where}: {size} bytes is not a whole number of {dtype.name} tokens; a raw .bin holds "
+                f"{dtype.name} ids (uint16 when model.vocab_size <= 65536, else uint32)"
+            )
+        tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    if tokens.size == 0:
+        raise DataError(f"{where} holds no tokens")
+    check_token_range(tokens, cfg.model.vocab_size, where)
     return TokenStore(path.parent, tokens, -1, cfg.model.vocab_size, int(tokens.size * (1 - cfg.data.eval_fraction)))
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Raise DataError unless every id is in [0, vocab_size); reads the array in chunks."""
+    for start in range(0, len(tokens), RANGE_CHECK_CHUNK):
+        chunk = np.asarray(tokens[start : start + RANGE_CHECK_CHUNK])
+        lo, hi = int(chunk.min()), int(chunk.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0]
+            raise DataError(
+                f"{where}: token id {int(chunk[bad])} at position {start + int(bad):,} is outside "
+                f"[0, model.vocab_size={vocab_size})"
+            )
 
 
 # --------------------------------------------------------------------------- batches
@@ -260,9 +305,9 @@ class Batches:
     def __post_init__(self):
         self.num_windows = (len(self.tokens) - 1) // self.seq_len
         if self.num_windows < 1:
-            raise ValueError(f"{len(self.tokens)} tokens are fewer than one sequence of train.seq_len={self.seq_len} + 1")
+            raise DataError(f"{len(self.tokens)} tokens are fewer than one sequence of train.seq_len={self.seq_len} + 1")
         if self.global_batch % self.process_count:
-            raise ValueError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
+            raise DataError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -308,7 +353,7 @@ class SyntheticBatches(Batches):
 
     def __post_init__(self):
         if self.global_batch % self.process_count:
-            raise ValueError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
+            raise DataError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
 
     def batch(self, index: int) -> np.ndarray:
         rows = self.global_batch // self.process_count
@@ -332,11 +377,22 @@ def make_dataset(cfg: Config, *, process_index: int = 0, process_count: int = 1,
             np.zeros(0), t.seq_len, t.batch_size, seed, process_index, process_count, vocab_size=cfg.model.vocab_size
         )
         return Dataset(mk(t.seed), mk(t.seed + 1_000_003), None, -1)
-    store = build_token_store(cfg, log) if d.source == DataSource.text else load_token_file(cfg)
-    max_id = int(store.tokens[: min(len(store.tokens), 1_000_000)].max())
-    if max_id >= cfg.model.vocab_size:
-        raise ValueError(f"data: token id {max_id} >= model.vocab_size={cfg.model.vocab_size}")
-    train = Batches(store.split("train"), t.seq_len, t.batch_size, t.seed, process_index, process_count)
+    if d.source == DataSource.text:
+        store = build_token_store(cfg, log)
+        # (a token file is range-checked whole by load_token_file; our tokenizer's ids are
+        # below its vocab_size, checked against the model's when the store is built)
+        check_token_range(store.tokens[: min(len(store.tokens), 1_000_000)], cfg.model.vocab_size, "data")
+    else:
+        store = load_token_file(cfg)
+    train_tokens = store.split("train")
+    if len(train_tokens) < t.seq_len + 1:
+        where = f"data.path={d.path!r}" if d.path is not None else "the default corpus"
+        raise DataError(
+            f"{where}: the training split has {len(train_tokens):,} tokens (of {len(store.tokens):,}, less the "
+            f"held-out data.eval_fraction={d.eval_fraction}), fewer than one window of train.seq_len={t.seq_len} + 1; "
+            f"use more data or a shorter train.seq_len"
+        )
+    train = Batches(train_tokens, t.seq_len, t.batch_size, t.seed, process_index, process_count)
     # Eval walks the held-out split in order, always from its start (same batches each eval).
     eval_tokens = store.split("eval")
     ev = None

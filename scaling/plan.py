@@ -75,7 +75,8 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
     fi = acc.flops_per_token(m, t.seq_len, training=False)
     mem, act, roof, st = c.memory, c.memory.activations, c.roofline, c.time
     crit = acc.critical_tokens_per_device(hw)
-    tokens_dev = t.batch_size * t.seq_len / mesh.devices / t.grad_accum
+    # A device holds its batch shard's tokens: tensor parallelism splits the weights, not the batch.
+    tokens_dev = t.batch_size * t.seq_len / mesh.split("batch") / t.grad_accum
     lines = [
         f"hardware   {hw.name}: {hw.bf16_flops / 1e12:,.0f} TFLOP/s bf16, {hw.hbm_bandwidth / 1e12:.2f} TB/s HBM, "
         f"{hw.hbm_bytes / GiB:,.0f} GiB ({hw.usable_fraction:.0%} usable), {hw.ring_bandwidth / 1e9:,.0f} GB/s per "
@@ -148,20 +149,27 @@ def _factorizations(n: int):
                 yield d, n // d // tp, tp
 
 
+def _accums(cfg: Config, mesh: acc.MeshShape) -> list[int]:
+    """grad_accum values whose micro-batch the mesh's batch axes divide."""
+    b = cfg.train.batch_size
+    return [a for a in range(1, b + 1) if b % a == 0 and (b // a) % mesh.split("batch") == 0]
+
+
+def candidate_meshes(cfg: Config, hw: Hardware, devices: int) -> list[acc.MeshShape]:
+    """Mesh shapes of `devices` (tensor within a node) that shard the model and split a micro-batch."""
+    out = []
+    for d, f, tp in _factorizations(devices):
+        mesh = acc.MeshShape(d, f, tp, cfg.mesh.rules)
+        if tp <= hw.devices_per_node and not acc.divisibility_errors(cfg.model, mesh) and _accums(cfg, mesh):
+            out.append(mesh)
+    return out
+
+
 def search(cfg: Config, hw: Hardware, devices: int, top: int = 10) -> list[Candidate]:
     """Mesh shapes (data x fsdp x tensor, tensor within a node) x remat x grad_accum."""
     out = []
-    t = cfg.train
-    for (d, f, tp), policy in itertools.product(_factorizations(devices), SEARCH_POLICIES):
-        if tp > hw.devices_per_node:
-            continue
-        mesh = acc.MeshShape(d, f, tp, cfg.mesh.rules)
-        if acc.divisibility_errors(cfg.model, mesh):
-            continue
-        for accum in (a for a in range(1, t.batch_size + 1) if t.batch_size % a == 0):
-            micro = t.batch_size // accum
-            if micro % mesh.split("batch"):
-                continue
+    for mesh, policy in itertools.product(candidate_meshes(cfg, hw, devices), SEARCH_POLICIES):
+        for accum in _accums(cfg, mesh):
             c = evaluate(cfg, mesh, hw, policy, accum)
             out.append(c)
             if c.fits:
@@ -202,6 +210,9 @@ def main(argv: list[str]) -> int:
     if args.devices is not None and args.devices < 1:
         print(f"error: --devices must be >= 1, got {args.devices}", file=sys.stderr)
         return 2
+    if args.top < 1:
+        print(f"error: --top must be >= 1, got {args.top}", file=sys.stderr)
+        return 2
     mc = cfg.mesh
     fixed = [s for s in (mc.data, mc.fsdp, mc.tensor) if s != -1]
     if args.devices is not None:
@@ -209,20 +220,29 @@ def main(argv: list[str]) -> int:
     else:  # (8 where an axis takes the rest, else what the fixed axes multiply to)
         devices = 8 if -1 in (mc.data, mc.fsdp, mc.tensor) else max(1, fixed[0] * fixed[1] * fixed[2])
     if mc.rules not in RULE_SETS:
-        raise SystemExit(f"unknown rule set {mc.rules!r}")
+        print(f"error: --mesh.rules={mc.rules!r} is not a rule set; allowed: {', '.join(sorted(RULE_SETS))}",
+              file=sys.stderr)
+        return 2
     try:
         shape = resolve_mesh_shape(mc, devices)
     except MeshError as e:
-        print(f"mesh error: {e}")
+        print(f"mesh error: {e}", file=sys.stderr)
         return 2
     mesh = acc.MeshShape(*shape, rules=mc.rules)
     errors = acc.divisibility_errors(cfg.model, mesh)
     if errors:
-        print("warning: this mesh cannot shard: " + "; ".join(errors[:3]))
+        print("warning: this mesh cannot shard: " + "; ".join(errors[:3]), file=sys.stderr)
     print(report(cfg, mesh, hw))
     if args.search:
         cands = search(cfg, hw, devices, args.top)
         print()
         print(f"search over {devices} devices (top {len(cands)} that fit, by the calibrated step time; the roofline beside it):")
-        print(search_table(cands) if cands else "nothing fits; lower train.batch_size or add devices")
+        if cands:
+            print(search_table(cands))
+        elif not candidate_meshes(cfg, hw, devices):
+            print(f"no data x fsdp x tensor shape of {devices} devices can run this: each one either leaves a "
+                  f"model dimension indivisible or cannot split train.batch_size={cfg.train.batch_size} over its "
+                  f"batch axes; change --devices or train.batch_size")
+        else:
+            print("nothing fits; lower train.batch_size or add devices")
     return 0

@@ -173,3 +173,88 @@ def test_plan_cli_errors_name_the_flag(capsys):
     assert "--hardware: unknown hardware 'h300'; allowed: h100, h200, a100" in capsys.readouterr().err
     assert plan.main(["--config", cfg, "--devices", "0"]) == 2  # (0 had meant the default, 8)
     assert "--devices must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_plan_cli_bad_rules_top_and_mesh_exit_2_on_stderr(capsys):
+    cfg = str(PRESETS[0].parent / "tiny.yaml")
+    assert plan.main(["--config", cfg, "--mesh.rules=bogus"]) == 2  # was SystemExit(1), naming neither
+    err = capsys.readouterr().err
+    assert "--mesh.rules='bogus' is not a rule set; allowed: default, dp, fsdp, fsdp_tp" in err
+    assert plan.main(["--config", cfg, "--search", "--top", "-3"]) == 2  # was rows[:-3]: all but the best 3
+    assert "--top must be >= 1, got -3" in capsys.readouterr().err
+    assert plan.main(["--config", cfg, "--devices", "6", "--mesh.fsdp=4"]) == 2
+    out = capsys.readouterr()
+    assert "mesh error: mesh {'data': 1, 'fsdp': 4, 'tensor': 1} has 4 devices but 6" in out.err and not out.out
+
+
+# Llama 3 8B's published parameter count and its RMSNorm scales (2 per layer + the final one).
+LLAMA3_8B_PARAMS = 8_030_261_248
+LLAMA3_8B_NORMS = (2 * 32 + 1) * 4096
+
+
+def test_fsdp_weight_traffic_is_the_gathered_weights():
+    """Under FSDP every device's matmuls read the all-gathered weights, not its 1/n shard
+    [HSM-TR]: the roofline's 3 weight reads (forward, twice backward) and the casts are
+    priced on the gathered sizes; only the tensor-parallel split remains."""
+    from scaling.hardware import get_hardware
+
+    hw = get_hardware("h100")
+    cfg = load_config(PRESETS[0].parent / "llama3_8b.yaml", ["--train.batch_size=16", "--train.seq_len=1024"])
+    m = cfg.model
+    c, p = 2, 4  # compute `auto` is bf16 on an accelerator; params f32
+    matrices = LLAMA3_8B_PARAMS - LLAMA3_8B_NORMS
+    for mesh, gathered in ((acc.MeshShape(1, 8, 1), LLAMA3_8B_PARAMS),
+                           (acc.MeshShape(1, 4, 2), matrices // 2 + LLAMA3_8B_NORMS),  # Megatron halves stay split
+                           (acc.MeshShape(2, 4, 1), LLAMA3_8B_PARAMS)):
+        roof = acc.training_roofline(cfg, mesh, hw)
+        mem = acc.training_memory(cfg, mesh, hw=hw)
+        act = mem.activations
+        weights = roof.hbm_bytes - 2 * (act.layers + act.head) - 7 * mem.params
+        assert weights == pytest.approx(3 * gathered * c, rel=1e-12)  # was 3 x the 1/n shard
+        st = acc.training_time(cfg, mesh, hw)
+        assert st.traffic["weight gradients c -> f32"] == pytest.approx((p + c) * gathered, rel=1e-12)
+        assert acc.gathered_params_per_device(m, mesh) == gathered
+    # Without FSDP nothing is gathered: the shard is what the matmuls read.
+    one = acc.MeshShape(1, 1, 1)
+    assert acc.gathered_params_per_device(m, one) == acc.params_per_device(m, one) == LLAMA3_8B_PARAMS
+
+
+def test_collectives_over_several_batch_axes_are_one_ring():
+    """A gather or reduction spanning several mesh axes moves (N-1)/N of the array per device
+    in all, as one ring over the N devices would [HSM-S]; not (n-1)/n of it on every axis."""
+    from scaling.hardware import get_hardware
+
+    hw = get_hardware("h100")  # 8 devices: every axis inside one NVLink node, 450 GB/s each
+    cfg = load_config(PRESETS[0].parent / "llama3_8b.yaml", ["--train.batch_size=16", "--train.seq_len=1024"])
+    w, p, ring = 450e9, 4, 7 / 8
+
+    def seconds(comms, kind, what=None):
+        return sum(x.seconds for x in comms if x.kind == kind and (what is None or x.what == what))
+
+    # `fsdp` rules, tensor as a second FSDP axis: the matrices are split 8 ways over (fsdp, tensor),
+    # the norm scales replicated (their grads all-reduced).
+    comms = acc.training_comms(cfg, acc.MeshShape(1, 2, 4, rules="fsdp"), hw)
+    matrices = LLAMA3_8B_PARAMS - LLAMA3_8B_NORMS
+    assert seconds(comms, "all-gather", "weights (forward)") == pytest.approx(ring * matrices * p / w)
+    assert seconds(comms, "reduce-scatter") == pytest.approx(ring * matrices * p / w)
+    assert seconds(comms, "all-reduce") == pytest.approx(2 * ring * LLAMA3_8B_NORMS * p / w)
+    # `dp` rules over three axes: one all-reduce of the whole gradient over 8 devices.
+    comms = acc.training_comms(cfg, acc.MeshShape(2, 2, 2, rules="dp"), hw)
+    assert seconds(comms, "all-reduce") == pytest.approx(2 * ring * LLAMA3_8B_PARAMS * p / w)
+    assert not seconds(comms, "all-gather")
+    # One axis is unchanged: FSDP over 8 gathers the 8-way-split weights.
+    comms = acc.training_comms(cfg, acc.MeshShape(1, 8, 1), hw)
+    assert seconds(comms, "all-gather", "weights (forward)") == pytest.approx(ring * matrices * p / w)
+
+
+def test_plan_tokens_per_device_and_search_without_a_valid_shape(capsys):
+    cfg = str(PRESETS[0].parent / "llama3_8b.yaml")
+    # Tensor parallelism splits the weights, not the batch: a device holds 16 x 1024 / (fsdp 4) tokens.
+    assert plan.main(["--config", cfg, "--devices", "8", "--mesh.fsdp=4", "--mesh.tensor=2", "--train.batch_size=16",
+                      "--train.seq_len=1024"]) == 0
+    assert f"tokens/device/micro-batch {16 * 1024 // 4:,}; compute-bound above" in capsys.readouterr().out  # was 2,048
+    # 64 sequences cannot be split over 6 devices' batch axes, and D=4096 not 6 ways: no shape is
+    # valid, which is not the same as nothing fitting in memory.
+    assert plan.main(["--config", cfg, "--devices", "6", "--search", "--train.batch_size=64"]) == 0
+    out = capsys.readouterr().out
+    assert "no data x fsdp x tensor shape of 6 devices can run this" in out and "nothing fits" not in out

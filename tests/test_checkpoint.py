@@ -116,6 +116,28 @@ def test_export_and_load_params_without_optimizer(saved_fsdp8, tmp_path, capsys)
         C.load_params(out, replace(cfg, model={"vocab_size": 512}).model)
 
 
+
+def test_export_errors_exit_2_on_stderr_before_reading_params(saved_fsdp8, tmp_path, capsys, monkeypatch):
+    from scaling.__main__ import main
+
+    _, run_dir, _ = saved_fsdp8
+    missing = tmp_path / "no_such_run"
+    assert main(["export", "--run_dir", str(missing), "--out", str(tmp_path / "o1")]) == 2  # was 1, on stdout
+    out = capsys.readouterr()
+    assert f"run directory {missing} does not exist" in out.err and not out.out
+    (tmp_path / "empty_run").mkdir()
+    assert main(["export", "--run_dir", str(tmp_path / "empty_run"), "--out", str(tmp_path / "o2")]) == 2
+    assert "no complete checkpoint in" in capsys.readouterr().err
+    # An occupied destination is refused before the params are read (no restore happens).
+    (tmp_path / "taken" / "params").mkdir(parents=True)
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.setattr(C, "_restore_params", lambda *a, **k: pytest.fail("read the params for a refused --out"))
+    for out_dir, why in ((tmp_path / "taken", "params already exists"), (tmp_path / "a_file", "is not a directory"),
+                         (run_dir, "is the run directory itself")):
+        assert main(["export", "--run_dir", str(run_dir), "--out", str(out_dir)]) == 2
+        assert why in capsys.readouterr().err
+    assert (tmp_path / "a_file").read_text() == "x" and not (run_dir / "export.json").exists()
+
 def _small_state(i: int) -> dict:
     return {"w": np.full((4, 4), float(i), np.float32), "step": np.int32(i)}
 

@@ -84,3 +84,70 @@ def test_bad_data_path(tmp_path):
     cfg = load_config("configs/models/tiny.yaml", [f"--data.path={tmp_path}/missing"])
     with pytest.raises(ValueError, match="does not exist"):
         make_dataset(cfg)
+
+
+def _tokens_cfg(path, *extra):
+    return load_config("configs/models/tiny.yaml", ["--data.source=tokens", f"--data.path={path}", "--train.seq_len=16",
+                                                    "--train.batch_size=2", *extra])
+
+
+def test_token_files_npy_and_bin_read_the_same_tokens(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 1024, 5000).astype(np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    ids.tofile(tmp_path / "t.bin")  # nanoGPT's raw format: uint16 when the vocabulary fits
+    for name in ("t.npy", "t.bin"):
+        data = make_dataset(_tokens_cfg(tmp_path / name), log=lambda m: None)
+        np.testing.assert_array_equal(np.asarray(data.train.tokens), ids[: int(5000 * 0.95)])
+
+
+def test_token_file_ids_are_range_checked_whole(tmp_path):
+    """An id >= vocab_size anywhere in the file (not only in its first million tokens), a
+    negative id, or float 'ids' are refused before training, naming data.path."""
+    from scaling.config import ConfigError
+
+    late = np.random.default_rng(0).integers(0, 1024, 1_100_000).astype(np.uint16)
+    late[1_050_000] = 1024
+    late.tofile(tmp_path / "late.bin")
+    with pytest.raises(ConfigError, match=r"data.path=.*late.bin.*token id 1024 at position 1,050,000 is outside \[0, model.vocab_size=1024\)"):
+        make_dataset(_tokens_cfg(tmp_path / "late.bin"))
+    np.save(tmp_path / "neg.npy", np.array([5, 7, -1, 3] * 100, np.int32))
+    with pytest.raises(ConfigError, match=r"neg.npy.*token id -1 at position 2"):
+        make_dataset(_tokens_cfg(tmp_path / "neg.npy"))
+    np.save(tmp_path / "float.npy", np.linspace(0, 1, 400, dtype=np.float32))
+    with pytest.raises(ConfigError, match=r"float.npy.*expected integer token ids, got dtype float32"):
+        make_dataset(_tokens_cfg(tmp_path / "float.npy"))
+
+
+def test_empty_malformed_and_short_data_name_the_field(tmp_path):
+    from scaling.config import ConfigError
+
+    (tmp_path / "empty.bin").write_bytes(b"")
+    np.save(tmp_path / "empty.npy", np.zeros(0, np.uint16))
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")  # 1.5 uint16 tokens
+    (tmp_path / "empty.txt").write_text("  \n")
+    np.save(tmp_path / "short.npy", np.arange(16, dtype=np.uint16))  # train split 15 < seq_len + 1
+    (tmp_path / "short.txt").write_text("tiny")
+    cases = [
+        (_tokens_cfg(tmp_path / "empty.bin"), r"data.path=.*empty.bin' holds no tokens"),
+        (_tokens_cfg(tmp_path / "empty.npy"), r"data.path=.*empty.npy' holds no tokens"),
+        (_tokens_cfg(tmp_path / "odd.bin"), r"data.path=.*odd.bin': 3 bytes is not a whole number of uint16 tokens"),
+        (_tokens_cfg(tmp_path / "short.npy"), r"data.path=.*short.npy': the training split has 15 tokens .* train.seq_len=16 \+ 1"),
+        (_tokens_cfg(tmp_path), r"data.path=.* is not a file"),
+    ]
+    for text in ("empty.txt", "short.txt"):
+        cfg = load_config("configs/models/tiny.yaml", [f"--data.path={tmp_path / text}", "--data.tokenizer=byte",
+                                                       f"--data.cache_dir={tmp_path / 'cache'}", "--train.seq_len=16"])
+        cases.append((cfg, {"empty.txt": r"empty.txt': every file is empty", "short.txt": r"short.txt': the training split has 4 tokens"}[text]))
+    for cfg, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            make_dataset(cfg, log=lambda m: None)
+
+
+def test_data_errors_exit_2_without_traceback(tmp_path, capsys):
+    from scaling.__main__ import main
+
+    (tmp_path / "empty.bin").write_bytes(b"")
+    rc = main(["train", "--config", "configs/models/tiny.yaml", "--data.source=tokens", f"--data.path={tmp_path / 'empty.bin'}",
+               "--train.steps=1", "--run_dir", str(tmp_path / "run"), "--logging.tensorboard=false"])
+    assert rc == 2
+    assert "empty.bin' holds no tokens" in capsys.readouterr().err

@@ -232,3 +232,10 @@ def test_constrain_in_both_axis_types(devices):
         with use_sharding(mesh, "default"):
             y = jax.jit(lambda x: constrain(x * 2, (A.BATCH, A.SEQ, A.ACT_MLP)))(jnp.ones((8, 4, 16)))
         assert y.sharding.spec == P(("data", "fsdp"), None, "tensor"), axis_type
+
+
+def test_shardings_cli_unknown_rule_set_names_the_flag(capsys):
+    from scaling.__main__ import main
+
+    assert main(["shardings", "--config", TINY, "--mesh.rules=bogus"]) == 2  # was a ValueError traceback
+    assert "--mesh.rules='bogus' is not a rule set; allowed: default, dp, fsdp, fsdp_tp" in capsys.readouterr().err
