@@ -441,6 +441,9 @@ def validate(cfg: Config) -> None:
         "mesh",
         f"at most one axis may be -1, got {sizes}",
     )
+    from scaling.sharding.rules import RULE_SETS  # (imports only the axis names: no jax)
+
+    _require(mesh.rules in RULE_SETS, "mesh.rules", f"{mesh.rules!r} is not a rule set; allowed: {', '.join(sorted(RULE_SETS))}")
 
     _require(cfg.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {cfg.checkpoint.every}")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")

@@ -21,7 +21,6 @@ from scaling import accounting as acc
 from scaling.config import Config, RematPolicyName
 from scaling.hardware import Hardware, get_hardware
 from scaling.sharding.mesh import MeshError, resolve_mesh_shape
-from scaling.sharding.rules import RULE_SETS
 
 GiB = 2**30
 SEARCH_POLICIES = (RematPolicyName.none, RematPolicyName.dots, RematPolicyName.selective, RematPolicyName.full)
@@ -219,10 +218,6 @@ def main(argv: list[str]) -> int:
         devices = args.devices
     else:  # (8 where an axis takes the rest, else what the fixed axes multiply to)
         devices = 8 if -1 in (mc.data, mc.fsdp, mc.tensor) else max(1, fixed[0] * fixed[1] * fixed[2])
-    if mc.rules not in RULE_SETS:
-        print(f"error: --mesh.rules={mc.rules!r} is not a rule set; allowed: {', '.join(sorted(RULE_SETS))}",
-              file=sys.stderr)
-        return 2
     try:
         shape = resolve_mesh_shape(mc, devices)
     except MeshError as e:

@@ -177,9 +177,11 @@ def test_plan_cli_errors_name_the_flag(capsys):
 
 def test_plan_cli_bad_rules_top_and_mesh_exit_2_on_stderr(capsys):
     cfg = str(PRESETS[0].parent / "tiny.yaml")
-    assert plan.main(["--config", cfg, "--mesh.rules=bogus"]) == 2  # was SystemExit(1), naming neither
+    from scaling.__main__ import main
+
+    assert main(["plan", "--config", cfg, "--mesh.rules=bogus"]) == 2  # was SystemExit(1), naming neither
     err = capsys.readouterr().err
-    assert "--mesh.rules='bogus' is not a rule set; allowed: default, dp, fsdp, fsdp_tp" in err
+    assert "mesh.rules: 'bogus' is not a rule set; allowed: default, dp, fsdp, fsdp_tp" in err
     assert plan.main(["--config", cfg, "--search", "--top", "-3"]) == 2  # was rows[:-3]: all but the best 3
     assert "--top must be >= 1, got -3" in capsys.readouterr().err
     assert plan.main(["--config", cfg, "--devices", "6", "--mesh.fsdp=4"]) == 2

@@ -55,6 +55,7 @@ def test_inherit_and_deltas(tmp_path):
         (["--mesh.data=-1", "--mesh.fsdp=-1"], "at most one axis may be -1"),
         (["model.num_layers"], "--section.key=value"),
         (["--profile.steps=[4, 2]"], "profile.steps"),
+        (["--mesh.rules=bogus"], "mesh.rules: 'bogus' is not a rule set; allowed: default, dp, fsdp, fsdp_tp"),
     ],
 )
 def test_errors_name_the_key(overrides, needle):

@@ -238,4 +238,4 @@ def test_shardings_cli_unknown_rule_set_names_the_flag(capsys):
     from scaling.__main__ import main
 
     assert main(["shardings", "--config", TINY, "--mesh.rules=bogus"]) == 2  # was a ValueError traceback
-    assert "--mesh.rules='bogus' is not a rule set; allowed: default, dp, fsdp, fsdp_tp" in capsys.readouterr().err
+    assert "mesh.rules: 'bogus' is not a rule set; allowed: default, dp, fsdp, fsdp_tp" in capsys.readouterr().err
