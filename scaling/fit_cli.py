@@ -61,14 +61,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class UsageError(ValueError):
+    """A flag's value is outside what it allows; the message names the flag."""
+
+
 def _floats(text: str, what: str) -> list[float]:
     try:
         vals = [float(tok) for tok in text.split(",") if tok.strip()]
     except ValueError:
-        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"{what}: expected positive numbers, got {text!r}")
+        raise UsageError(f"{what}: expected comma-separated numbers, got {text!r}") from None
+    if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
+        raise UsageError(f"{what}: expected finite positive numbers, got {text!r}")
     return vals
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag's value, before any data is read; raises UsageError naming the flag."""
+
+    def require(ok: bool, flag: str, allowed: str, value: Any) -> None:
+        if not ok:
+            raise UsageError(f"{flag} must be {allowed}, got {value!r}")
+
+    require(math.isfinite(args.huber_delta) and args.huber_delta > 0, "--huber-delta", "a finite number > 0 (e.g. 1e-3)", args.huber_delta)
+    require(args.bootstrap >= 0, "--bootstrap", "a number of resamples >= 0", args.bootstrap)
+    require(0 < args.ci < 1, "--ci", "a confidence level strictly between 0 and 1 (e.g. 0.95)", args.ci)
+    require(args.seed >= 0, "--seed", "an integer >= 0", args.seed)
+    require(args.drop_highest_loss >= 0, "--drop-highest-loss", "an integer >= 0", args.drop_highest_loss)
+    if args.isoflop_tol is not None:
+        require(math.isfinite(args.isoflop_tol) and args.isoflop_tol >= 0, "--isoflop-tol", "a number of decades >= 0", args.isoflop_tol)
+    if args.isoflop_budgets and args.isoflop_budgets != "chinchilla":
+        _floats(args.isoflop_budgets, "--isoflop-budgets ('chinchilla' or comma-separated budgets)")
+    if args.predict:
+        _floats(args.predict, "--predict")
+    if args.out:
+        require(not Path(args.out).exists() or Path(args.out).is_dir(), "--out", "a directory (it is an existing file)", args.out)
 
 
 def _default_out(results: Path) -> Path:
@@ -98,12 +124,14 @@ def _kaplan_fits(runs: sl.RunTable, delta: float) -> tuple[dict[str, Any], dict[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    check_args(args)
     results = Path(args.results)
     runs_all = sl.load_results(results)
     if len(runs_all) == 0:
-        raise ValueError(f"{results}: no usable runs (need positive N, loss and D or C)")
-    if args.drop_highest_loss < 0:
-        raise ValueError(f"--drop-highest-loss must be >= 0, got {args.drop_highest_loss}")
+        raise ValueError(
+            f"{results}: no usable runs (need N, loss and D or C in each run)"
+            + (f"; {runs_all.n_skipped} row(s) lacked one of them" if runs_all.n_skipped else "")
+        )
     if args.drop_highest_loss and len(runs_all) - args.drop_highest_loss < sl.MIN_POINTS_PARAMETRIC:
         raise ValueError(
             f"{results}: {len(runs_all)} runs, dropping {args.drop_highest_loss} leaves fewer than "
@@ -121,16 +149,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_fit = time.perf_counter() - t0
 
     iso: sl.IsoFlopFit | None = None
+    tol = args.isoflop_tol
+    if args.isoflop_budgets:
+        nominal = CHINCHILLA_BUDGETS if args.isoflop_budgets == "chinchilla" else _floats(args.isoflop_budgets, "--isoflop-budgets")
+        grouping = f"snapped to {len(nominal)} budgets within {SNAP_TOL_DEX if tol is None else tol} decades"
+    elif tol is None and runs.budget is not None:
+        grouping = "the sweep's IsoFLOP targets"
+    else:
+        grouping = f"C chained within {GROUP_TOL_DEX if tol is None else tol} decades"
     try:
         if args.isoflop_budgets:
-            nominal = CHINCHILLA_BUDGETS if args.isoflop_budgets == "chinchilla" else _floats(args.isoflop_budgets, "--isoflop-budgets")
-            labels = sl.snap_budgets(runs.c, nominal, tol_dex=args.isoflop_tol or SNAP_TOL_DEX)
+            labels = sl.snap_budgets(runs.c, nominal, tol_dex=SNAP_TOL_DEX if tol is None else tol)
             iso = sl.fit_isoflop(runs.n, runs.d, runs.loss, runs.c, budgets=labels)
+        elif tol is None and runs.budget is not None:
+            iso = sl.fit_isoflop(runs.n, runs.d, runs.loss, runs.c, budgets=runs.budget)
         else:
-            iso = sl.fit_isoflop(runs.n, runs.d, runs.loss, runs.c, tol_dex=args.isoflop_tol or GROUP_TOL_DEX)
+            iso = sl.fit_isoflop(runs.n, runs.d, runs.loss, runs.c, tol_dex=GROUP_TOL_DEX if tol is None else tol)
         approach2: dict[str, Any] = iso.to_dict()
     except ValueError as err:
         approach2 = {"error": str(err)}
+    approach2["grouping"] = grouping
 
     kaplan, kaplan_fits = _kaplan_fits(runs, args.huber_delta)
 
@@ -152,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "source": str(results),
         "n_runs": len(runs_all),
         "n_runs_used": len(runs),
+        "n_rows_skipped": runs_all.n_skipped,
         "dropped_highest_loss": args.drop_highest_loss,
         "huber_delta": args.huber_delta,
         "fit_seconds": round(t_fit, 3),
@@ -182,7 +221,8 @@ def _summary(report: dict[str, Any]) -> str:
     lines = [
         f"{report['source']}: {report['n_runs_used']} runs used of {report['n_runs']} "
         f"(dropped {report['dropped_highest_loss']} highest-loss), Huber delta {report['huber_delta']:g}, "
-        f"fit {report['fit_seconds']:.1f}s",
+        f"fit {report['fit_seconds']:.1f}s"
+        + (f"; skipped {report['n_rows_skipped']} row(s) with a missing N, loss, or D and C" if report["n_rows_skipped"] else ""),
         "",
         "Approach 3  L = E + A/N^alpha + B/D^beta" + (f"   [{100 * f3['ci_level']:.0f}% bootstrap CI, n={f3['n_bootstrap']}]" if ci else ""),
         f"  {'param':<6} {'fit':>12} {'Hoffmann22':>11} {'Besiroglu24':>12}" + (f" {'CI':>24}" if ci else ""),
@@ -193,17 +233,24 @@ def _summary(report: dict[str, Any]) -> str:
             lo, hi = ci[name]
             row += f" {f'[{lo:.4g}, {hi:.4g}]':>24}"
         lines.append(row)
-    lines.append(f"  N_opt ∝ C^{f3['a_exponent']:.3f}, D_opt ∝ C^{f3['b_exponent']:.3f}")
+    errors3 = [row["approach3"]["error"] for row in report["compute_optimal"] if "error" in row["approach3"]]
+    if errors3:
+        lines.append(f"  {errors3[0]}")
+    else:
+        lines.append(f"  N_opt ∝ C^{f3['a_exponent']:.3f}, D_opt ∝ C^{f3['b_exponent']:.3f}")
     a2 = report["approach2"]
     if "error" in a2:
         lines.append(f"Approach 2  skipped: {a2['error']}")
     else:
         nb = sum(b["valid"] for b in a2["budgets"])
-        lines.append(f"Approach 2  N_opt ∝ C^{a2['a']:.3f}, D_opt ∝ C^{a2['b']:.3f}  ({nb} budgets)")
+        lines.append(f"Approach 2  N_opt ∝ C^{a2['a']:.3f}, D_opt ∝ C^{a2['b']:.3f}  ({nb} budgets; {a2['grouping']})")
     lines += ["", f"  {'C':>9} {'N_opt':>10} {'D_opt':>10} {'D/N':>7} {'loss':>7}" + ("   A2: N_opt     D/N" if "error" not in a2 else "")]
     for row in report["compute_optimal"]:
         r3 = row["approach3"]
-        line = f"  {row['C']:>9.2e} {r3['N_opt']:>10.3e} {r3['D_opt']:>10.3e} {r3['tokens_per_param']:>7.1f} {r3['loss']:>7.3f}"
+        if "error" in r3:  # alpha or beta <= 0: no trade-off between N and D to optimise
+            line = f"  {row['C']:>9.2e} {'(no Approach-3 allocation)':>38}"
+        else:
+            line = f"  {row['C']:>9.2e} {r3['N_opt']:>10.3e} {r3['D_opt']:>10.3e} {r3['tokens_per_param']:>7.1f} {r3['loss']:>7.3f}"
         if "approach2" in row:
             r2 = row["approach2"]
             line += f"   {r2['N_opt']:>9.3e} {r2['tokens_per_param']:>6.1f}"
@@ -213,12 +260,17 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         report = run(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as err:
+    except UsageError as err:
+        parser.error(str(err))  # usage line + message, exit status 2, as argparse's own errors
+    except (OSError, ValueError, RuntimeError) as err:
+        # Bad input data (missing path or columns, bad values, too few runs): status 2 like the
+        # other commands' input errors; one line, no traceback.
         print(f"fit: error: {err}", file=sys.stderr)
-        return 1
+        return 2
     print(_summary(report))
     return 0
 

@@ -140,13 +140,16 @@ def _lbfgs_batched(
         gnorm = np.linalg.norm(gr, axis=1)
         yy = np.einsum("kp,kp->k", yh[:, 0], yh[:, 0])
         # Initial Hessian scale s·y / y·y, or a unit-length first step along -g.
-        gamma = np.where(have, 1.0 / np.where(have, rh[:, 0] * yy, 1.0), 1.0 / np.maximum(gnorm, 1e-300))  # [K']
-        d = gamma[:, None] * q
-        for j in reversed(range(memory)):
-            b_j = rh[:, j] * np.einsum("kp,kp->k", yh[:, j], d)
-            d += (alphas[:, j] - b_j)[:, None] * sh[:, j]
-        d = -d
-        slope = np.einsum("kp,kp->k", gr, d)
+        # (rho y.y underflows to 0 when a row has all but converged: gamma is then inf, the
+        # direction non-finite, and the descent check below restarts that row along -g.)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            gamma = np.where(have, 1.0 / np.where(have, rh[:, 0] * yy, 1.0), 1.0 / np.maximum(gnorm, 1e-300))  # [K']
+            d = gamma[:, None] * q
+            for j in reversed(range(memory)):
+                b_j = rh[:, j] * np.einsum("kp,kp->k", yh[:, j], d)
+                d += (alphas[:, j] - b_j)[:, None] * sh[:, j]
+            d = -d
+            slope = np.einsum("kp,kp->k", gr, d)
         bad = ~(slope < 0)  # not a descent direction: restart from steepest descent
         if bad.any():
             d[bad] = -gr[bad] / np.maximum(gnorm[bad, None], 1e-300)
@@ -293,6 +296,11 @@ def _as_positive(name: str, values: Any) -> np.ndarray:
     return arr
 
 
+def _check_huber_delta(delta: float) -> None:
+    if not (isinstance(delta, (int, float, np.floating)) and delta > 0):  # (NaN fails too)
+        raise ValueError(f"huber_delta must be a positive number, got {delta!r}")
+
+
 def fit_power_law(x: Any, loss: Any, *, huber_delta: float = 1e-3) -> PowerLawFit:
     """Fits L = E + (x_c/x)^alpha as log L̂ = LSE(c - alpha log x, e), c = alpha log x_c.
 
@@ -305,6 +313,7 @@ def fit_power_law(x: Any, loss: Any, *, huber_delta: float = 1e-3) -> PowerLawFi
         raise ValueError(f"x and loss differ in length: {x.size=} {loss.size=}")
     if x.size < MIN_POINTS_POWER_LAW:
         raise ValueError(f"fit_power_law needs at least {MIN_POINTS_POWER_LAW} points, got {x.size}")
+    _check_huber_delta(huber_delta)
     logx, logy = np.log(x), np.log(loss)
     lx_mid, y_mid = logx.mean(), float(np.exp(logy.mean()))
     starts = []
@@ -408,6 +417,8 @@ def group_budgets(c: Any, *, tol_dex: float = 0.02) -> np.ndarray:
     Exactly equal budgets (a sweep) group for any tol_dex >= 0; for C read off a figure
     (Chinchilla) a tolerance of a few hundredths of a decade separates the IsoFLOP columns.
     """
+    if not tol_dex >= 0:
+        raise ValueError(f"tol_dex must be >= 0 decades, got {tol_dex!r}")
     logc = np.log10(np.asarray(c, dtype=float))
     order = np.argsort(logc, kind="stable")
     labels = np.empty(logc.size, dtype=int)
@@ -425,6 +436,8 @@ def snap_budgets(c: Any, nominal: Sequence[float], *, tol_dex: float = 0.05) -> 
     For data whose budgets are known (Chinchilla's nine IsoFLOP budgets, 6e18 ... 3e21 [H22,
     Fig. 3]) but whose C values are noisy; NaN runs belong to no profile.
     """
+    if not tol_dex >= 0:
+        raise ValueError(f"tol_dex must be >= 0 decades, got {tol_dex!r}")
     logc = np.log10(_as_positive("C", c))
     nom = np.log10(_as_positive("nominal budgets", nominal))
     dist = np.abs(logc[:, None] - nom[None])
@@ -458,10 +471,13 @@ def fit_isoflop(
     loss = _as_positive("loss", loss)
     if d is None and c is None:
         raise ValueError("fit_isoflop needs tokens D or FLOPs C")
-    d = _as_positive("D", d) if d is not None else _as_positive("C", c) / (FLOPS_PER_TOKEN_PER_PARAM * n)
-    c = _as_positive("C", c) if c is not None else FLOPS_PER_TOKEN_PER_PARAM * n * d
-    if not (n.size == d.size == loss.size == c.size):
-        raise ValueError(f"inputs differ in length: N={n.size} D={d.size} loss={loss.size} C={c.size}")
+    d_in = _as_positive("D", d) if d is not None else None
+    c_in = _as_positive("C", c) if c is not None else None
+    sizes = {"N": n.size, "D": None if d_in is None else d_in.size, "loss": loss.size, "C": None if c_in is None else c_in.size}
+    if len({v for v in sizes.values() if v is not None}) > 1:
+        raise ValueError("inputs differ in length: " + " ".join(f"{k}={v}" for k, v in sizes.items() if v is not None))
+    d = d_in if d_in is not None else c_in / (FLOPS_PER_TOKEN_PER_PARAM * n)
+    c = c_in if c_in is not None else FLOPS_PER_TOKEN_PER_PARAM * n * d
     if budgets is not None:
         labels = np.asarray(budgets, dtype=float)
         if labels.shape != n.shape:
@@ -469,9 +485,11 @@ def fit_isoflop(
     else:
         labels = group_budgets(c, tol_dex=tol_dex).astype(float)
     out: list[IsoFlopBudget] = []
+    small: list[int] = []  # sizes of the groups skipped for too few runs
     for lab in np.unique(labels[np.isfinite(labels)]):
         idx = np.flatnonzero(labels == lab)
         if idx.size < max(min_points, MIN_POINTS_PER_BUDGET) or np.unique(n[idx]).size < MIN_POINTS_PER_BUDGET:
+            small.append(int(idx.size))
             continue
         u = np.log(n[idx])
         p2, p1, p0 = np.polyfit(u, loss[idx], 2)
@@ -505,7 +523,9 @@ def fit_isoflop(
     if len(good) < 2:
         raise ValueError(
             f"Approach 2 needs at least two IsoFLOP budgets with an interior minimum; found {len(good)} "
-            f"of {len(out)} budgets with >= {min_points} runs (try explicit budgets or another tol_dex)"
+            f"of {len(out)} budgets with >= {min_points} runs"
+            + (f" ({len(small)} smaller group(s) of {', '.join(map(str, sorted(small)))} run(s) skipped)" if small else "")
+            + " (try explicit budgets or another tol_dex)"
         )
     logc = np.log([bud.flops for bud in good])
     a, log_kn = np.polyfit(logc, np.log([bud.n_opt for bud in good]), 1)
@@ -636,8 +656,13 @@ def fit_chinchilla(
         raise ValueError(f"inputs differ in length: N={n.size} D={d.size} loss={loss.size}")
     if n.size < MIN_POINTS_PARAMETRIC:
         raise ValueError(f"the parametric fit needs at least {MIN_POINTS_PARAMETRIC} points, got {n.size}")
-    if huber_delta <= 0:
-        raise ValueError(f"{huber_delta=} must be positive")
+    _check_huber_delta(huber_delta)
+    if not (isinstance(bootstrap, (int, np.integer)) and bootstrap >= 0):
+        raise ValueError(f"bootstrap must be a count of resamples >= 0, got {bootstrap!r}")
+    if bootstrap and not 0 < ci_level < 1:
+        raise ValueError(f"ci_level must lie strictly between 0 and 1 (e.g. 0.95), got {ci_level!r}")
+    if bootstrap and not (isinstance(seed, (int, np.integer)) and seed >= 0):
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     logx = np.log(np.stack([n, d]))  # [2, n]
     logy = np.log(loss)
     starts = paper_grid() if starts is None else np.atleast_2d(np.asarray(starts, dtype=float))
@@ -712,8 +737,8 @@ def compute_optimal(
     Returns floats for scalar C, arrays otherwise.
     """
     c_arr = np.asarray(c, dtype=float)
-    if np.any(c_arr <= 0):
-        raise ValueError("compute budgets C must be positive")
+    if not np.all(np.isfinite(c_arr) & (c_arr > 0)):
+        raise ValueError(f"compute budgets C must be finite and positive, got {c!r}")
     bad = {k: v for k, v in (("A", fit.A), ("B", fit.B), ("alpha", fit.alpha), ("beta", fit.beta)) if not v > 0}
     if bad:
         raise ValueError(
@@ -754,6 +779,10 @@ class RunTable:
     c: np.ndarray
     loss: np.ndarray
     source: str
+    # The IsoFLOP budget each run was planned for (a sweep store's `target` of its `C...`
+    # points; NaN for other runs), or None when the source does not say.
+    budget: np.ndarray | None = None
+    n_skipped: int = 0  # rows left out for a missing (blank / NULL / NaN) N, loss, or D and C
 
     def __len__(self) -> int:
         return int(self.loss.size)
@@ -765,15 +794,40 @@ class RunTable:
         if k >= len(self):
             raise ValueError(f"cannot drop {k} of {len(self)} runs")
         keep = np.sort(np.argsort(self.loss, kind="stable")[: len(self) - k])
-        return RunTable(self.n[keep], self.d[keep], self.c[keep], self.loss[keep], self.source)
+        budget = None if self.budget is None else self.budget[keep]
+        return RunTable(self.n[keep], self.d[keep], self.c[keep], self.loss[keep], self.source, budget, self.n_skipped)
 
 
-def _complete(n: np.ndarray, d: np.ndarray, c: np.ndarray, loss: np.ndarray, source: str) -> RunTable:
-    """Fills D = C/(6N) or C = 6ND where missing and drops rows without N or loss."""
+def _complete(
+    cols: dict[str, tuple[str, np.ndarray]],
+    labels: Sequence[str],
+    source: str,
+    budget: np.ndarray | None = None,
+) -> RunTable:
+    """Checks the values, fills D = C/(6N) or C = 6ND where missing, and leaves out (and
+    counts) the rows without N, loss, or both D and C.
+
+    cols: key ("N", "D", "C", "loss") -> (the column's name in the source, values with NaN
+    for a missing value); labels: how to name each row in an error ("line 7", "point X").
+    A value that is present must be finite and positive: anything else is an error naming
+    the column and the rows, never a silently dropped run.
+    """
+    for key in ("N", "D", "C", "loss"):
+        name, v = cols[key]
+        bad = np.flatnonzero(~np.isnan(v) & ~(np.isfinite(v) & (v > 0)))
+        if bad.size:
+            where = ", ".join(f"{labels[i]} ({v[i]:g})" for i in bad[:5])
+            more = f" and {bad.size - 5} more" if bad.size > 5 else ""
+            what = f"{name!r}" if name == key else f"{name!r} ({key})"
+            raise ValueError(
+                f"{source}: column {what} must hold finite positive numbers (leave a cell blank "
+                f"for a missing value); got {where}{more}"
+            )
+    n, d, c, loss = (cols[key][1] for key in ("N", "D", "C", "loss"))
     d = np.where(np.isnan(d), c / (FLOPS_PER_TOKEN_PER_PARAM * n), d)
     c = np.where(np.isnan(c), FLOPS_PER_TOKEN_PER_PARAM * n * d, c)
-    ok = np.isfinite(n) & np.isfinite(d) & np.isfinite(c) & np.isfinite(loss) & (n > 0) & (d > 0) & (loss > 0)
-    return RunTable(n[ok], d[ok], c[ok], loss[ok], source)
+    ok = np.isfinite(n) & np.isfinite(d) & np.isfinite(c) & np.isfinite(loss)
+    return RunTable(n[ok], d[ok], c[ok], loss[ok], source, None if budget is None else budget[ok], int((~ok).sum()))
 
 
 def _float(s: Any) -> float:
@@ -789,8 +843,14 @@ def _float(s: Any) -> float:
 def _load_csv(path: Path) -> RunTable:
     with path.open(newline="") as fh:
         reader = csv.DictReader(fh)
-        header = reader.fieldnames or []
-        rows = list(reader)
+        rows, lines = [], []
+        try:
+            header = reader.fieldnames or []
+            for row in reader:
+                rows.append(row)
+                lines.append(f"line {reader.line_num}")
+        except (UnicodeDecodeError, csv.Error) as err:
+            raise ValueError(f"{path}: not a readable CSV file (UTF-8 text): {err}") from None
     lower = {h.strip().lower(): h for h in header}
 
     def pick(key: str) -> str | None:
@@ -810,15 +870,25 @@ def _load_csv(path: Path) -> RunTable:
         name = cols[key]
         if name is None:
             return np.full(len(rows), np.nan)
-        try:
-            return np.array([_float(r[name]) for r in rows], dtype=float)
-        except ValueError as err:
-            raise ValueError(f"{path}: column {name!r} holds a non-number: {err}") from None
+        out = np.empty(len(rows))
+        for i, r in enumerate(rows):
+            try:
+                out[i] = _float(r[name])
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: column {name!r} holds a non-number at {lines[i]}: {r[name]!r}") from None
+        return out
 
-    return _complete(column("N"), column("D"), column("C"), column("loss"), str(path))
+    return _complete({key: (cols[key] or key, column(key)) for key in ("N", "D", "C", "loss")}, lines, str(path))
 
 
 def _load_sweep(db: Path) -> RunTable:
+    try:
+        return _read_sweep(db)
+    except sqlite3.DatabaseError as err:  # not a database, a locked or corrupt file
+        raise ValueError(f"{db}: cannot read the sweep store: {err}") from None
+
+
+def _read_sweep(db: Path) -> RunTable:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         have = {row[1] for row in con.execute("PRAGMA table_info(points)")}
@@ -827,13 +897,30 @@ def _load_sweep(db: Path) -> RunTable:
         missing = [col for col in SWEEP_COLUMNS if col not in have]
         if missing:
             raise ValueError(f"{db}: table 'points' lacks column(s) {', '.join(missing)}")
+        # `target` and `id` came with the sweep runner (older or hand-made stores may lack them).
+        target = "target" if "target" in have else "NULL"
+        pid = "id" if "id" in have else "rowid"
         rows = con.execute(
-            "SELECT n_params, tokens, flops, COALESCE(eval_loss, final_loss) FROM points WHERE status = 'done'"
+            f"SELECT n_params, tokens, flops, COALESCE(eval_loss, final_loss), {target}, {pid} "
+            "FROM points WHERE status = 'done' ORDER BY rowid"
         ).fetchall()
     finally:
         con.close()
-    arr = np.array([[_float(v) for v in row] for row in rows], dtype=float).reshape(-1, 4)
-    return _complete(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], str(db))
+    arr = np.array([[_float(v) for v in row[:5]] for row in rows], dtype=float).reshape(-1, 5)
+    ids = [str(row[5]) for row in rows]
+    # IsoFLOP points (ids `C<budget>-L<depth>-s<seed>`) record the budget they were planned
+    # for as `target`; the C they used differs by up to half a step, which for short runs is
+    # more than the spacing `group_budgets` chains over, so the fitter groups by the target.
+    isoflop = np.array([i.startswith("C") for i in ids], dtype=bool)
+    budget = np.where(isoflop, arr[:, 4], np.nan)
+    cols = {
+        "N": ("n_params", arr[:, 0]),
+        "D": ("tokens", arr[:, 1]),
+        "C": ("flops", arr[:, 2]),
+        "loss": ("eval_loss/final_loss", arr[:, 3]),
+    }
+    labels = [f"point {i}" for i in ids]
+    return _complete(cols, labels, str(db), budget if np.isfinite(budget).any() else None)
 
 
 def load_results(path: str | Path) -> RunTable:
@@ -842,7 +929,11 @@ def load_results(path: str | Path) -> RunTable:
     CSV: columns (case-insensitive) N | n_params | params | Model Size; D | tokens | Training Tokens
     and/or C | flops | Training FLOP; eval_loss | loss | final_loss. A missing D is C/(6N), a
     missing C is 6ND (the Chinchilla CSV gives C, so D = C/(6N) as in [B24]).
-    Sweep store: table `points`, rows with status 'done', loss = eval_loss, else final_loss.
+    Sweep store: table `points`, rows with status 'done', loss = eval_loss, else final_loss;
+    `budget` holds the IsoFLOP points' `target`.
+
+    Rows with a missing N or loss, or neither D nor C, are left out and counted in `n_skipped`;
+    a value that is present but not finite and positive is an error naming its column and row.
     """
     p = Path(path)
     if not p.exists():
@@ -897,6 +988,11 @@ def make_plots(
 
     c_lo, c_hi = runs.c.min(), runs.c.max()
     cnorm = LogNorm(c_lo, c_hi)
+    try:  # a fit without an N-D trade-off (alpha or beta <= 0) has no Approach-3 allocation to draw
+        compute_optimal(fit, c_hi)
+        no_allocation = ""
+    except ValueError as err:
+        no_allocation = str(err)
     cmap = plt.get_cmap("viridis")
 
     # 1. IsoFLOP profiles with their parabolas.
@@ -929,8 +1025,9 @@ def make_plots(
     front = pareto_frontier(runs.c, runs.loss)
     ax.step(runs.c[front], runs.loss[front], where="post", color="0.3", lw=1, label="empirical frontier")
     cgrid = np.logspace(math.log10(c_lo), math.log10(c_hi) + 1, 200)
-    n_opt, d_opt = compute_optimal(fit, cgrid)
-    ax.plot(cgrid, fit.predict(n_opt, d_opt), color="C0", lw=2, label="Approach 3: L(N_opt(C), D_opt(C))")
+    if not no_allocation:
+        n_opt, d_opt = compute_optimal(fit, cgrid)
+        ax.plot(cgrid, fit.predict(n_opt, d_opt), color="C0", lw=2, label="Approach 3: L(N_opt(C), D_opt(C))")
     if compute_fit is not None:
         ax.plot(cgrid, compute_fit.predict(cgrid), color="C2", lw=1.5, ls="--",
                 label=f"power law on frontier: E + (C_c/C)^{compute_fit.alpha:.3f}")
@@ -946,9 +1043,13 @@ def make_plots(
     # 3. N_opt and D_opt vs C.
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     cgrid = np.logspace(math.log10(c_lo) - 0.5, math.log10(c_hi) + 2, 200)
-    n3, d3 = compute_optimal(fit, cgrid)
+    n3, d3 = compute_optimal(fit, cgrid) if not no_allocation else (None, None)
     for ax, which, y3 in ((axes[0], "N", n3), (axes[1], "D", d3)):
-        ax.plot(cgrid, y3, color="C0", lw=2, label=f"Approach 3 (exponent {fit.beta / (fit.alpha + fit.beta) if which == 'N' else fit.alpha / (fit.alpha + fit.beta):.3f})")
+        if y3 is not None:
+            ax.plot(cgrid, y3, color="C0", lw=2, label=f"Approach 3 (exponent {fit.beta / (fit.alpha + fit.beta) if which == 'N' else fit.alpha / (fit.alpha + fit.beta):.3f})")
+        else:
+            ax.text(0.5, 0.97, "Approach 3: no compute-optimal allocation\n(alpha or beta <= 0)", transform=ax.transAxes,
+                    ha="center", va="top", fontsize=8, color="C0")
         if reference is not None:
             nr, dr = compute_optimal(reference[1], cgrid)
             ax.plot(cgrid, nr if which == "N" else dr, color="0.4", ls=":", lw=1.5, label=reference[0])
@@ -963,7 +1064,8 @@ def make_plots(
         ax.set_yscale("log")
         ax.set_xlabel("training compute C (FLOPs)")
         ax.set_ylabel("compute-optimal parameters N_opt" if which == "N" else "compute-optimal tokens D_opt")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         ax.grid(True, which="major", alpha=0.3)
     fig.suptitle(f"Compute-optimal allocation{tag}")
     save(fig, "optimal_allocation")

@@ -207,6 +207,10 @@ def _check_spec_keys(cls: type, data: Any, prefix: str = "") -> None:
         sub = _dataclass_of(hints[key])
         if sub is not None and value is not None:
             _check_spec_keys(sub, value, f"{prefix}{key}.")
+        enum_cls = hints[key] if isinstance(hints[key], type) and issubclass(hints[key], StrEnum) else None
+        allowed = [m.value for m in enum_cls] if enum_cls is not None else []
+        if enum_cls is not None and value is not None and str(value) not in allowed:
+            raise SpecError(f"{prefix}{key}: unknown value {value!r}; allowed: {', '.join(allowed)}")
 
 
 def _decode(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
@@ -240,10 +244,24 @@ def validate_spec(spec: SweepSpec) -> None:
     require(len(spec.depths) > 0 and all(d > 0 for d in spec.depths), "depths", f"must be a non-empty list of positive depths, got {list(spec.depths)}")
     require(len(set(spec.depths)) == len(spec.depths), "depths", f"has duplicates: {list(spec.depths)}")
     require(len(spec.seeds) > 0, "seeds", "must name at least one seed")
+    # Point ids are `C<budget>-L<depth>-s<seed>` / `D<tokens>-...` with 3 significant digits;
+    # two points with one id would share a run dir (and a store row).
+    require(len(set(spec.seeds)) == len(spec.seeds), "seeds", f"has duplicates: {list(spec.seeds)}")
+
+    def distinct_ids(key: str, kind: str, values: Sequence[float]) -> None:
+        seen: dict[str, float] = {}
+        for v in values:
+            tag = _fmt(v)
+            require(tag not in seen, key, f"{seen.get(tag, 0.0):g} and {v:g} give the same point id prefix {kind}{tag} "
+                    "(ids keep 3 significant digits); make them differ in the first three digits")
+            seen[tag] = v
+
     if spec.grid is not None:
         require(len(spec.grid.tokens) > 0 and all(t > 0 for t in spec.grid.tokens), "grid.tokens", f"must be positive token budgets, got {list(spec.grid.tokens)}")
+        distinct_ids("grid.tokens", "D", spec.grid.tokens)
     if spec.isoflop is not None:
         require(len(spec.isoflop.budgets) > 0 and all(c > 0 for c in spec.isoflop.budgets), "isoflop.budgets", f"must be positive FLOP budgets, got {list(spec.isoflop.budgets)}")
+        distinct_ids("isoflop.budgets", "C", spec.isoflop.budgets)
         require(spec.isoflop.min_steps >= 1, "isoflop.min_steps", f"must be >= 1, got {spec.isoflop.min_steps}")
     f = spec.family
     for name in ("aspect", "head_dim", "kv_ratio", "mlp_multiple"):
@@ -254,10 +272,17 @@ def validate_spec(spec: SweepSpec) -> None:
         if rule is not None:
             require(rule.base > 0 and rule.ref > 0, f"hparams.{name}", f"base and ref must be positive, got base={rule.base}, ref={rule.ref}")
             require(rule.multiple_of >= 1, f"hparams.{name}.multiple_of", f"must be >= 1, got {rule.multiple_of}")
+            for bound in ("min", "max"):
+                v = getattr(rule, bound)
+                require(v is None or v > 0, f"hparams.{name}.{bound}", f"must be positive (or unset), got {v}")
+            require(rule.min is None or rule.max is None or rule.min <= rule.max, f"hparams.{name}",
+                    f"min must be <= max, got min={rule.min}, max={rule.max}")
     wf = spec.hparams.warmup_fraction
     require(wf is None or 0 <= wf < 1, "hparams.warmup_fraction", f"must be in [0, 1), got {wf}")
     e = spec.estimate
-    require(e.mfu > 0, "estimate.mfu", f"must be positive, got {e.mfu}")
+    require(0 < e.mfu <= 1, "estimate.mfu", f"must be a fraction of peak in (0, 1], got {e.mfu}")
+    for name in ("startup_s", "step_overhead_s"):
+        require(getattr(e, name) >= 0, f"estimate.{name}", f"must be >= 0 seconds, got {getattr(e, name)}")
     require(e.tokens_per_sec is None or e.tokens_per_sec > 0, "estimate.tokens_per_sec", f"must be positive, got {e.tokens_per_sec}")
     from scaling.hardware import get_hardware  # (imports jax; no backend, no device memory)
 
@@ -627,6 +652,18 @@ def prepare_data(points: Sequence[Point], log) -> None:
             build_token_store(p.cfg, log=log)
 
 
+def select_points(points: Sequence[Point], only: Sequence[str]) -> list[Point]:
+    """The points whose id matches one of the `--only` globs (all when none are given); a
+    glob that matches nothing is an error (a typo would otherwise run nothing and exit 0)."""
+    if not only:
+        return list(points)
+    unmatched = [g for g in only if not any(fnmatch.fnmatchcase(p.id, g) for p in points)]
+    if unmatched:
+        ids = ", ".join(p.id for p in points[:8]) + (", ..." if len(points) > 8 else "")
+        raise SweepError(f"--only {' '.join(unmatched)} matches no point of this sweep; point ids: {ids}")
+    return [p for p in points if any(fnmatch.fnmatchcase(p.id, g) for g in only)]
+
+
 def run_sweep(
     spec: SweepSpec,
     spec_dir: Path,
@@ -646,8 +683,7 @@ def run_sweep(
 
     log = log or (lambda msg: print(msg, flush=True))
     points, dropped = generate_points(spec, spec_dir)
-    if only:
-        points = [p for p in points if any(fnmatch.fnmatchcase(p.id, g) for g in only)]
+    points = select_points(points, only)
     for note in dropped:
         log(f"dropped {note}")
     out = out.resolve()
@@ -787,6 +823,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     bad = [o for o in rest if not o.startswith("--") or "=" not in o]
     if bad:
         p.error(f"unrecognised arguments {bad}; spec overrides look like --section.key=value")
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1 (points at once), got {args.workers}")
     return args, rest
 
 
@@ -800,8 +838,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out or Path("sweeps") / spec.name)
     if args.dry_run:
         points, dropped = generate_points(spec, spec_dir)
-        if args.only:
-            points = [p for p in points if any(fnmatch.fnmatchcase(p.id, g) for g in args.only)]
+        try:
+            points = select_points(points, args.only)
+        except SweepError as e:
+            print(f"sweep error: {e}", file=sys.stderr)
+            return 2
         rows = {}
         if (out / "results.sqlite").exists():
             store = ResultStore(out / "results.sqlite")

@@ -270,13 +270,101 @@ def test_fit_cli_on_chinchilla(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_fit_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert fit_cli.main(["--results", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "o")]) == 1
+    # Input errors exit with status 2, like the other commands' (and argparse's) errors.
+    assert fit_cli.main(["--results", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "o")]) == 2
     assert "missing.csv" in capsys.readouterr().err
     wrong = tmp_path / "wrong.csv"
     wrong.write_text("params,loss\n1e8,3.0\n2e8,2.9\n")
-    assert fit_cli.main(["--results", str(wrong), "--out", str(tmp_path / "o")]) == 1
+    assert fit_cli.main(["--results", str(wrong), "--out", str(tmp_path / "o")]) == 2
     assert "D or C" in capsys.readouterr().err
     few = tmp_path / "few.csv"
     few.write_text("N,D,loss\n1e8,1e9,3.0\n2e8,2e9,2.9\n4e8,4e9,2.8\n")
-    assert fit_cli.main(["--results", str(few), "--out", str(tmp_path / "o")]) == 1
+    assert fit_cli.main(["--results", str(few), "--out", str(tmp_path / "o")]) == 2
     assert "at least" in capsys.readouterr().err
+
+
+# --- Edge cases -----------------------------------------------------------------------------------
+
+
+def test_load_results_rejects_bad_values_and_counts_missing_ones(tmp_path: Path) -> None:
+    """A value that is present must be finite and positive: a negative N, a zero loss or an
+    infinite C is an error naming the column and the CSV line, not a run silently left out.
+    Blank or NaN cells are missing values: those rows are left out and counted."""
+    good = [(1e8, 1e19, 3.1), (2e8, 2e19, 2.9), (4e8, 4e19, 2.7)]
+    for col, bad_row, pattern in (
+        ("N", (-2e8, 2e19, 2.9), "'N' .*line 3 \\(-2e\\+08\\)"),
+        ("loss", (2e8, 2e19, 0.0), "'loss' .*line 3 \\(0\\)"),
+        ("C", (2e8, "inf", 2.9), "'C' .*line 3 \\(inf\\)"),
+    ):
+        path = tmp_path / f"bad_{col}.csv"
+        rows = [good[0], bad_row, *good[1:]]
+        path.write_text("N,C,loss\n" + "".join(",".join(str(v) for v in r) + "\n" for r in rows))
+        with pytest.raises(ValueError, match=pattern):
+            sl.load_results(path)
+    path = tmp_path / "missing.csv"
+    path.write_text("N,C,loss\n1e8,1e19,3.1\n2e8,2e19,\n,3e19,2.8\n4e8,4e19,nan\n8e8,8e19,2.5\n")
+    runs = sl.load_results(path)
+    assert runs.n_skipped == 3
+    np.testing.assert_allclose(runs.n, [1e8, 8e8])
+    np.testing.assert_allclose(runs.loss, [3.1, 2.5])
+    np.testing.assert_allclose(runs.d, [1e19 / (6 * 1e8), 8e19 / (6 * 8e8)])
+
+
+def test_fit_api_rejects_bad_settings() -> None:
+    n, d, loss = _synthetic_runs(noise=0.0, seed=0)
+    for delta in (-1.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="huber_delta"):
+            sl.fit_power_law(n[:20], loss[:20], huber_delta=delta)  # used to return a garbage fit
+        with pytest.raises(ValueError, match="huber_delta"):
+            sl.fit_chinchilla(n, d, loss, huber_delta=delta)
+    with pytest.raises(ValueError, match="bootstrap"):
+        sl.fit_chinchilla(n, d, loss, bootstrap=-1)
+    with pytest.raises(ValueError, match="ci_level"):
+        sl.fit_chinchilla(n, d, loss, bootstrap=5, ci_level=1.5)
+    with pytest.raises(ValueError, match="seed"):
+        sl.fit_chinchilla(n, d, loss, bootstrap=5, seed=-1)
+    law = sl.published_fit(TRUE)
+    for c in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="finite and positive"):
+            sl.compute_optimal(law, c)
+    with pytest.raises(ValueError, match="tol_dex"):
+        sl.group_budgets([1e19, 1e20], tol_dex=-0.1)
+    with pytest.raises(ValueError, match="tol_dex"):
+        sl.snap_budgets([1e19, 1e20], [1e19], tol_dex=-0.1)
+    with pytest.raises(ValueError, match="differ in length: N=100 D=5"):
+        sl.fit_isoflop(n, d[:5], loss)
+
+
+# Nine finished points of a tiny CPU sweep (configs/sweeps/tiny_cpu.yaml at depths 1-3 and
+# budgets 1.5e9, 3e9, 6e9): N, D and eval loss. E is not identified (it runs to 0), and the
+# batched L-BFGS used to print a divide-by-zero RuntimeWarning on the way.
+TINY_SWEEP_N = [29792, 133440, 357024] * 3
+TINY_SWEEP_D = [11264, 2048, 768, 22784, 4096, 1536, 45312, 8448, 3072]
+TINY_SWEEP_LOSS = [3.2148, 4.6851, 4.9808, 2.7968, 3.9611, 4.6328, 2.4371, 3.1613, 3.9964]
+
+
+def test_fit_chinchilla_on_tiny_sweep_is_quiet_and_optimal() -> None:
+    import warnings
+
+    from scipy.optimize import minimize
+
+    n, d, loss = (np.array(v, dtype=float) for v in (TINY_SWEEP_N, TINY_SWEEP_D, TINY_SWEEP_LOSS))
+
+    def objective(p: np.ndarray, delta: float = 1e-3) -> float:  # written out independently
+        a, b, e, alpha, beta = p
+        r = np.log(np.exp(a) * n**-alpha + np.exp(b) * d**-beta + np.exp(e)) - np.log(loss)
+        return float(np.where(np.abs(r) <= delta, 0.5 * r * r, delta * (np.abs(r) - 0.5 * delta)).sum())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning may reach the user
+        fit = sl.fit_chinchilla(n, d, loss)
+    assert objective(fit.params_log) == pytest.approx(fit.objective, rel=1e-9)
+    grid = sl.paper_grid()
+    best = np.inf
+    for start in grid[np.random.default_rng(0).choice(len(grid), 10, replace=False)]:
+        with np.errstate(all="ignore"):
+            res = minimize(objective, start, method="Nelder-Mead",
+                           options={"maxiter": 20000, "maxfev": 20000, "xatol": 1e-10, "fatol": 1e-15})
+        if np.isfinite(res.fun):
+            best = min(best, res.fun)
+    assert fit.objective <= best * (1 + 1e-8)

@@ -76,6 +76,19 @@ def test_gpu_spec_is_three_budgets_by_five_sizes():
         ({"hparams": {"batch_size": {"base": 8, "of": "width"}}}, "hparams.batch_size.of"),
         ({"hparams": {"warmup_fraction": 1.5}}, "hparams.warmup_fraction"),
         ({"estimate": {"hardware": "h300"}}, "estimate.hardware: unknown hardware 'h300'; allowed: h100, h200"),
+        # An enum value: the message lists the allowed ones (draccus said "KeyError: 'width'").
+        ({"hparams": {"batch_size": {"base": 8, "of": "width"}}}, "hparams.batch_size.of: unknown value 'width'; allowed: params, tokens, flops"),
+        # Two points with one id would train in one run dir at once (and share a store row).
+        ({"seeds": [0, 0]}, "seeds: has duplicates"),
+        ({"isoflop": {"budgets": [1e9, 1e9]}}, "isoflop.budgets: .*same point id prefix C1e9"),
+        ({"isoflop": {"budgets": [1e9, 1.001e9]}}, "isoflop.budgets: .*same point id prefix C1e9"),
+        ({"isoflop": None, "grid": {"tokens": [4096, 4100]}}, "grid.tokens: .*same point id prefix D4.1e3"),
+        # Clamps that cannot hold: a batch of max -5 used to become 1 sequence, silently.
+        ({"hparams": {"batch_size": {"base": 8, "max": -5}}}, "hparams.batch_size.max: must be positive"),
+        ({"hparams": {"learning_rate": {"base": 1e-3, "min": 1e-2, "max": 1e-3}}}, "hparams.learning_rate: min must be <= max"),
+        ({"estimate": {"mfu": 2.0}}, "estimate.mfu: must be a fraction of peak in \\(0, 1\\]"),
+        ({"estimate": {"startup_s": -5.0}}, "estimate.startup_s: must be >= 0"),  # negative predicted times
+        ({"estimate": {"step_overhead_s": -0.1}}, "estimate.step_overhead_s: must be >= 0"),
     ],
 )
 def test_spec_errors_name_the_key(delta, match):
@@ -98,6 +111,21 @@ def test_cli_errors(capsys):
     assert cli(["sweep", "--config", str(TINY), "--dry-run", "--famly.aspect=3"]) == 2
     assert "famly" in capsys.readouterr().err
     assert cli(["sweep", "--config", "nope.yaml", "--dry-run"]) == 2
+
+
+def test_cli_flag_errors(capsys):
+    # --workers 0 used to be accepted (and run one point at a time while the dry run said 0).
+    for workers in ("0", "-2"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", str(TINY), "--dry-run", "--workers", workers])
+        assert exc.value.code == 2 and "--workers must be >= 1" in capsys.readouterr().err
+    # A glob that matches no point used to run nothing and exit 0; the message lists the ids.
+    assert main(["--config", str(TINY), "--dry-run", "--only", "C3e9-L1-s0", "--only", "C3e9-L9-*"]) == 2
+    err = capsys.readouterr().err
+    assert "--only C3e9-L9-* matches no point" in err and "C1.5e9-L1-s0, C1.5e9-L2-s0, C3e9-L1-s0, C3e9-L2-s0" in err
+    assert main(["--config", str(TINY), "--dry-run", "--only", "C3e9-*"]) == 0
+    out = capsys.readouterr().out
+    assert "C3e9-L1-s0" in out and "C1.5e9-L1-s0" not in out and "2 points" in out
 
 
 # ------------------------------------------------------------------------ points
@@ -277,7 +305,7 @@ def test_sweep_end_to_end_results(killed_and_resumed):
 def test_failing_point_recorded_with_its_error(killed_and_resumed):
     out, *_ = killed_and_resumed
     r = _rows(out)[FAILING]
-    assert r["status"] == "failed" and "no-such-tokens.npy" in r["error"] and "exit status 1" in r["error"]
+    assert r["status"] == "failed" and "no-such-tokens.npy" in r["error"] and "exit status 2" in r["error"]
 
 
 def test_submitit_local_executor_runs_a_point(tmp_path, corpus_cache, monkeypatch):
