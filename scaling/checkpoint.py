@@ -306,13 +306,29 @@ def _restore_params(state_dir: Path, model_cfg: ModelConfig, sharding: Any, *, u
     return restored[under] if under else restored
 
 
-def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+EXPORT_FORMATS = ("orbax", "hf")
+
+
+def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, format: str = "orbax",
+                  dtype: str | None = None) -> Path:
     """Write the params of a training checkpoint (latest complete one by default) on their own.
 
-    `out_dir/params` is an Orbax pytree of the params (no optimizer state), `config.yaml`
-    the run's resolved config, `tokenizer.json` the run's tokenizer if it had one, and
-    `export.json` where it came from. Load it with `load_params(out_dir)`.
+    format="orbax": `out_dir/params` is an Orbax pytree of the params (no optimizer state),
+    `config.yaml` the run's resolved config, `tokenizer.json` the run's tokenizer if it had one,
+    and `export.json` where it came from. Load it with `load_params(out_dir)`.
+
+    format="hf": a Hugging Face Llama directory (`scaling.interop.hf.save_params`: config.json,
+    model.safetensors, and the run's tokenizer as tokenizer.json + tokenizer_config.json +
+    generation_config.json), which transformers' `AutoModelForCausalLM` / `AutoTokenizer` and
+    `python -m scaling generate` load; `dtype` (float32, bfloat16, float16) for its weights,
+    default the params' own. Also `export.json`.
     """
+    if format not in EXPORT_FORMATS:
+        raise CheckpointError(f"--format {format!r}: allowed {', '.join(EXPORT_FORMATS)}")
+    if dtype is not None and format != "hf":
+        raise CheckpointError("--dtype applies to --format hf only (an Orbax export keeps the checkpoint's dtypes)")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise CheckpointError(f"--dtype {dtype!r}: allowed float32, bfloat16, float16")
     run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
@@ -326,20 +342,28 @@ def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     # Refuse a bad destination before reading anything (a large model's params take a while).
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir} exists and is not a directory; choose another --out")
-    if (out_dir / "params").exists():
-        raise CheckpointError(f"{out_dir / 'params'} already exists; choose another --out")
+    for name in ("params",) if format == "orbax" else ("config.json", "model.safetensors"):
+        if (out_dir / name).exists():
+            raise CheckpointError(f"{out_dir / name} already exists; choose another --out")
     if out_dir == run_dir:
         raise CheckpointError(f"--out {out_dir} is the run directory itself (its config.yaml would be overwritten); "
                               "choose another --out")
     cfg = config_from_dict(read_meta(ckpt_dir / str(step))["config"])
     params = _restore_params(ckpt_dir / str(step) / "state", cfg.model, _host_sharding(), under="params")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out_dir / "params", params)
-    (out_dir / "config.yaml").write_text(dump_yaml(cfg))
-    if (run_dir / "tokenizer.json").exists():
-        shutil.copyfile(run_dir / "tokenizer.json", out_dir / "tokenizer.json")
-    (out_dir / "export.json").write_text(json.dumps({"run_dir": str(run_dir), "step": step}, indent=1) + "\n")
+    tokenizer = run_dir / "tokenizer.json" if (run_dir / "tokenizer.json").exists() else None
+    if format == "hf":
+        from scaling.interop import hf
+
+        hf.save_params(cfg.model, params, out_dir, dtype=dtype, tokenizer=tokenizer)
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(out_dir / "params", params)
+        (out_dir / "config.yaml").write_text(dump_yaml(cfg))
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+    info = {"run_dir": str(run_dir), "step": step, "format": format}
+    (out_dir / "export.json").write_text(json.dumps(info, indent=1) + "\n")
     return out_dir
 
 
@@ -381,17 +405,23 @@ def load_params(path: str | Path, model_cfg: ModelConfig | None = None, sharding
 
 
 def export_main(argv: list[str]) -> int:
-    """python -m scaling export --run_dir DIR --out DIR [--step N]"""
-    parser = argparse.ArgumentParser(prog="python -m scaling export", description=export_params.__doc__)
+    """python -m scaling export --run_dir DIR --out DIR [--step N] [--format orbax|hf] [--dtype D]"""
+    parser = argparse.ArgumentParser(prog="python -m scaling export", description=export_params.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run_dir", required=True, help="training run directory (holds checkpoints/)")
-    parser.add_argument("--out", required=True, help="directory to write params/, config.yaml, tokenizer.json")
+    parser.add_argument("--out", required=True, help="directory to write the export to")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete)")
+    parser.add_argument("--format", default="orbax", choices=EXPORT_FORMATS,
+                        help="orbax: params/ + config.yaml (load_params); hf: a Hugging Face Llama directory")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="weights' dtype in an hf export (default: the params' own)")
     args = parser.parse_args(argv)
     try:
-        out = export_params(args.run_dir, args.out, args.step)
+        out = export_params(args.run_dir, args.out, args.step, format=args.format, dtype=args.dtype)
     except (CheckpointError, CheckpointMismatchError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     step = json.loads((out / "export.json").read_text())["step"]
-    print(f"exported params of step {step} from {Path(args.run_dir).absolute()} to {out}")
+    what = "a Hugging Face directory" if args.format == "hf" else "params"
+    print(f"exported {what} of step {step} from {Path(args.run_dir).absolute()} to {out}")
     return 0

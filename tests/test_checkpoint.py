@@ -117,6 +117,42 @@ def test_export_and_load_params_without_optimizer(saved_fsdp8, tmp_path, capsys)
 
 
 
+def test_export_as_a_hugging_face_directory(saved_fsdp8, tmp_path, capsys):
+    """export --format hf: the checkpoint's params, read back by our HF loader (checked against
+    transformers' logits in test_hf_interop.py), equal the saved ones; the run's tokenizer comes
+    along, so `generate` takes the directory; --dtype writes bf16 weights."""
+    import shutil
+
+    from scaling.__main__ import main
+    from scaling.generate_cli import load_any
+    from scaling.interop import hf
+
+    cfg, run_dir, saved = saved_fsdp8
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "tokenizer.json").write_text('{"kind": "byte"}')
+    out = tmp_path / "hf"
+    assert main(["export", "--run_dir", str(run), "--out", str(out), "--format", "hf"]) == 0
+    assert "exported a Hugging Face directory of step 1" in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    cfg2, model = hf.load(out)
+    assert cfg2.vocab_size == cfg.model.vocab_size and cfg2.num_layers == cfg.model.num_layers
+    _leaves_equal(saved["params"], jax.device_get(hf.nnx.to_pure_dict(hf.nnx.state(model, hf.nnx.Param))))
+    _, tok, stops = load_any(out)
+    assert stops == [256] and tok.encode("hé") == list("hé".encode())
+    out16 = tmp_path / "hf16"
+    assert main(["export", "--run_dir", str(run), "--out", str(out16), "--format", "hf", "--dtype", "bfloat16"]) == 0
+    tensors = hf.read_safetensors(out16 / "model.safetensors")
+    emb = tensors["model.embed_tokens.weight"]
+    assert emb.dtype == hf.ml_dtypes.bfloat16
+    np.testing.assert_array_equal(emb, saved["params"]["embed"]["table_vd"].astype(hf.ml_dtypes.bfloat16))
+    # refused: the directory already holds a model; --dtype without --format hf
+    assert main(["export", "--run_dir", str(run), "--out", str(out), "--format", "hf"]) == 2
+    assert "config.json already exists" in capsys.readouterr().err
+    assert main(["export", "--run_dir", str(run), "--out", str(tmp_path / "o"), "--dtype", "bfloat16"]) == 2
+    assert "--dtype applies to --format hf only" in capsys.readouterr().err
+
+
 def test_export_errors_exit_2_on_stderr_before_reading_params(saved_fsdp8, tmp_path, capsys, monkeypatch):
     from scaling.__main__ import main
 

@@ -310,18 +310,29 @@ def save(model_config: ModelConfig, model: Transformer, path: str | os.PathLike,
     the path of a run's `tokenizer.json`: written with `save_tokenizer`, so the directory is a
     whole model transformers' AutoTokenizer and our `generate` CLI can use.
     """
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return save_params(model_config, params, path, dtype=dtype, tokenizer=tokenizer)
+
+
+def save_params(model_config: ModelConfig, params: dict, path: str | os.PathLike, *, dtype=None,
+                tokenizer=None) -> Path:
+    """`save` from a pure dict of params (a checkpoint's, `scaling.checkpoint.load_params`)."""
     path = Path(path)
     if tokenizer is not None:
         tokenizer = _as_tokenizer(tokenizer)
         if tokenizer.vocab_size > model_config.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                              f"vocab_size {model_config.vocab_size}")
-    path.mkdir(parents=True, exist_ok=True)
-    params = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    dt = np.dtype(dtype) if dtype is not None else np.asarray(jax.tree.leaves(params)[0]).dtype
+    params = jax.device_get(params)
     names = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}
+    by_name = {v: k for k, v in names.items()}
+    if dtype is None:
+        dt = np.asarray(jax.tree.leaves(params)[0]).dtype
+    else:
+        dt = by_name.get(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     if dt not in names:
-        raise ValueError(f"cannot save weights as {dt}")
+        raise ValueError(f"dtype={dtype!r}: cannot save weights as that; allowed: {', '.join(names.values())}")
+    path.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(np.asarray(v).astype(dt)) for k, v in params_to_hf(model_config, params).items()}
     hf_config = config_to_hf(model_config, names[dt])
     if tokenizer is not None:
