@@ -59,11 +59,19 @@ def default_corpus_files(max_mb: float) -> list[Path]:
     return out
 
 
-def text_files(path: Path) -> list[Path]:
+def text_files(path: Path, exclude: Path | None = None) -> list[Path]:
+    """A file, or a directory's text files (by suffix), leaving out hidden files and folders
+    (`.git`, `.venv`, ...) and everything under `exclude` (the token cache: its own
+    tokenizer.json would otherwise join the corpus and change its key on every run)."""
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        skip = exclude.resolve() if exclude is not None else None
+        files = []
+        for root, dirs, names in os.walk(path):  # (pruned: a .venv is never walked)
+            dirs[:] = [x for x in dirs if not x.startswith(".") and (skip is None or Path(root, x).resolve() != skip)]
+            files += [Path(root, n) for n in names if not n.startswith(".") and Path(n).suffix in TEXT_SUFFIXES]
+        files = sorted(f for f in files if f.is_file())
         if files:
             return files
         raise DataError(f"data.path={str(path)!r} holds no text files (suffixes {sorted(TEXT_SUFFIXES)})")
@@ -190,7 +198,7 @@ def _corpus_key(cfg: Config, files: list[Path]) -> str:
 def build_token_store(cfg: Config, log=print) -> TokenStore:
     """Tokenize and pack the text corpus once; later calls memory-map the cached file."""
     d = cfg.data
-    files = default_corpus_files(d.max_corpus_mb) if d.path is None else text_files(Path(d.path))
+    files = default_corpus_files(d.max_corpus_mb) if d.path is None else text_files(Path(d.path), Path(d.cache_dir))
     directory = Path(d.cache_dir) / f"{'stdlib' if d.path is None else Path(d.path).name}-{_corpus_key(cfg, files)}"
     meta_path = directory / "meta.json"
     if not meta_path.exists():

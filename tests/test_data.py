@@ -151,3 +151,23 @@ def test_data_errors_exit_2_without_traceback(tmp_path, capsys):
                "--train.steps=1", "--run_dir", str(tmp_path / "run"), "--logging.tensorboard=false"])
     assert rc == 2
     assert "empty.bin' holds no tokens" in capsys.readouterr().err
+
+
+def test_directory_corpus_skips_hidden_folders_and_its_own_cache(tmp_path):
+    """data.path at a project-like folder: .git/.venv and hidden files stay out, and so does a
+    token cache inside it (its tokenizer.json would change the corpus, so each run re-tokenized)."""
+    from scaling.data import build_token_store, text_files
+
+    root = tmp_path / "proj"
+    for rel, text in {"a.txt": "alpha beta " * 50, "sub/b.md": "gamma delta " * 50, ".git/c.txt": "x",
+                      ".venv/lib/d.py": "y = 1", ".hidden.txt": "z", "sub/.e.py": "w"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    cache = root / "tokcache"
+    assert text_files(root, cache) == [root / "a.txt", root / "sub" / "b.md"]
+    cfg = load_config("configs/models/tiny.yaml", [f"--data.path={root}", f"--data.cache_dir={cache}",
+                                                   "--model.vocab_size=300", "--train.seq_len=16"])
+    first = build_token_store(cfg, log=lambda *_: None)
+    second = build_token_store(cfg, log=lambda *_: None)
+    assert first.directory == second.directory and len(list(cache.iterdir())) == 1
+    assert text_files(root, cache) == [root / "a.txt", root / "sub" / "b.md"]
