@@ -23,6 +23,7 @@ import fcntl
 import fnmatch
 import hashlib
 import math
+import re
 import os
 import signal
 import sqlite3
@@ -240,6 +241,8 @@ def validate_spec(spec: SweepSpec) -> None:
         if not ok:
             raise SpecError(f"{key}: {message}")
 
+    require(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name)), "name",
+            f"{spec.name!r} must be letters, digits, '.', '_' or '-' (it names the output folder sweeps/<name>)")
     require((spec.grid is None) != (spec.isoflop is None), "grid/isoflop", "set exactly one of `grid` (depths x tokens) or `isoflop` (budgets x depths)")
     require(len(spec.depths) > 0 and all(d > 0 for d in spec.depths), "depths", f"must be a non-empty list of positive depths, got {list(spec.depths)}")
     require(len(set(spec.depths)) == len(spec.depths), "depths", f"has duplicates: {list(spec.depths)}")
@@ -581,7 +584,7 @@ def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_r
             times.append(t)
         target = f"{p.target:.3g}" if p.id.startswith("C") else "-"
         lines.append(
-            f"{p.id:<20} {p.depth:>3} {p.cfg.model.hidden_size:>5} {p.n_params:>12,} {p.tokens:>13,} {p.tokens / p.n_params:>7.1f} "
+            f"{p.id:<20} {p.depth:>3} {p.cfg.model.hidden_size:>5} {p.n_params:>12,} {p.tokens:>13,} {p.tokens / p.n_params:>7.3g} "
             f"{p.steps:>7,} {p.cfg.train.batch_size:>5} {p.cfg.optimizer.learning_rate:>8.2e} {target:>9} {p.flops:>9.3g} {_hms(t):>8}  {status}"
         )
     total_c = sum(p.flops for p in points)

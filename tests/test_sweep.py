@@ -89,6 +89,8 @@ def test_gpu_spec_is_three_budgets_by_five_sizes():
         ({"estimate": {"mfu": 2.0}}, "estimate.mfu: must be a fraction of peak in \\(0, 1\\]"),
         ({"estimate": {"startup_s": -5.0}}, "estimate.startup_s: must be >= 0"),  # negative predicted times
         ({"estimate": {"step_overhead_s": -0.1}}, "estimate.step_overhead_s: must be >= 0"),
+        ({"name": "a/b"}, "name: 'a/b' must be letters, digits"),  # made nested output folders
+        ({"name": ".."}, "name: '..' must be letters, digits"),
     ],
 )
 def test_spec_errors_name_the_key(delta, match):
