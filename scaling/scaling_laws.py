@@ -314,6 +314,8 @@ def fit_power_law(x: Any, loss: Any, *, huber_delta: float = 1e-3) -> PowerLawFi
     if x.size < MIN_POINTS_POWER_LAW:
         raise ValueError(f"fit_power_law needs at least {MIN_POINTS_POWER_LAW} points, got {x.size}")
     _check_huber_delta(huber_delta)
+    if np.unique(x).size < 3:  # E, x_c and alpha: a curve through fewer x values is not determined
+        raise ValueError(f"fit_power_law needs at least 3 distinct x values, got {np.unique(x).size} ({np.unique(x).tolist()})")
     logx, logy = np.log(x), np.log(loss)
     lx_mid, y_mid = logx.mean(), float(np.exp(logy.mean()))
     starts = []

@@ -368,3 +368,11 @@ def test_fit_chinchilla_on_tiny_sweep_is_quiet_and_optimal() -> None:
         if np.isfinite(res.fun):
             best = min(best, res.fun)
     assert fit.objective <= best * (1 + 1e-8)
+
+
+def test_power_law_needs_three_distinct_x() -> None:
+    """E + (x_c/x)^alpha has three parameters: through two x values any alpha fits (was accepted)."""
+    x = np.array([1e6, 1e6, 1e6, 1e7, 1e7])
+    loss = 2.0 + (1e5 / x) ** 0.3
+    with pytest.raises(ValueError, match="at least 3 distinct x values, got 2"):
+        sl.fit_power_law(x, loss)
