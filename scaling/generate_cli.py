@@ -70,6 +70,12 @@ def load_run_dir(d: Path, step: int | None = None):
     cfg = load_config(d / "config.yaml")
     if not (d / "tokenizer.json").exists():
         raise FileNotFoundError(f"{d} has no tokenizer.json")
+    if step is not None:
+        steps = checkpoint.complete_steps(d / "checkpoints")
+        if (d / "params").exists() and not steps:
+            raise ValueError(f"--step {step}: {d} is an export (params/, one step); --step picks a run directory's checkpoint")
+        if step not in steps:
+            raise FileNotFoundError(f"--step {step}: no complete checkpoint of that step in {d / 'checkpoints'}; have {steps}")
     tok = load_tokenizer(d / "tokenizer.json")
     load_params = getattr(checkpoint, "load_params", None)
     params = None
@@ -97,6 +103,9 @@ def load_run_dir(d: Path, step: int | None = None):
 def load_any(path: str | Path, step: int | None = None):
     d = Path(path)
     if (d / "config.json").exists() and (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").exists()):
+        if step is not None:
+            raise ValueError(f"--step {step}: {d} is a Hugging Face directory (one set of weights); --step picks a run "
+                             "directory's checkpoint")
         return load_hf_dir(d)
     if (d / "config.yaml").exists():
         return load_run_dir(d, step)

@@ -339,7 +339,7 @@ def test_cli_hf_directory_streams_text(tmp_path, capsys):
 def test_cli_run_directory(tmp_path, capsys):
     """A run directory as train() leaves it: config.yaml, tokenizer.json, an Orbax checkpoint."""
     from scaling.checkpoint import Checkpointer
-    from scaling.config import dump_yaml, load_config
+    from scaling.config import dump_yaml, load_config, to_dict
     from scaling.generate_cli import main
     from scaling.train import init_state, make_setup
 
@@ -350,11 +350,26 @@ def test_cli_run_directory(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
     (tmp_path / "tokenizer.json").write_text('{"kind": "byte"}')
     ckpt = Checkpointer(tmp_path, cfg.checkpoint)
-    ckpt.save(1, init_state(make_setup(cfg)), {"loader": {}}, force=True)
+    ckpt.save(1, init_state(make_setup(cfg)), {"loader": {}, "config": to_dict(cfg)}, force=True)
     ckpt.close()
     assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--prompt", "xyz", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "=== 'ab'" in out and "=== 'xyz'" in out
+    # --step names the steps there are (was Orbax's "Directory does not exist"), and where it cannot apply says so
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--step", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "--step 7: no complete checkpoint of that step" in err and "have [1]" in err
+    assert main(["--checkpoint", str(tmp_path), "--prompt", "ab", "--step", "1", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    export = tmp_path / "export"
+    from scaling.checkpoint import export_params
+
+    export_params(tmp_path, export)
+    assert main(["--checkpoint", str(export), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["--checkpoint", str(export), "--prompt", "ab", "--step", "1"]) == 2
+    assert "is an export (params/, one step)" in capsys.readouterr().err
+    assert not (export / "checkpoints").exists()  # (the refused restore used to create it)
 
 
 @pytest.mark.parametrize("n,kh,h,dtype,tol", [(32, 4, 16, jnp.float32, 1e-5), (8, 8, 64, jnp.bfloat16, 2e-2)])
