@@ -384,24 +384,31 @@ def load_config_of(path: str | Path) -> Config:
     return config_from_dict(read_meta(path / "checkpoints" / str(steps[-1]))["config"])
 
 
-def load_params(path: str | Path, model_cfg: ModelConfig | None = None, sharding: Any = None) -> dict:
+def load_params(path: str | Path, model_cfg: ModelConfig | None = None, sharding: Any = None,
+                step: int | None = None) -> dict:
     """Params as a pure dict of arrays, without the optimizer state.
 
     `path`: an export directory (`export_params`), or a run directory (its latest
     complete training checkpoint). `model_cfg`: the model to load into (default: the one
     stored with the params); a shape mismatch raises CheckpointMismatchError naming each
     parameter and both shapes. `sharding`: one sharding for every leaf or a tree of them
-    (default: the first local device).
+    (default: the first local device). `step`: a run directory's checkpoint of that step
+    (default: the latest complete one); not for an export.
     """
     path = Path(path).absolute()
     model_cfg = model_cfg or load_config_of(path).model
     sharding = sharding or _host_sharding()
-    if (path / "params").exists():
-        return _restore_params(path / "params", model_cfg, sharding, under=None)
     steps = complete_steps(path / "checkpoints")
+    if (path / "params").exists() and not steps:
+        if step is not None:
+            raise CheckpointError(f"step {step}: {path} is an export (params/, one step); a step picks a run directory's checkpoint")
+        return _restore_params(path / "params", model_cfg, sharding, under=None)
     if not steps:
         raise CheckpointError(f"{path} is neither an export (params/) nor a run with a complete checkpoint")
-    return _restore_params(path / "checkpoints" / str(steps[-1]) / "state", model_cfg, sharding, under="params")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"step {step}: no complete checkpoint of that step in {path / 'checkpoints'}; have {steps}")
+    step = steps[-1] if step is None else step
+    return _restore_params(path / "checkpoints" / str(step) / "state", model_cfg, sharding, under="params")
 
 
 def export_main(argv: list[str]) -> int:

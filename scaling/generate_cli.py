@@ -70,31 +70,11 @@ def load_run_dir(d: Path, step: int | None = None):
     cfg = load_config(d / "config.yaml")
     if not (d / "tokenizer.json").exists():
         raise FileNotFoundError(f"{d} has no tokenizer.json")
-    if step is not None:
-        steps = checkpoint.complete_steps(d / "checkpoints")
-        if (d / "params").exists() and not steps:
-            raise ValueError(f"--step {step}: {d} is an export (params/, one step); --step picks a run directory's checkpoint")
-        if step not in steps:
-            raise FileNotFoundError(f"--step {step}: no complete checkpoint of that step in {d / 'checkpoints'}; have {steps}")
     tok = load_tokenizer(d / "tokenizer.json")
-    load_params = getattr(checkpoint, "load_params", None)
-    params = None
-    if load_params is not None and step is None:
-        try:
-            params = load_params(d, cfg.model)
-        except TypeError:
-            params = None  # a different signature than expected: fall back to the full restore
-    if params is None:
-        from scaling.train import abstract_state, make_setup
-
-        ckpt = checkpoint.Checkpointer(d, cfg.checkpoint)
-        try:
-            restored = ckpt.restore(abstract_state(make_setup(cfg)), step=step)
-        finally:
-            ckpt.close()
-        if restored is None:
-            raise FileNotFoundError(f"no checkpoint under {d / 'checkpoints'}")
-        params = restored.state["params"]
+    try:
+        params = checkpoint.load_params(d, cfg.model, step=step)
+    except checkpoint.CheckpointError as e:
+        raise ValueError(f"--{e}" if str(e).startswith("step ") else str(e)) from None
     model = from_params(cfg.model, params, attention=cfg.attention)
     eos = getattr(tok, "eos_id", None)
     return model, tok, ([eos] if eos is not None else [])

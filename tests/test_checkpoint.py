@@ -112,6 +112,11 @@ def test_export_and_load_params_without_optimizer(saved_fsdp8, tmp_path, capsys)
     assert isinstance(params, dict) and set(params) == set(saved["params"])
     _leaves_equal(saved["params"], params)
     _leaves_equal(saved["params"], C.load_params(run_dir))  # straight from a run, optimizer skipped
+    _leaves_equal(saved["params"], C.load_params(run_dir, step=1))
+    with pytest.raises(C.CheckpointError, match=r"step 5: no complete checkpoint of that step .* have \[1\]"):
+        C.load_params(run_dir, step=5)
+    with pytest.raises(C.CheckpointError, match="is an export"):
+        C.load_params(out, step=1)
     with pytest.raises(C.CheckpointMismatchError, match=r"embed.table_vd: config shape \(512, 128\), checkpoint shape \(1024, 128\)"):
         C.load_params(out, replace(cfg, model={"vocab_size": 512}).model)
 
