@@ -27,6 +27,8 @@ SEARCH_POLICIES = (RematPolicyName.none, RematPolicyName.dots, RematPolicyName.s
 
 
 def _g(x: float) -> str:
+    if 0 < x < 0.01 * GiB:  # (the norm scales' all-reduce: 0.00 GiB said nothing)
+        return f"{x / 2**20:,.2f} MiB"
     return f"{x / GiB:,.2f} GiB"
 
 
@@ -41,6 +43,8 @@ def xla_host_pool_bytes() -> float:
 
 
 def _t(s: float) -> str:
+    if 0 < s < 1e-5:
+        return f"{s * 1e6:,.2f} us"
     return f"{s * 1e3:,.2f} ms"
 
 
