@@ -79,10 +79,29 @@ COMMANDS.update(
 )
 
 
+SUMMARIES = {
+    "train": "train a model: --config FILE [--section.key=value ...]; resumes in the same --run_dir",
+    "shardings": "print every parameter's shape, mesh spec and bytes per device for a config",
+    "plan": "the book's accounting for a config: params, FLOPs, memory, communication, roofline [--search]",
+    "generate": "stream text from a run directory, an export or a Hugging Face directory",
+    "sweep": "train every point of a grid or IsoFLOP sweep spec, resumably (--dry-run to preview)",
+    "fit": "fit Kaplan and Chinchilla scaling laws to a sweep's results or a CSV, with plots",
+    "export": "write a run's params alone (Orbax), or as a Hugging Face directory (--format hf)",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m scaling COMMAND [options]   (python -m scaling COMMAND --help for its options)", ""]
+    lines += [f"  {name:<10} {SUMMARIES.get(name, '')}" for name in COMMANDS]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(f"usage: python -m scaling {{{','.join(COMMANDS)}}} [--config FILE] [--section.key=value ...]")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command {argv[0]!r}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(_usage(), file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         return int(COMMANDS[argv[0]](argv[1:]) or 0)
