@@ -762,6 +762,12 @@ def sample(logits_bv, keys_b, temperature, top_p, sampling: Sampling):
                                          use_top_p=sampling.use_top_p)
     logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     z = logits_bv / temperature
+    # A tiny temperature takes logits / T past f32's range: +inf for several tokens (which then tie,
+    # the first winning, not the largest logit) or -inf for all of them (token 0). Such rows as
+    # (logits - max) / T, the same distribution with its max at 0. (Other rows keep logits / T: the
+    # tokens of scaling.kernels.sample, which divides so too.)
+    finite_b1 = jnp.isfinite(jnp.max(z, axis=-1, keepdims=True))
+    z = jnp.where(finite_b1, z, (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / temperature)
     if sampling.top_k is not None:
         kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
         z = jnp.where(z < kth, -jnp.inf, z)
@@ -907,6 +913,22 @@ def _megakernel_greedy_chunk(weights, state, params, *, cfg, n_steps, options: t
 # ------------------------------------------------------------------------------ the API
 
 
+def _is_int(x) -> bool:
+    """An integer scalar: Python's (not a bool), numpy's, or a 0-d integer array."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (int, np.integer)):
+        return True
+    return isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def _is_real(x) -> bool:
+    """A real scalar: an integer (_is_int), a float (Python's or numpy's) or a 0-d float array."""
+    if _is_int(x) or isinstance(x, (float, np.floating)):
+        return True
+    return isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.floating)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -994,8 +1016,8 @@ class Decoder:
         prefill_core = resolve_impl(self.core_impl, seq_len=max_len, head_dim=self.cfg.resolved_head_dim)
         if jnp.dtype(self.dtype) == jnp.float32 and prefill_core == AttentionImpl.cudnn:
             self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
-        if chunk < 1:
-            raise ValueError(f"{chunk=} must be >= 1")
+        if not _is_int(chunk) or chunk < 1:  # (a float failed inside the trace)
+            raise ValueError(f"{chunk=} must be an int >= 1")
         if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be an int >= 1, got {prefill_tokens!r}")
         self.prefill_tokens = prefill_tokens
@@ -1047,8 +1069,8 @@ class Decoder:
         self.pallas_max_batch = {DecodeLayerImpl.pallas: PALLAS_MAX_BATCH, DecodeLayerImpl.pallas_tma: decode_tma.ROWS,
                                  DecodeLayerImpl.auto: AUTO_PALLAS_MAX_BATCH}.get(self.layer_impl, 0)
         self.gemv_blocks = gemv_blocks
-        if max_len is not None and max_len < 1:
-            raise ValueError(f"{max_len=} must be >= 1")
+        if max_len is not None and (not _is_int(max_len) or max_len < 1):
+            raise ValueError(f"{max_len=} must be an int >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
         # auto: batch-1 steps on the megakernel on a Hopper GPU, unless auto_megakernel_reason says why not
         self.auto_megakernel_reason = None
@@ -1103,9 +1125,14 @@ class Decoder:
 
     # ---------------------------------------------------------------- validation
 
-    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, max_len, seed=0) -> int:
-        """Every error a call can make, raised before anything compiles. Returns max_len."""
+    def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, max_len, seed=0, stop_tokens=()) -> dict:
+        """Every error a call can make, raised before anything compiles. Returns _stream's arguments:
+        the prompts as a list of rows, the numbers as Python's, the stop ids, max_len resolved."""
         v = self.cfg.vocab_size
+        if isinstance(prompts, (np.ndarray, jax.Array)):  # a [prompts, tokens] array of equal-length prompts
+            if prompts.ndim != 2:
+                raise ValueError(f"prompts as an array must be 2-D [prompts, tokens], got shape {tuple(prompts.shape)}")
+            prompts = list(np.asarray(prompts))
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         if self.max_batch is not None and len(prompts) > self.max_batch:
@@ -1113,31 +1140,54 @@ class Decoder:
                              f"(max_batch={self.max_batch})")
         longest = 0
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            arr = np.asarray(p)
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            if _is_int(p):
+                raise ValueError("prompts must be a list of token-id lists, one per prompt, not a flat list of ids "
+                                 "(one prompt is [ids])")
+            try:
+                arr = np.asarray(p)
+            except ValueError:  # (ragged nesting)
+                arr = np.asarray(None)
+            if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
                 raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+            if arr.size == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
             bad = arr[(arr < 0) | (arr >= v)]
             if bad.size:
                 raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, {v})")
-            longest = max(longest, len(p))
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
-        if top_k is not None and not 1 <= top_k <= v:
-            raise ValueError(f"top_k={top_k} must be in [1, vocab_size={v}]")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p} must be in (0, 1]")
+            longest = max(longest, arr.size)
+        # (a float would have run int(max_new_tokens) steps; a float top_k failed inside the compile)
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+        # (NaN would sample from NaN logits; inf makes every logit 0, so top-k and top-p keep everything)
+        if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)")
+        if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= v):
+            raise ValueError(f"top_k={top_k!r} must be an int in [1, vocab_size={v}]")
+        if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+            raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
         # (JAX's key(seed) keeps a seed's low 32 bits: 2**32 would draw what 0 draws, -1 what 2**32 - 1 does)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
+        # (checked here, not when the generator first runs: an int had raised a TypeError there)
+        if _is_int(stop_tokens) or isinstance(stop_tokens, (str, bytes)):
+            raise ValueError(f"stop_tokens must be a list of token ids, got {stop_tokens!r} (one id is [id])")
+        try:
+            stop = list(stop_tokens)
+        except TypeError:
+            raise ValueError(f"stop_tokens must be a list of token ids, got {type(stop_tokens).__name__}") from None
+        for x in stop:
+            if not _is_int(x):
+                raise ValueError(f"stop_tokens must be integer token ids, got {x!r}")
+        stop = sorted({int(x) for x in stop if 0 <= x < v})  # (an id outside the vocabulary is never drawn)
+        if max_len is not None and (not _is_int(max_len) or max_len < 1):
+            raise ValueError(f"max_len={max_len!r} must be an int >= 1")
         if max_len is None:
-            max_len = _round_up(longest + max_new_tokens, LEN_BUCKET)
+            max_len = _round_up(longest + int(max_new_tokens), LEN_BUCKET)
         if longest > max_len:
             raise ValueError(f"a prompt of {longest} tokens is longer than the cache (max_len={max_len})")
-        return max_len
+        return dict(prompts=prompts, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                    top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
+                    seed=int(seed), stop_tokens=stop, max_len=int(max_len))
 
     # ------------------------------------------------------------------ decoding
 
@@ -1158,13 +1208,13 @@ class Decoder:
 
         Bad arguments raise here, at the call, not at the first item (a caller may print the
         prompt between the two)."""
-        max_len = self._check(prompts, max_new_tokens, temperature, top_k, top_p,
-                              max_len if max_len is not None else self.max_len, seed)
-        return self._stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            stop_tokens=stop_tokens, max_len=max_len, timing=timing)
+        args = self._check(prompts, max_new_tokens, temperature, top_k, top_p,
+                           max_len if max_len is not None else self.max_len, seed, stop_tokens)
+        return self._stream(**args, timing=timing)
 
     def _stream(self, prompts, max_new_tokens, *, temperature, top_k, top_p, seed, stop_tokens, max_len, timing):
-        """stream's generator, for arguments _check has passed (max_len resolved)."""
+        """stream's generator, for the arguments _check returns (max_len resolved, stop_tokens the
+        sorted ids in the vocabulary)."""
         cfg = self.cfg
         n_rows = len(prompts)
         b = self.bucket(n_rows)
@@ -1180,7 +1230,7 @@ class Decoder:
             tokens[i, : len(p)] = p
             lengths[i] = len(p)
         done = np.arange(b) >= n_rows  # padding rows start finished
-        stop = sorted(set(int(x) for x in stop_tokens))
+        stop = stop_tokens
         stop_ids = np.full((_round_up(max(len(stop), 1), 8),), -1, np.int32)
         stop_ids[: len(stop)] = stop
         greedy = temperature == 0 or top_k == 1
@@ -1190,7 +1240,9 @@ class Decoder:
         # (host values moved to the device in one transfer each, not one eager op per value: on
         # the way to the first token, every call on the host is latency)
         params = jax.device_put({
-            "temperature": np.float32(temperature if temperature > 0 else 1.0),
+            # (at least f32's smallest normal: a smaller one is 0 or a subnormal, which XLA's CPU
+            # flushes to 0, and logits / 0 is no distribution; `sample` takes the limit from there)
+            "temperature": np.float32(max(temperature, np.finfo(np.float32).tiny) if temperature > 0 else 1.0),
             "top_p": np.float32(top_p if top_p is not None else 1.0),
             "stop_ids": stop_ids,
             "max_new": np.int32(max_new_tokens),
@@ -1266,9 +1318,10 @@ class Decoder:
 
     def generate(self, prompts, max_new_tokens: int, **kw) -> Generation:
         timing: dict = {}
-        tokens: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        for items in self.stream(prompts, max_new_tokens, timing=timing, **kw):
+        items_iter = self.stream(prompts, max_new_tokens, timing=timing, **kw)  # (checks the arguments)
+        tokens: list[list[int]] = [[] for _ in range(len(prompts))]
+        logprobs: list[list[float]] = [[] for _ in range(len(prompts))]
+        for items in items_iter:
             for i, toks, lps in items:
                 tokens[i].extend(toks)
                 logprobs[i].extend(lps)
@@ -1288,7 +1341,8 @@ def generate(
     return_logprobs: bool = False,
     max_len: int | None = None,
 ):
-    """New tokens per prompt (a list of token-id lists), and their log-probs on request.
+    """New tokens per prompt (a list of token-id lists, or a [prompts, tokens] integer array), and
+    their log-probs on request.
 
     Greedy when temperature == 0. A row stops after a stop token (included in its output),
     after max_new_tokens, or when its cache (max_len, default prompt + new tokens) is full.

@@ -459,3 +459,111 @@ def test_cli_keeps_the_space_a_sentencepiece_decoder_drops(tmp_path, capsys):
         for p, toks in zip(prompts, new):
             want = p + "".join(f" w{t}" for t in toks)  # every new word after a space
             assert want + "\n" in out
+
+
+# ------------------------------------------------------------- arguments and edge cases
+
+
+def _uncached_argmax(model, prompt, new):
+    """Greedy tokens by the model's full forward pass over the growing sequence (no cache)."""
+    seq = list(prompt)
+    for _ in range(new):
+        seq.append(int(jnp.argmax(model(jnp.asarray([seq], jnp.int32))[0, -1])))
+    return seq[len(prompt):]
+
+
+def test_tiny_temperature_draws_the_argmax(model, decoder):
+    """temperature -> 0 is greedy. logits / T past f32's range had made every logit +-inf: the
+    first +inf (not the largest) or, all -inf, token 0 was drawn; a T that rounds to 0 in f32 divided by 0."""
+    want = [_uncached_argmax(model, p, 4) for p in PROMPTS]
+    for t in (1e-38, 1e-42, 1e-60):
+        assert decoder.generate(PROMPTS, 4, temperature=t, seed=1).tokens == want, t
+    # `sample` alone: rows of all-positive and all-negative logits that overflow at T = 1e-38
+    logits = jnp.asarray([[3.0, 5.0, 4.0, 5.5], [-5.0, -3.0, -4.0, -3.5], [40.0, -40.0, 41.0, 0.0]])
+    keys = jax.random.split(jax.random.key(0), 3)
+    for top_k, use_top_p in ((None, False), (2, False), (None, True)):
+        sampling = decode.Sampling(greedy=False, top_k=top_k, use_top_p=use_top_p)
+        toks, lps = decode.sample(logits, keys, jnp.float32(1e-38), jnp.float32(0.9), sampling)
+        np.testing.assert_array_equal(np.asarray(toks), [3, 1, 2])
+        np.testing.assert_allclose(np.asarray(lps), np.asarray(jax.nn.log_softmax(logits))[[0, 1, 2], [3, 1, 2]],
+                                   atol=1e-6)
+
+
+def test_arguments_of_the_wrong_kind_raise_at_the_call(model, decoder, monkeypatch):
+    """Before anything compiles, and at stream's call, not at its first item."""
+    # (a float chunk failed in the trace, a float max_len at the call)
+    for kw, msg in ((dict(chunk=2.5), "chunk=2.5 must be an int >= 1"),
+                    (dict(max_len=64.0), "max_len=64.0 must be an int >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            decode.Decoder(model, **kw)
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before validating")
+
+    monkeypatch.setattr(decode, "_prefill_rows", no_compile)
+    monkeypatch.setattr(decode, "_decode_chunk", no_compile)
+    cases = [
+        (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an int"),  # (had run 2 steps)
+        (dict(max_new_tokens=True), "max_new_tokens=True must be an int"),
+        (dict(temperature=float("nan")), "temperature=nan must be a finite number"),  # (had drawn from NaN logits)
+        (dict(temperature=float("inf")), "temperature=inf must be a finite number"),  # (top-k/top-p kept every token)
+        (dict(temperature="0.5"), "temperature='0.5' must be a finite number"),
+        (dict(temperature=1.0, top_k=2.5), r"top_k=2.5 must be an int in \[1, vocab_size=97\]"),  # (in the trace)
+        (dict(stop_tokens=5), "stop_tokens must be a list of token ids, got 5"),  # (a TypeError at the first item)
+        (dict(stop_tokens=[1.5]), "stop_tokens must be integer token ids"),
+        (dict(max_len=0), "max_len=0 must be an int >= 1"),
+        (dict(max_len=40.0), "max_len=40.0 must be an int >= 1"),
+    ]
+    for kw, msg in cases:
+        kw = {"max_new_tokens": 3, **kw}
+        new = kw.pop("max_new_tokens")
+        with pytest.raises(ValueError, match=msg):
+            decoder.stream([[1, 2]], new, **kw)
+        with pytest.raises(ValueError, match=msg):
+            decoder.generate([[1, 2]], new, **kw)
+    flat = "a list of token-id lists, one per prompt, not a flat list of ids"
+    for prompts, msg in (([1, 2, 3], flat), (np.arange(1, 4), r"2-D \[prompts, tokens\], got shape \(3,\)"),
+                         (np.zeros((0, 3), np.int32), "non-empty"), (np.zeros((2, 0), np.int32), "prompt 0 is empty"),
+                         (np.full((1, 2), 97), "outside the vocabulary"), ([[1, [2]]], "prompt 0 must be a flat list")):
+        with pytest.raises(ValueError, match=msg):
+            decoder.stream(prompts, 2)
+
+
+def test_array_prompts_and_stop_ids(model, decoder):
+    """A [prompts, tokens] numpy or jax array is a batch of equal-length prompts (it had been
+    refused); stop ids may come as an array, and ids outside the vocabulary, never drawn, change
+    nothing (2**40 had overflowed int32)."""
+    prompts = np.asarray([[5, 6, 7], [40, 41, 42]], np.int64)
+    want = [_uncached_argmax(model, p, 5) for p in prompts.tolist()]
+    assert decoder.generate(prompts, 5).tokens == want
+    assert decoder.generate(jnp.asarray(prompts, jnp.int32), 5).tokens == want
+    assert decode.generate(model, prompts, 5, max_len=MAX_LEN) == want
+    assert decoder.generate(prompts, 5, stop_tokens=np.asarray([2**40, -1, 97])).tokens == want
+    stop = want[1][1]
+    cut = [w[: w.index(stop) + 1] if stop in w else w for w in want]
+    assert decoder.generate(prompts, 5, stop_tokens=np.asarray([stop])).tokens == cut
+
+
+def test_sampled_first_tokens_follow_the_filtered_softmax(model):
+    """Many rows of one prompt: the first sampled tokens against softmax(logits / T) restricted to
+    the top k and then to the top-p nucleus, from the model's uncached logits (chi-square)."""
+    from scipy import stats
+
+    prompt, n, t, k, p = [1, 2, 3], 2048, 1.3, 12, 0.8
+    logits = np.asarray(model(jnp.asarray([prompt], jnp.int32))[0, -1], np.float64)
+    z = logits / t
+    z = np.where(z < np.sort(z)[-k], -np.inf, z)
+    prob = np.exp(z - z.max())
+    prob /= prob.sum()
+    order = np.argsort(-prob)
+    keep = order[np.cumsum(prob[order]) - prob[order] < p]
+    prob = np.where(np.isin(np.arange(prob.size), keep), prob, 0.0)
+    prob /= prob.sum()
+    dec = decode.Decoder(model, max_len=MAX_LEN, attention="xla")
+    out = dec.generate([prompt] * n, 1, temperature=t, top_k=k, top_p=p, seed=0)
+    first = np.asarray([toks[0] for toks in out.tokens])
+    counts = np.bincount(first, minlength=CFG.vocab_size)
+    assert counts[prob == 0].sum() == 0
+    assert 3 <= (prob > 0).sum() < k  # (top-p cut inside the top k)
+    assert stats.chisquare(counts[prob > 0], prob[prob > 0] * n).pvalue > 1e-3
+    logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    np.testing.assert_allclose([lp[0] for lp in out.logprobs], logp[first], atol=2e-5)

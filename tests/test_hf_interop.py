@@ -192,3 +192,132 @@ def test_saved_tokenizer_loads_in_transformers(tmp_path):
     assert theirs.eos_token_id == tok.eos_id and theirs.bos_token_id is None
     for text in TEXTS:
         assert theirs(text)["input_ids"] == tok.encode(text)
+
+
+# ---------------------------------------------------------- real layouts, bad directories
+
+
+def _variant(tmp_path, name, src="plain", config=None, tensors=None, config_text=None):
+    """A copy of fixture `src` with config.json (a dict -> dict edit, or raw text) and the tensors
+    (a dict -> dict edit) changed."""
+    d = tmp_path / name
+    d.mkdir()
+    cfg = json.loads((FIXTURES / src / "config.json").read_text())
+    if config_text is None:
+        config_text = json.dumps(config(cfg) if config else cfg)
+    (d / "config.json").write_text(config_text)
+    t = hf.read_safetensors(FIXTURES / src / "model.safetensors")
+    hf.write_safetensors(d / "model.safetensors", tensors(t) if tensors else t)
+    return d
+
+
+def _transformers_4(cfg):
+    """The fixture's transformers-5 config in 4.x's layout: rope_theta and rope_scaling at the top
+    (null without scaling), torch_dtype for dtype, as Llama 2 / 3.x, TinyLlama and Mistral ship."""
+    cfg = dict(cfg)
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def _logits_match(d, src):
+    _, model = hf.load(d)
+    got = np.asarray(model(jnp.asarray(np.load(FIXTURES / src / "tokens.npy"))))
+    np.testing.assert_allclose(got, np.load(FIXTURES / src / "logits.npy"), atol=1e-4, rtol=0)
+
+
+def test_config_layouts_of_real_families(tmp_path):
+    """transformers 4.x's layout (llama3 scaling under rope_scaling, with "rope_type" or the older
+    "type"), Mistral without a sliding window, rotary inv_freq buffers and a tied checkpoint that
+    keeps lm_head.weight: each against transformers' logits."""
+    _logits_match(_variant(tmp_path, "v4_plain", config=_transformers_4), "plain")
+    _logits_match(_variant(tmp_path, "v4_llama3", "tied", config=_transformers_4), "tied")
+
+    def older_type_key(cfg):
+        cfg = _transformers_4(cfg)
+        cfg["rope_scaling"]["type"] = cfg["rope_scaling"].pop("rope_type")
+        return cfg
+
+    _logits_match(_variant(tmp_path, "v4_type", "tied", config=older_type_key), "tied")
+    def mistral(cfg):
+        return {**_transformers_4(cfg), "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                "sliding_window": None, "head_dim": None}
+
+    _logits_match(_variant(tmp_path, "mistral", config=mistral), "plain")
+
+    def inv_freq(t):
+        return {**t, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32) for i in range(2)}}
+
+    _logits_match(_variant(tmp_path, "inv_freq", tensors=inv_freq), "plain")
+
+    def tied_head(t):
+        return {**t, "lm_head.weight": t["model.embed_tokens.weight"]}
+
+    _logits_match(_variant(tmp_path, "tied_head", "tied", tensors=tied_head), "tied")
+    # (transformers 5 writes dtype, 4.x torch_dtype: a null dtype beside torch_dtype had read as float32)
+    d = _variant(tmp_path, "dtype_null", config=lambda c: {**c, "dtype": None, "torch_dtype": "float16"})
+    assert hf.load(d)[0].param_dtype.value == "float16"
+
+
+@pytest.mark.parametrize("case,msg", [
+    # a transposed projection has the right size: it had loaded silently (logits off by ~4)
+    ("k_transposed", r"model.layers.0.self_attn.k_proj.weight is \(64, 32\), config.json gives \(32, 64\)"),
+    ("gate_transposed", r"model.layers.1.mlp.gate_proj.weight is \(64, 128\), config.json gives \(128, 64\)"),
+    ("q_short_layer1", r"model.layers.1.self_attn.q_proj.weight is \(32, 64\)"),  # (numpy's "cannot reshape")
+    ("norm_shape", r"model.layers.1.input_layernorm.weight is \(65,\)"),  # (numpy's "same shape")
+    ("no_norm", r"missing from the checkpoint: model.layers.1.input_layernorm.weight"),  # (a KeyError)
+    ("no_head", r"missing from the checkpoint: lm_head.weight \(config.json's tie_word_embeddings is false\)"),
+    ("extra_layer", r"would not read \(config.json: 2 layers, no biases\): model.layers.2."),  # (ignored)
+    ("bias", r"would not read .*model.layers.0.self_attn.q_proj.bias"),  # (ignored)
+    ("gqa_as_mha", r"k_proj.weight is \(32, 64\), config.json gives \(64, 64\)"),  # (numpy's "cannot reshape")
+])
+def test_tensors_that_do_not_match_the_config_are_named(tmp_path, case, msg):
+    def edit(name, fn):
+        return lambda t: {**t, name: fn(t[name])}
+
+    tensors = {
+        "k_transposed": edit("model.layers.0.self_attn.k_proj.weight", lambda w: w.T.copy()),
+        "gate_transposed": edit("model.layers.1.mlp.gate_proj.weight", lambda w: w.T.copy()),
+        "q_short_layer1": edit("model.layers.1.self_attn.q_proj.weight", lambda w: w[:32].copy()),
+        "norm_shape": edit("model.layers.1.input_layernorm.weight", lambda w: np.ones(65, w.dtype)),
+        "no_norm": lambda t: {k: v for k, v in t.items() if k != "model.layers.1.input_layernorm.weight"},
+        "no_head": lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"},
+        "extra_layer": lambda t: {**t, **{k.replace("layers.1.", "layers.2."): v for k, v in t.items() if ".1." in k}},
+        "bias": lambda t: {**t, "model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)},
+    }.get(case)
+    config = (lambda c: {k: v for k, v in c.items() if k != "num_key_value_heads"}) if case == "gqa_as_mha" else None
+    with pytest.raises(hf.HFFormatError, match=msg):
+        hf.load(_variant(tmp_path, case, tensors=tensors, config=config))
+
+
+def test_broken_files_are_named(tmp_path):
+    d = _variant(tmp_path, "not_json", config_text="{not json")
+    with pytest.raises(hf.HFFormatError, match=r"not_json/config.json is not valid JSON"):
+        hf.load(d)
+    with pytest.raises(hf.HFFormatError, match=r"holds a JSON list, not an object"):
+        hf.load(_variant(tmp_path, "a_list", config_text="[1, 2]"))
+    with pytest.raises(hf.HFFormatError, match=r"needs num_attention_heads \(a positive int; got None\)"):
+        hf.load(_variant(tmp_path, "no_heads", config=lambda c: {k: c[k] for k in c if k != "num_attention_heads"}))
+
+    def no_factor(cfg):
+        return {**cfg, "rope_parameters": {k: v for k, v in cfg["rope_parameters"].items() if k != "factor"}}
+
+    with pytest.raises(hf.HFFormatError, match="rope_type='llama3' without its factor"):
+        hf.load(_variant(tmp_path, "no_factor", "tied", config=no_factor))
+    # a sharded directory: its index not JSON, without a weight_map, naming a shard that is not there
+    tensors = hf.read_safetensors(FIXTURES / "plain" / "model.safetensors")
+    names = sorted(tensors)
+    for case, index in (("index_text", "{oops"), ("no_map", json.dumps({"metadata": {}})),
+                        ("no_shard", json.dumps({"weight_map": {**{n: "a.safetensors" for n in names[:3]},
+                                                                **{n: "b.safetensors" for n in names[3:]}}}))):
+        s = tmp_path / case
+        s.mkdir()
+        shutil.copy(FIXTURES / "plain" / "config.json", s / "config.json")
+        hf.write_safetensors(s / "a.safetensors", {n: tensors[n] for n in names[:3]})
+        (s / "model.safetensors.index.json").write_text(index)
+        msg = {"index_text": "index.json is not valid JSON", "no_map": "index.json has no weight_map",
+               "no_shard": "index.json names shard b.safetensors, which is not in"}[case]
+        with pytest.raises(hf.HFFormatError, match=msg):
+            hf.load(s)

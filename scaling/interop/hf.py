@@ -71,12 +71,27 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
     tmp.replace(path)
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from path (HFFormatError naming the file where it is not one)."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFFormatError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise HFFormatError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def _read_all_tensors(path: Path) -> dict[str, np.ndarray]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFFormatError(f"{index} has no weight_map (tensor name -> shard file)")
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise HFFormatError(f"{index} names shard {shard}, which is not in {path}")
             tensors.update(read_safetensors(path / shard))
         missing = set(weight_map) - set(tensors)
         if missing:
@@ -110,9 +125,19 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
         raise HFFormatError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
     if hf.get("sliding_window"):
         raise HFFormatError("sliding-window attention is not supported")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool) or hf[k] < 1]
+    if missing:
+        raise HFFormatError("config.json needs " + ", ".join(f"{k} (a positive int; got {hf.get(k)!r})"
+                                                             for k in missing))
     n = hf["num_attention_heads"]
     d = hf["hidden_size"]
+    kv = hf.get("num_key_value_heads") or n
+    if not isinstance(kv, int) or n % kv:
+        raise HFFormatError(f"num_attention_heads={n} is not a multiple of num_key_value_heads={kv!r}")
     head_dim = hf.get("head_dim")
+    if head_dim is None and d % n:
+        raise HFFormatError(f"hidden_size={d} is not a multiple of num_attention_heads={n}, and no head_dim is given")
     if head_dim is not None and head_dim == d // n and d % n == 0:
         head_dim = None  # the default; keep the config minimal
     # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
@@ -123,6 +148,8 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling: dict[str, Any] = {}
     if rope_type == "llama3":
+        if "factor" not in rope:
+            raise HFFormatError(f"rope_type='llama3' without its factor: {rope}")
         scaling = dict(
             rope_scaling_factor=float(rope["factor"]),
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
@@ -132,15 +159,16 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
     elif rope_type not in ("default", None):
         raise HFFormatError(f"rope_type={rope_type!r} is not supported (default and llama3 are)")
     if param_dtype is None:
+        # (transformers 5 writes dtype, 4.x torch_dtype; either may be there as null)
         param_dtype = {"bfloat16": DType.bfloat16, "float16": DType.float16}.get(
-            hf.get("dtype", hf.get("torch_dtype")), DType.float32
+            hf.get("dtype") or hf.get("torch_dtype"), DType.float32
         )
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=d,
         num_layers=hf["num_hidden_layers"],
         num_heads=n,
-        num_kv_heads=hf.get("num_key_value_heads") or n,
+        num_kv_heads=kv,
         head_dim=head_dim,
         mlp_dim=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048),
@@ -194,17 +222,71 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
 # ------------------------------------------------------------------------------ load
 
 
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of cfg holds, name -> shape (HF's [out, in] for the linears)."""
+    d, n, k, h, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.mlp_dim,
+                        cfg.vocab_size)
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (n * h, d),
+            p + "self_attn.k_proj.weight": (k * h, d),
+            p + "self_attn.v_proj.weight": (k * h, d),
+            p + "self_attn.o_proj.weight": (d, n * h),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        })
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def _unused_ok(name: str, cfg: ModelConfig) -> bool:
+    """Tensors a checkpoint may hold that the model rightly does not read: RoPE's inverse
+    frequencies (older saves keep the buffer; ours follow from the config) and, with tied
+    embeddings, lm_head.weight (transformers ties it to the embedding too, not reading it)."""
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
+    """HFFormatError naming the tensors that are missing, have another shape than config.json
+    gives them, or would not be read (more layers than num_hidden_layers, biases): each would
+    load a model that computes something other than the checkpoint's."""
+    want = hf_tensor_shapes(cfg)
+    missing = [name for name in want if name not in tensors]
+    if missing:
+        hint = " (config.json's tie_word_embeddings is false)" if missing == ["lm_head.weight"] else ""
+        raise HFFormatError(f"tensors missing from the checkpoint: {_names(missing)}{hint}")
+    wrong = [f"{name} is {tuple(tensors[name].shape)}, config.json gives {shape}" for name, shape in want.items()
+             if tuple(tensors[name].shape) != shape]
+    if wrong:
+        raise HFFormatError("tensor shapes do not match config.json: " + "; ".join(wrong[:5])
+                            + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""))
+    extra = sorted(name for name in tensors if name not in want and not _unused_ok(name, cfg))
+    if extra:
+        raise HFFormatError(f"tensors the model would not read (config.json: {cfg.num_layers} layers, no biases): "
+                            f"{_names(extra)}")
+
+
 def _stack(tensors, names):
     return np.stack([np.asarray(tensors[n]) for n in names])
 
 
 def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
-    """HF tensors -> our parameter pytree (numpy, the checkpoint's dtype)."""
+    """HF tensors -> our parameter pytree (numpy, the checkpoint's dtype); HFFormatError where the
+    tensors are not those of cfg (check_hf_tensors)."""
     d, n, k, h, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+    check_hf_tensors(cfg, tensors)
 
     def get(name):
-        if name not in tensors:
-            raise HFFormatError(f"tensor {name} missing from the checkpoint")
         return tensors[name]
 
     def layer(name):
@@ -213,9 +295,6 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
     def lin(name, shape):  # [out, in] -> [in, *shape]
         return np.stack([np.asarray(get(x)).T.reshape(shape) for x in layer(name)])
 
-    for x in layer("self_attn.q_proj.weight")[:1]:
-        if get(x).shape != (n * h, d):
-            raise HFFormatError(f"{x} has shape {get(x).shape}, config says {(n * h, d)}")
     params = {
         "embed": {"table_vd": np.asarray(get("model.embed_tokens.weight"))},
         "blocks": {
@@ -249,7 +328,7 @@ def load(path: str | os.PathLike, *, param_dtype: DType | str | None = None,
     path = Path(path)
     if not (path / "config.json").exists():
         raise HFFormatError(f"{path} has no config.json")
-    hf = json.loads((path / "config.json").read_text())
+    hf = _read_json(path / "config.json")
     cfg = config_from_hf(hf, param_dtype=DType(param_dtype) if param_dtype is not None else None)
     tensors = _read_all_tensors(path)
     params = params_from_hf(cfg, tensors)
