@@ -8,6 +8,7 @@ with N query heads and K key/value heads (GQA when K < N, N % K == 0).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable
 
@@ -127,6 +128,23 @@ def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: 
     if is_hopper() and not segmented and limit and (seq_len is None or seq_len <= limit):
         return AttentionImpl.pallas
     return AttentionImpl.cudnn
+
+
+def prepare(impl: AttentionImpl) -> None:
+    """Call before the first trace of a model that may run our Pallas kernels.
+
+    Lowering a pallas_call imports parts of Pallas lazily (on the CPU, its interpreter, which
+    imports `jax.experimental.pallas.fuser`), and that module defines a jax config option that
+    is part of every jit's trace context. Imported during the first trace of a train step, it
+    changes the context, so the next call of the same jitted step misses the cache and traces
+    and compiles it all again. Importing it up front keeps the context the same. (Seen with
+    attention.impl=pallas on the CPU; whether `auto` on a GPU needs it too is not checked.)
+    """
+    if impl == AttentionImpl.pallas:
+        try:
+            importlib.import_module("jax.experimental.pallas.fuser")
+        except ImportError:  # a jax without it defines no such option
+            pass
 
 
 def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None, bwd_workspace_mb=None):

@@ -92,7 +92,8 @@ def host_offload_supported(device: jax.Device | None = None) -> bool:
 def validate_names(names: tuple[str, ...]) -> None:
     unknown = [n for n in names if n not in layers.CHECKPOINT_NAMES]
     if unknown:
-        raise ValueError(f"remat.names: unknown tag(s) {unknown}; allowed: {', '.join(layers.CHECKPOINT_NAMES)}")
+        # A RematError (a ValueError) so the command line reports it in one line, exit code 2.
+        raise RematError(f"remat.names: unknown tag(s) {unknown}; allowed: {', '.join(layers.CHECKPOINT_NAMES)}")
 
 
 def apply(fn: Callable, cfg: RematConfig, *, prevent_cse: bool = True) -> Callable:

@@ -24,14 +24,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from scaling import accounting, hardware
+from scaling import accounting, attention, hardware, remat
 from scaling.checkpoint import Checkpointer
-from scaling.config import Config, NonFinitePolicy, dump_yaml, to_dict
+from scaling.config import AttentionImpl, Config, ConfigError, NonFinitePolicy, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer, build_model
 from scaling.optim import learning_rate_schedule, make_optimizer
 from scaling.sharding import axes as A
-from scaling.sharding import constrain, get_rule_set, logical_to_spec, make_mesh, use_sharding
+from scaling.sharding import ShardingError, constrain, get_rule_set, logical_to_spec, make_mesh, use_sharding
 from scaling.sharding.mesh import active
 from scaling.sharding.params import logical_axes, param_shardings
 
@@ -182,7 +182,31 @@ def _build(cfg: Config, seed: int) -> Transformer:
     return build_model(cfg.model, attention=cfg.attention, remat_cfg=cfg.remat, seed=seed)
 
 
+def check_runnable(setup: Setup) -> None:
+    """What training with this setup cannot run, refused before any data or compile (each
+    raises an error the command line reports in one line, exit code 2). Not in make_setup:
+    abstract setups (shardings, memory tables) may name what this machine cannot run."""
+    cfg, mesh = setup.cfg, setup.mesh
+    remat.validate_names(cfg.remat.names)
+    if cfg.attention.impl == AttentionImpl.cudnn and jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"attention.impl: cudnn needs a GPU (the backend is {jax.default_backend()!r}); "
+            f"allowed here: {', '.join(i.value for i in AttentionImpl if i != AttentionImpl.cudnn)}"
+        )
+    spec = setup.batch_sharding.spec
+    batch_axes = spec[0] if len(spec) else None
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    if cfg.train.batch_size % shards:
+        raise ShardingError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by the {shards} devices the batch is split "
+            f"over (mesh axes {', '.join(f'{a}={mesh.shape[a]}' for a in batch_axes)} under mesh.rules={cfg.mesh.rules}); "
+            f"use a multiple of {shards}, or a mesh with fewer devices on those axes"
+        )
+
+
 def make_setup(cfg: Config, devices=None) -> Setup:
+    attention.prepare(cfg.attention.impl)  # before any trace: see its docstring
     mesh = make_mesh(cfg.mesh, devices)
     rules = get_rule_set(cfg.mesh.rules)
     abstract_model = nnx.eval_shape(lambda: _build(cfg, 0))
@@ -288,7 +312,9 @@ def make_train_step(setup: Setup):
                 "kind": jnp.where(first, jnp.where(loss_ok, NONFINITE_GRADS, NONFINITE_LOSS), nf["kind"]),
             },
         }
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        # The optimizer's schedule counts applied updates: a skipped (non-finite) step leaves its
+        # count where it was, so this step's lr is the schedule at step - skipped steps so far.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"] - nf["count"])}
         return new_state, metrics
 
     return jax.jit(
@@ -300,8 +326,22 @@ def make_train_step(setup: Setup):
 
 
 def make_eval_step(setup: Setup):
+    cfg = setup.cfg
+    accum = cfg.train.grad_accum
+
     def eval_fn(params, batch_bt):
-        return model_loss(setup.model(params), batch_bt, setup.cfg.train.loss_chunk)
+        if accum == 1:
+            return model_loss(setup.model(params), batch_bt, cfg.train.loss_chunk)
+        # The train step's micro-batches: an eval batch needs no more memory than a training
+        # micro-batch (the whole batch at once would hold grad_accum x its activations and
+        # logits). Equal sizes, so the mean of the micro-batch means is the batch mean.
+        micro = batch_bt.reshape(accum, batch_bt.shape[0] // accum, batch_bt.shape[1])
+
+        def body(total, mb):
+            return total + model_loss(setup.model(params), mb, cfg.train.loss_chunk), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro)
+        return total / accum
 
     return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
@@ -354,6 +394,31 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+# Fields that say where or how a run is started, not what it trains.
+_NOT_COMPARED = ("run_dir", "mesh.coordinator_address", "mesh.process_id")
+
+
+def config_changes(saved: dict | None, current: dict) -> list[str]:
+    """'section.key: checkpoint A, now B' for each field of the resolved config that differs."""
+    if not saved:
+        return []
+    a, b = _flatten(saved), _flatten(current)
+    return [
+        f"{k}: checkpoint {a.get(k, '(absent)')!r}, now {b.get(k, '(absent)')!r}"
+        for k in sorted(set(a) | set(b))
+        if k not in _NOT_COMPARED and a.get(k) != b.get(k)
+    ]
+
+
 def default_run_dir(config_path: str | None) -> str:
     name = Path(config_path).stem if config_path else "run"
     return str(Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -379,8 +444,9 @@ class MetricsLogger:
         if enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
-            # purge_step hides events at or after it that an interrupted run wrote.
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            # purge_step hides events at or after it that an earlier start wrote: like the records
+            # dropped above, also on a start from step 0 (a run stopped before its first checkpoint).
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -423,7 +489,11 @@ def truncate_metrics(path: Path, last_step: int) -> int:
 def _evaluate(eval_step, params, setup: Setup, data: Dataset) -> float | None:
     if data.eval is None:
         return None
-    n = min(setup.cfg.train.eval_batches, data.eval.num_windows // data.eval.global_batch or 1)
+    # Held-out text has a fixed number of windows; synthetic eval batches are endless.
+    windows = getattr(data.eval, "num_windows", None)
+    n = setup.cfg.train.eval_batches
+    if windows is not None:
+        n = min(n, windows // data.eval.global_batch or 1)
     losses = [eval_step(params, global_batch(setup, data.eval.batch(i))) for i in range(n)]
     return float(jnp.mean(jnp.stack(losses)))
 
@@ -456,11 +526,16 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     is_main = jax.process_index() == 0
     log = log or (lambda msg: print(msg, flush=True) if is_main else None)
     run_dir_path = Path(run_dir or cfg.run_dir or default_run_dir(config_path))
-    run_dir_path.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir_path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, ...: bad input, not a crash
+        why = "it is a file" if run_dir_path.is_file() else (e.strerror or str(e))
+        raise ConfigError(f"run_dir: cannot use {str(run_dir_path)!r} as the run directory ({why})") from None
     if is_main:
         (run_dir_path / "config.yaml").write_text(dump_yaml(cfg))
 
     setup = make_setup(cfg, devices)  # devices: default all; tests pass a subset
+    check_runnable(setup)
     data = make_dataset(cfg, process_index=jax.process_index(), process_count=jax.process_count(), log=log)
     if data.tokenizer_path is not None and is_main:
         (run_dir_path / "tokenizer.json").write_bytes(data.tokenizer_path.read_bytes())
@@ -472,6 +547,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
 
     ckpt = Checkpointer(run_dir_path, cfg.checkpoint) if cfg.checkpoint.enabled else None
     state = None
+    restored_window: list = []
     if ckpt is not None:
         for p in ckpt.partial:
             log(f"checkpoint: ignoring and removing partial save {p} (interrupted before it was committed)")
@@ -480,6 +556,13 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
             state = restored.state
             data.train.restore(restored.meta["loader"])
             log(f"resuming from checkpoint step {restored.step} in {ckpt.directory}")
+            changed = config_changes(restored.meta.get("config"), to_dict(cfg))
+            if changed:
+                log("resuming with a config that differs from the checkpoint's (the run continues with the new "
+                    "values):\n  " + "\n  ".join(changed))
+            # Per-step losses of the log window the checkpoint was saved inside (steps after
+            # the last logged one), so the next record's window mean is the uninterrupted run's.
+            restored_window = [{"loss": np.float32(float.fromhex(h))} for h in restored.meta.get("window_losses", [])]
             if restored.step >= cfg.train.steps:
                 log(f"checkpoint step {restored.step} already reaches train.steps={cfg.train.steps}; nothing to train")
     if state is None:
@@ -492,7 +575,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
 
     flops = accounting.flops_per_token(cfg.model, cfg.train.seq_len)
     hw = hardware.detect()
-    peak = hw.bf16_flops * jax.device_count() if hw else None
+    peak = hw.bf16_flops * setup.mesh.size if hw else None  # the devices this run uses (all of them by default)
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
 
     logger = MetricsLogger(run_dir_path, cfg.logging.tensorboard, enabled=is_main, start_step=start_step, log=log)
@@ -509,7 +592,11 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
         nf = int(state["nonfinite"]["count"])
         if nf and cfg.train.nonfinite == NonFinitePolicy.stop:
             return  # never checkpoint past a non-finite step under `stop`
-        ckpt.save(step, state, {"loader": data.train.state(), "config": to_dict(cfg)}, force=force)
+        # The losses of the steps since the last log record (exact, as float32 hex strings):
+        # a run resumed from here logs the same window mean as one never interrupted.
+        losses = [float(np.float32(x["loss"])).hex() for x in jax.device_get(window)]
+        meta = {"loader": data.train.state(), "config": to_dict(cfg), "window_losses": losses}
+        ckpt.save(step, state, meta, force=force)
 
     def check_nonfinite():
         nf = jax.device_get(state["nonfinite"])
@@ -526,7 +613,8 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
             )
 
     summary: dict[str, Any] = {"run_dir": str(run_dir_path), "start_step": start_step}
-    window: list = []
+    window: list = restored_window
+    in_flight = None  # the last dispatched step's metrics
     t_window = time.perf_counter()
     steps_in_window = 0
     eval_loss = None
@@ -544,12 +632,22 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                 step += 1
                 steps_in_window += 1
                 window.append(metrics)
-                if profiling and step == cfg.profile.steps[1]:
+                # Keep the host at most one step ahead of the device: wait for the previous
+                # step while this one runs. Unbounded, the host dispatched every step up to the
+                # next log step and then sat in one long wait, where a SIGTERM's handler cannot
+                # run: the "finish this step and save" of a preemption came a whole log window
+                # late (and the progress bar counted dispatches, not steps).
+                if in_flight is not None:
+                    jax.block_until_ready(in_flight)
+                in_flight = metrics
+                if profiling and (step == cfg.profile.steps[1] or step == total):
+                    # (a window past train.steps ends with the run: traced and summarized as far as it went)
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
                     profiling = False
-                    write(f"profile: trace of steps {cfg.profile.steps} written to {run_dir_path / 'profile'}")
-                    _summarize_profile(run_dir_path / "profile", cfg.profile.steps[1] - cfg.profile.steps[0], write)
+                    traced = (cfg.profile.steps[0], step)
+                    write(f"profile: trace of steps {traced} written to {run_dir_path / 'profile'}")
+                    _summarize_profile(run_dir_path / "profile", traced[1] - traced[0], write)
                 if bar is not None:
                     bar.update(1)
 
@@ -580,11 +678,16 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                     check_nonfinite()
                     window, steps_in_window, t_window = [], 0, time.perf_counter()
                 if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+                    # Keep eval out of tokens/s: the window's clock is moved on by the eval's
+                    # time (the steps dispatched so far finish first), so a window that an eval
+                    # falls inside still counts the time of all its steps and only theirs.
+                    jax.block_until_ready(state)
+                    t_eval = time.perf_counter()
                     eval_loss = _evaluate(eval_step, state["params"], setup, data)
+                    t_window += time.perf_counter() - t_eval
                     if eval_loss is not None:
                         logger.log({"step": step, "eval_loss": eval_loss})
                         write(f"step {step:>6} eval_loss {eval_loss:.4f}")
-                        t_window = time.perf_counter()  # keep eval out of tokens/s
                 if ckpt is not None and (ckpt.should_save(step) or last):
                     check_nonfinite()
                     save(step, force=last)
