@@ -451,7 +451,10 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        # Strict JSON: a non-finite value (a skipped step's loss under nonfinite=skip) is null;
+        # nonfinite_steps says how many there were.
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.file.write(json.dumps(clean, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in record.items():
@@ -615,6 +618,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     summary: dict[str, Any] = {"run_dir": str(run_dir_path), "start_step": start_step}
     window: list = restored_window
     in_flight = None  # the last dispatched step's metrics
+    first_step_s = None  # the compiling first step's wall time, until the first record takes it
     t_window = time.perf_counter()
     steps_in_window = 0
     eval_loss = None
@@ -640,6 +644,12 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                 if in_flight is not None:
                     jax.block_until_ready(in_flight)
                 in_flight = metrics
+                if step == start_step + 1:
+                    # The first step of a start compiles: time it apart (first_step_s in the first
+                    # record) and start the window's clock after it, so tokens/s and mfu are rates.
+                    jax.block_until_ready(metrics)
+                    first_step_s = time.perf_counter() - t_window
+                    t_window, steps_in_window = time.perf_counter(), 0
                 if profiling and (step == cfg.profile.steps[1] or step == total):
                     # (a window past train.steps ends with the run: traced and summarized as far as it went)
                     jax.block_until_ready(state)
@@ -655,23 +665,29 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                 if step % cfg.train.log_every == 0 or last:
                     m = jax.device_get(window)
                     dt = time.perf_counter() - t_window
-                    tps = steps_in_window * tokens_per_step / dt
+                    # (None where the window holds only the compiling first step: log_every=1)
+                    tps = steps_in_window * tokens_per_step / dt if steps_in_window else None
                     rec = {
                         "step": step,
                         "loss": float(np.mean([x["loss"] for x in m])),
                         "grad_norm": float(m[-1]["grad_norm"]),
                         "lr": float(m[-1]["lr"]),
                         "tokens_per_sec": tps,
-                        "step_time": dt / steps_in_window,
-                        "mfu": (flops.total * tps / peak) if peak else None,
+                        "step_time": dt / steps_in_window if steps_in_window else None,
+                        "mfu": (flops.total * tps / peak) if peak and tps else None,
                         "nonfinite_steps": int(state["nonfinite"]["count"]),
                     }
+                    if first_step_s is not None:
+                        rec["first_step_s"] = first_step_s
+                        first_step_s = None
                     logger.log(rec)
                     summary["loss"] = rec["loss"]
                     mfu = f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
+                    rate = f" tok/s {tps:,.0f}" if tps is not None else ""
+                    first = f" (first step, compile included: {rec['first_step_s']:.1f}s)" if "first_step_s" in rec else ""
                     write(
                         f"step {step:>6} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
-                        f"lr {rec['lr']:.2e} tok/s {tps:,.0f}{mfu}"
+                        f"lr {rec['lr']:.2e}{rate}{mfu}{first}"
                     )
                     if bar is not None:
                         bar.set_postfix(loss=f"{rec['loss']:.3f}")

@@ -121,6 +121,38 @@ def test_eval_on_synthetic_data_and_eval_time_kept_out_of_tokens_per_sec(tmp_pat
     assert summary["eval_loss"] == pytest.approx(float(np.mean(nll)), rel=1e-5)
 
 
+def test_the_compiling_first_step_is_timed_apart(tmp_path, monkeypatch):
+    """The first step of a start compiles: on the fake clock it takes 50 s and the others 1 s. The
+    first record's rates are over steps 2-4 only (they were (50 + 3) / 4 s a step), the 50 s are
+    its first_step_s; with log_every=1 the first record has no rate at all."""
+    clock = _Clock()
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, strftime=_time.strftime))
+    make_train = T.make_train_step
+
+    def wrapped_make(setup):
+        fn, calls = make_train(setup), []
+
+        def run(*args):
+            out = fn(*args)
+            clock.t += 50.0 if not calls else 1.0
+            calls.append(1)
+            return out
+
+        return run
+
+    monkeypatch.setattr(T, "make_train_step", wrapped_make)
+    tokens = 4 * 16  # SMALL's batch x sequence
+    for log_every, want in ((4, [(4, 1.0, 50.0), (8, 1.0, None)]), (1, [(1, None, 50.0), (2, 1.0, None)])):
+        cfg = load_config(TINY, SMALL + ["--train.steps=8", f"--train.log_every={log_every}", "--train.eval_every=0",
+                                         "--checkpoint.enabled=false"])
+        run_dir = tmp_path / f"log{log_every}"
+        T.train(cfg, str(run_dir), log=lambda m: None, devices=jax.devices()[:1])
+        recs = _records(run_dir)
+        for (step, step_time, first), r in zip(want, recs):
+            assert r["step"] == step and r["step_time"] == step_time and r.get("first_step_s") == first, r
+            assert r["tokens_per_sec"] == (tokens / step_time if step_time else None), r
+
+
 def test_resume_inside_a_log_window_logs_the_uninterrupted_records(tmp_path):
     # log_every=4 and checkpoints every 3 steps: a run resumed from step 3 must log the mean
     # loss of steps 1-4 at step 4, as the run that was never stopped does.
@@ -284,7 +316,9 @@ def test_mfu_is_model_flops_over_the_peak_of_the_devices_the_run_uses(tmp_path, 
     h = d // n
     dense = 6 * (layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) + d * v)  # fwd + bwd, 2 per weight
     attn = 3 * 2 * t * n * h * layers  # q.k and p.v, causal half, fwd + bwd
-    for r in _records(tmp_path / "run"):
+    rated = [r for r in _records(tmp_path / "run") if r["tokens_per_sec"] is not None]  # (not the compiling step)
+    assert [r["step"] for r in rated] == [2]
+    for r in rated:
         assert r["mfu"] == pytest.approx((dense + attn) * r["tokens_per_sec"] / 1e12, rel=1e-9), r
 
 
@@ -328,3 +362,20 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_a_restart_from_scratch
     assert sorted(shown) == [1, 2]
     for r in recs:
         assert shown[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-6)
+
+
+def test_metrics_jsonl_is_strict_json_with_a_non_finite_loss(tmp_path):
+    """A skipped step's NaN loss was written as a bare NaN, which strict JSON readers (jq,
+    JavaScript, json.loads with parse_constant) refuse: it is null now."""
+
+    def strict(text):
+        def refuse(name):
+            raise ValueError(f"not JSON: {name}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    logger = T.MetricsLogger(tmp_path, tensorboard=False, enabled=True, start_step=0, log=lambda m: None)
+    logger.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.5, "nonfinite_steps": 1})
+    logger.close()
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert strict(line) == {"step": 1, "loss": None, "grad_norm": None, "lr": 0.5, "nonfinite_steps": 1}
