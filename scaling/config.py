@@ -42,7 +42,7 @@ class AttentionImpl(StrEnum):
     xla = "xla"  # reference einsum + softmax, runs anywhere
     cudnn = "cudnn"  # jax.nn.dot_product_attention(implementation="cudnn"), GPU only
     pallas = "pallas"  # our Pallas flash-attention kernel (scaling.kernels)
-    auto = "auto"  # pallas on GPU, xla elsewhere
+    auto = "auto"  # per call (attention.resolve_impl): ours on Hopper up to 8k tokens, cuDNN on other GPUs and beyond, xla elsewhere
 
 
 class RematPolicyName(StrEnum):
