@@ -20,15 +20,31 @@ class MeshError(ValueError):
     pass
 
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """Fill in the -1 axis; the product must equal the device count."""
+    """Fill in the -1 axis; the product must equal the device count.
+
+    Checks the sizes itself (as config validation does) so that a MeshConfig built in
+    Python, which skips that validation, fails with a MeshError naming the field."""
     sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    for name, size in zip(MESH_AXES, sizes):
+        if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or size >= 1):
+            raise MeshError(f"mesh.{name}: must be an integer >= 1 or -1 (take the remaining devices), got {size!r}")
+    if sizes.count(-1) > 1:
+        raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))}: at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    if num_devices < 1:
+        raise MeshError(f"mesh {dict(zip(MESH_AXES, sizes))}: no devices to build it over")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
+            fixed = " x ".join(f"mesh.{a}={s}" for a, s in zip(MESH_AXES, sizes) if s != -1)
             raise MeshError(
-                f"mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes multiply to {known}, "
-                f"which does not divide the {num_devices} devices"
+                f"mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes ({fixed}) multiply to {known}, "
+                f"which does not divide the {num_devices} devices; their product must be one of "
+                f"{_divisors(num_devices)}"
             )
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
@@ -59,6 +75,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, *, a
     if cfg.axis_type == AxisType.explicit and not allow_explicit:
         raise MeshError(EXPLICIT_UNSUPPORTED)
     devices = list(devices) if devices is not None else jax.devices()
+    if len(set(devices)) != len(devices):
+        raise MeshError(f"make_mesh: the {len(devices)} devices given contain duplicates; each device may appear once")
     shape = resolve_mesh_shape(cfg, len(devices))
     axis_type = jax.sharding.AxisType.Explicit if cfg.axis_type == AxisType.explicit else jax.sharding.AxisType.Auto
     if len(devices) == len(jax.devices()) and devices == jax.devices():
@@ -88,13 +106,29 @@ def active() -> tuple[Mesh, RuleSet] | None:
     return _ACTIVE.get()
 
 
+def _mesh_axes_of(name: str, mapping) -> tuple[str, ...]:
+    """The mesh axes a rule maps `name` to; a bare string is one axis (not its characters)."""
+    axes = mapping.get(name, ())
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def logical_to_spec(names: Sequence[str | None], mapping, mesh: Mesh | None = None) -> P:
-    """Logical names -> PartitionSpec. A mesh axis is used at most once per spec."""
+    """Logical names -> PartitionSpec. A mesh axis is used at most once per spec.
+
+    With a mesh, every mesh axis a rule names must be one of the mesh's (MeshError)."""
+    if isinstance(names, str):  # ("batch") is the string "batch", not a 1-tuple
+        raise MeshError(f"logical axis names must be a sequence of names, one per dimension, got the string {names!r}")
     used: set[str] = set()
     out: list[tuple[str, ...] | str | None] = []
     for name in names:
-        axes = tuple(a for a in mapping.get(name, ()) if a not in used) if name is not None else ()
+        axes = tuple(a for a in _mesh_axes_of(name, mapping) if a not in used) if name is not None else ()
         if mesh is not None:
+            unknown = [a for a in axes if a not in mesh.shape]
+            if unknown:
+                raise MeshError(
+                    f"logical axis {name!r} maps to mesh axis {unknown[0]!r}, which this mesh does not have; "
+                    f"allowed: {', '.join(mesh.axis_names)}"
+                )
             axes = tuple(a for a in axes if mesh.shape[a] > 1)  # size-1 axes add nothing
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)

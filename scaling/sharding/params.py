@@ -9,6 +9,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from scaling.sharding import axes as A
 from scaling.sharding.mesh import logical_to_spec
 from scaling.sharding.rules import RuleSet
 
@@ -32,7 +33,24 @@ def _path_str(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+# The model config field behind each parameter dimension's logical name (for error messages).
+_MODEL_FIELD = {
+    A.VOCAB: "model.vocab_size",
+    A.EMBED: "model.hidden_size",
+    A.HEADS: "model.num_heads",
+    A.KV_HEADS: "model.num_kv_heads",
+    A.HEAD_DIM: "model.head_dim",
+    A.MLP: "model.mlp_dim",
+    A.LAYERS: "model.num_layers",
+}
+
+
 def spec_for(path: str, shape: tuple[int, ...], names: tuple, mapping: Mapping, mesh: Mesh) -> P:
+    if len(names) != len(shape):
+        raise ShardingError(
+            f"parameter {path}: {len(names)} logical axis names {tuple(names)} for a rank-{len(shape)} "
+            f"array of shape {tuple(shape)}; give one name (or None) per dimension"
+        )
     spec = logical_to_spec(names, mapping, mesh)
     for dim, (size, axes, name) in enumerate(zip(shape, spec, names)):
         if axes is None:
@@ -40,9 +58,13 @@ def spec_for(path: str, shape: tuple[int, ...], names: tuple, mapping: Mapping, 
         axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
         n = math.prod(mesh.shape[a] for a in axes_t)
         if size % n:
+            mesh_fields = " x ".join(f"mesh.{a}" for a in axes_t)
+            field = _MODEL_FIELD.get(name)
+            allowed = ", ".join(str(d) for d in range(1, min(size, mesh.size) + 1) if size % d == 0)
             raise ShardingError(
                 f"parameter {path}: dimension {dim} ({name}) has size {size}, which mesh axis "
-                f"{'x'.join(axes_t)} of size {n} cannot divide; change the mesh or the model shape"
+                f"{'x'.join(axes_t)} of size {n} cannot divide; make {mesh_fields} one of {allowed}, "
+                f"or {field + '=' + str(size) if field else 'the size'} a multiple of {n}"
             )
     return spec
 
