@@ -203,6 +203,13 @@ def check_runnable(setup: Setup) -> None:
             f"over (mesh axes {', '.join(f'{a}={mesh.shape[a]}' for a in batch_axes)} under mesh.rules={cfg.mesh.rules}); "
             f"use a multiple of {shards}, or a mesh with fewer devices on those axes"
         )
+    micro = cfg.train.batch_size // cfg.train.grad_accum
+    if micro % shards:  # (each micro-batch is split over the same devices: a shard_map refused it, XLA padded it)
+        raise ShardingError(
+            f"train.batch_size={cfg.train.batch_size} / train.grad_accum={cfg.train.grad_accum} = {micro} rows a "
+            f"micro-batch, not divisible by the {shards} devices the batch is split over; make the micro-batch a "
+            f"multiple of {shards} (a smaller grad_accum or a larger batch_size)"
+        )
 
 
 def make_setup(cfg: Config, devices=None) -> Setup:

@@ -62,6 +62,10 @@ def test_bad_input_exits_2_naming_the_field_before_any_compile(tmp_path, capsys)
     assert main(base + ["--train.batch_size=4"]) == 2
     err = capsys.readouterr().err
     assert "train.batch_size=4" in err and "8 devices" in err and "fsdp=8" in err and "Traceback" not in err
+    # A batch the devices split, but whose micro-batches they do not (8 / 2 = 4 rows over 8 devices).
+    assert main(base + ["--train.grad_accum=2"]) == 2
+    err = capsys.readouterr().err
+    assert "= 4 rows a micro-batch, not divisible by the 8 devices" in err and "Traceback" not in err
 
 
 class _Clock:
