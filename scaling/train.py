@@ -203,6 +203,8 @@ def check_runnable(setup: Setup) -> None:
             f"over (mesh axes {', '.join(f'{a}={mesh.shape[a]}' for a in batch_axes)} under mesh.rules={cfg.mesh.rules}); "
             f"use a multiple of {shards}, or a mesh with fewer devices on those axes"
         )
+    if jax.process_count() > 1:
+        process_rows(setup.batch_sharding, (cfg.train.batch_size, cfg.train.seq_len + 1))
     micro = cfg.train.batch_size // cfg.train.grad_accum
     if micro % shards:  # (each micro-batch is split over the same devices: a shard_map refused it, XLA padded it)
         raise ShardingError(
@@ -210,6 +212,31 @@ def check_runnable(setup: Setup) -> None:
             f"micro-batch, not divisible by the {shards} devices the batch is split over; make the micro-batch a "
             f"multiple of {shards} (a smaller grad_accum or a larger batch_size)"
         )
+
+
+def process_rows(sharding, shape: tuple[int, ...], process_of=lambda d: d.process_index) -> dict[int, int]:
+    """Per process, how many rows of a `shape` batch its devices hold under `sharding`;
+    ShardingError unless each process holds its own rows, B/P of them, none shared.
+
+    Each process feeds only its own rows (scaling.data: process p reads its B/P rows) and
+    `make_array_from_process_local_data` places them where that process's devices sit. A mesh
+    that does not split the batch across processes (tensor parallelism over hosts) makes the
+    processes hold the same rows: each would feed different data into what jax takes for one
+    replicated array, and nothing downstream notices."""
+    held: dict[int, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        held.setdefault(process_of(device), set()).update(range(*index[0].indices(shape[0])))
+    n = len(held)
+    size = shape[0] // n
+    shared = set.intersection(*held.values()) if n > 1 else set()
+    if n > 1 and (shared or any(len(rows) != size for rows in held.values())):
+        counts = {p: len(rows) for p, rows in sorted(held.items())}
+        raise ShardingError(
+            f"the batch is not split across the {n} processes (rows each holds: {counts} of {shape[0]}): each "
+            f"process feeds its own {size} rows, so the mesh must split the batch over the hosts; put mesh.data "
+            f"or mesh.fsdp across them (jax.make_mesh puts the first axes across hosts)"
+        )
+    return {p: len(rows) for p, rows in held.items()}
 
 
 def make_setup(cfg: Config, devices=None) -> Setup:

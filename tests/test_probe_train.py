@@ -383,3 +383,25 @@ def test_metrics_jsonl_is_strict_json_with_a_non_finite_loss(tmp_path):
     logger.close()
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert strict(line) == {"step": 1, "loss": None, "grad_norm": None, "lr": 0.5, "nonfinite_steps": 1}
+
+
+@pytest.mark.parametrize("mesh, host, ok", [({"fsdp": 8}, "block", True), ({"data": 2, "fsdp": 4}, "block", True),
+                                            ({"fsdp": 8}, "interleaved", True),
+                                            ({"fsdp": 4, "tensor": 2}, "block", True),
+                                            ({"fsdp": 4, "tensor": 2}, "interleaved", False)])
+def test_the_batch_must_be_split_across_processes(mesh, host, ok):
+    """The 8 simulated devices as 2 pretend hosts of 4, ids 0-3 and 4-7 ("block"), or even and
+    odd ids ("interleaved"): each host must hold its own half of the batch. With the tensor axis
+    (innermost: neighbouring ids) across the interleaved hosts, both hold the whole batch, and
+    each process would feed different rows into one 'replicated' array."""
+    cfg = load_config(TINY, SMALL + ["--train.batch_size=8", *(f"--mesh.{k}={v}" for k, v in
+                                                              {"data": 1, "fsdp": 1, "tensor": 1, **mesh}.items())])
+    setup = T.make_setup(cfg)
+    of = {d: (d.id // 4 if host == "block" else d.id % 2) for d in jax.devices()}
+    shape = (8, cfg.train.seq_len + 1)
+    if ok:
+        assert T.process_rows(setup.batch_sharding, shape, process_of=of.__getitem__) == {0: 4, 1: 4}
+    else:
+        with pytest.raises(T.ShardingError, match=r"not split across the 2 processes \(rows each holds: \{0: 8, 1: 8\}"):
+            T.process_rows(setup.batch_sharding, shape, process_of=of.__getitem__)
+    assert T.process_rows(setup.batch_sharding, shape, process_of=lambda d: 0) == {0: 8}  # one process: any mesh
