@@ -15,16 +15,16 @@ def _config_args(argv: list[str], prog: str, extra=None):
     if extra:
         extra(parser)
     args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--") or "." not in o.split("=", 1)[0]]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}; overrides look like --section.key=value")
-    # `--a.b value` (space-separated) -> `--a.b=value`
+    # `--a.b value` (space-separated) -> `--a.b=value`, before the check (a value alone looked bad)
     merged: list[str] = []
     for item in overrides:
         if merged and "=" not in merged[-1] and not item.startswith("--"):
             merged[-1] += "=" + item
         else:
             merged.append(item)
+    bad = [o for o in merged if not o.startswith("--") or "." not in o.split("=", 1)[0]]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}; overrides look like --section.key=value")
     return args, load_config(args.config, merged)
 
 

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 import os
+import types
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -224,19 +228,53 @@ class Config:
 # --------------------------------------------------------------------------- loading
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key repeated in one mapping is an error (PyYAML keeps
+    the last one silently, so a stale line above an edited one would win unnoticed)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` merges; keys written next to it override it
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:
+                    continue  # an unhashable key: the base class reports it
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None,
+                        f"key {key!r} repeated (first at line {first.start_mark.line + 1}); keep only one",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"inherit cycle: {' -> '.join(map(str, seen + (path,)))}")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        by = f" (inherited by {seen[-1]})" if seen else ""
+        raise ConfigError(f"config file not found: {path}{by}")
+    try:
+        with open(path, "rb") as f:
+            data = yaml.load(f, Loader=_Loader)
+    except yaml.YAMLError as e:  # syntax errors, tabs, repeated keys, not UTF-8 ...
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     parent = data.pop("inherit", None)
     if parent is None:
         return data
+    if not isinstance(parent, str) or not parent.strip():
+        raise ConfigError(f"{path}: inherit must be the path of a YAML file (relative to this one), got {parent!r}")
     base = _read_yaml(path.parent / parent, seen + (path,))
     return _deep_merge(base, data)
 
@@ -251,10 +289,38 @@ def _deep_merge(base: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, 
     return out
 
 
-def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+def _field_type(cls: type, dotted: Sequence[str]) -> Any:
+    """The declared type of the field at `dotted` under dataclass `cls`, or None if unknown."""
+    node: Any = cls
+    for part in dotted:
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+        node = typing.get_type_hints(node).get(part)
+        if node is None:
+            return None
+    return node
+
+
+def _optional_of(tp: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); anything else -> (tp, False)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+    return tp, False
+
+
+_NULLS = ("null", "Null", "NULL", "~")
+
+
+def parse_overrides(overrides: Iterable[str], schema: type | None = None) -> dict[str, Any]:
     """`--model.num_layers=4` / `model.num_layers=4` -> {"model": {"num_layers": 4}}.
 
-    Values are parsed as YAML scalars (so `4` is an int, `[1, 2]` a list, `null` None).
+    Values are parsed as YAML scalars (so `4` is an int, `[1, 2]` a list, `null` None),
+    except that a field `schema` (a config dataclass) declares as a string takes the text
+    as written (`--run_dir=017` is '017', not YAML 1.1's octal 15; `null` still unsets an
+    optional one). A mapping value (`--model={num_layers: 4}`) updates that section field
+    by field. A key given twice: the last one wins, as with argparse.
     """
     tree: dict[str, Any] = {}
     for raw in overrides:
@@ -262,17 +328,28 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {raw!r} must look like --section.key=value")
         dotted, text = item.split("=", 1)
-        try:
-            value = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError:
-            value = text
-        node = tree
         parts = dotted.split(".")
+        if not all(parts):
+            raise ConfigError(f"override {raw!r}: empty key in {dotted!r}; overrides look like --section.key=value")
+        tp = _field_type(schema, parts) if schema is not None else None
+        base, optional = _optional_of(tp)
+        if base is str and text not in _NULLS:
+            value: Any = text
+        else:
+            try:
+                value = yaml.safe_load(text) if text != "" else ""
+            except yaml.YAMLError:
+                value = text
+        node = tree
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {raw!r} conflicts with an earlier one")
-        node[parts[-1]] = value
+        last = parts[-1]
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last] = _deep_merge(node[last], value)
+        else:
+            node[last] = value
     return tree
 
 
@@ -280,21 +357,90 @@ def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+_PLURAL = {int: "integers", float: "numbers", str: "strings"}
+_EXAMPLE = {int: "[5, 8]", float: "[0.5, 1.0]", str: "[a, b]"}
+
+
+def _describe(tp: Any) -> str:
+    """The type in words, for error messages."""
+    base, optional = _optional_of(tp)
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        words = f"one of {', '.join(m.value for m in base)}"
+    elif typing.get_origin(base) is tuple:
+        elem = typing.get_args(base)[0]
+        words = f"a list of {_PLURAL.get(elem, str(elem))}, e.g. {_EXAMPLE.get(elem, '[a, b]')}"
+    else:
+        words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(base, str(base))
+    return f"{words} or null" if optional else words
+
+
+def _type_error(tp: Any, value: Any) -> str | None:
+    """Why `value` (from YAML or an override) cannot be a `tp`, or None if it can."""
+    base, optional = _optional_of(tp)
+    if value is None:
+        return None if optional else "cannot be null"
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        if isinstance(value, base) or (isinstance(value, str) and value in {m.value for m in base}):
+            return None
+        near = [m.value for m in base if isinstance(value, str) and m.value.lower() == value.lower()]
+        return f"{value!r} is not allowed" + (f" (values are lower case: did you mean {near[0]!r}?)" if near else "")
+    if base is bool:
+        return None if isinstance(value, bool) else f"got {value!r}"
+    if base is int or base is float:
+        # A string that parses is fine: YAML 1.1 reads `3e-4` (no dot) as a string.
+        if isinstance(value, str):
+            try:
+                base(value)
+            except ValueError:
+                return f"got {value!r}"
+            return None
+        ok = numbers.Integral if base is int else numbers.Real  # (numpy scalars too)
+        return None if isinstance(value, ok) and not isinstance(value, bool) else f"got {value!r}"
+    if base is str:
+        if isinstance(value, (str, os.PathLike)):
+            return None
+        hint = " (YAML read it as a number or a boolean; quote it)" if isinstance(value, (int, float, bool)) else ""
+        return f"got {type(value).__name__} {value!r}{hint}"
+    if typing.get_origin(base) is tuple:
+        if not isinstance(value, (list, tuple)):
+            return f"got {type(value).__name__} {value!r}"
+        return None  # elements: checked by the caller
+    return None
+
+
 def _check_keys(cls: type, data: Mapping[str, Any], prefix: str = "") -> None:
-    """Reject unknown keys with the list of allowed ones (draccus's message lacks it)."""
-    hints = {f.name: f for f in dataclasses.fields(cls)}
+    """Reject unknown keys (with the list of allowed ones: draccus's message lacks it) and
+    values of the wrong kind (null for a required field, true for a number, a number for a
+    string, a string for a list ...), naming the key and what it takes."""
+    hints = typing.get_type_hints(cls)
     for key, value in data.items():
+        where = f"{prefix}{key}"
         if key not in hints:
-            where = f"{prefix}{key}"
             raise ConfigError(
                 f"unknown config key {where!r}; allowed keys under "
                 f"{prefix.rstrip('.') or 'the top level'}: {', '.join(_field_names(cls))}"
             )
-        default = hints[key].default_factory if hints[key].default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
-        if default is not None and dataclasses.is_dataclass(default):
+        tp = hints[key]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{prefix}{key} must be a mapping of its fields, got {value!r}")
-            _check_keys(default, value, f"{prefix}{key}.")
+                raise ConfigError(f"{where} must be a mapping of its fields, got {value!r}")
+            _check_keys(tp, value, f"{where}.")
+            continue
+        if isinstance(value, Mapping):
+            raise ConfigError(f"{where} is a single value, not a section: got {dict(value)!r}; it takes {_describe(tp)}")
+        why = _type_error(tp, value)
+        if why is None and typing.get_origin(_optional_of(tp)[0]) is tuple and value is not None:
+            elem = typing.get_args(_optional_of(tp)[0])[0]
+            for i, v in enumerate(value):
+                bad = _type_error(elem, v) if not isinstance(v, Mapping) else f"got {v!r}"
+                if bad is not None:
+                    raise ConfigError(f"{where}[{i}]: {bad}; it takes {_describe(elem)}")
+        if why is not None:
+            base, optional = _optional_of(tp)
+            if isinstance(base, type) and issubclass(base, enum.Enum):  # (the wording tests and users grep for)
+                allowed = ", ".join(m.value for m in base) + (", null" if optional else "")
+                raise ConfigError(f"{where}: {why}; allowed values: {allowed}")
+            raise ConfigError(f"{where}: {why}; it takes {_describe(tp)}")
 
 
 def _enum_hint(cls: type, dotted: str) -> str:
@@ -330,7 +476,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults <- YAML deltas at `path` (if any) <- dotted overrides. Validated."""
     data = _read_yaml(Path(path)) if path is not None else {}
-    data = _deep_merge(data, parse_overrides(overrides))
+    data = _deep_merge(data, parse_overrides(overrides, Config))
     return config_from_dict(data)
 
 
@@ -364,6 +510,10 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
 def validate(cfg: Config) -> None:
     m, t, o, d, mesh = cfg.model, cfg.train, cfg.optimizer, cfg.data, cfg.mesh
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "max_seq_len"):
@@ -383,15 +533,27 @@ def validate(cfg: Config) -> None:
     else:
         _require(m.head_dim > 0, "model.head_dim", f"must be positive, got {m.head_dim}")
     _require(m.resolved_head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {m.resolved_head_dim}")
-    _require(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
-    _require(m.rope_scaling_factor >= 0, "model.rope_scaling_factor", "must be >= 0 (0 turns it off)")
-    _require(m.norm_eps > 0, "model.norm_eps", f"must be positive, got {m.norm_eps}")
-    _require(m.init_std > 0, "model.init_std", f"must be positive, got {m.init_std}")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _require(_positive(getattr(m, name)), f"model.{name}", f"must be a positive finite number, got {getattr(m, name)}")
+    _require(
+        m.rope_scaling_factor == 0 or (math.isfinite(m.rope_scaling_factor) and m.rope_scaling_factor >= 1),
+        "model.rope_scaling_factor",
+        f"must be 0 (off) or a finite factor >= 1 (Llama 3's long-context scaling divides frequencies by it), got {m.rope_scaling_factor}",
+    )
+    if m.rope_scaling_factor:
+        # (layers.rope_frequencies divides by the low factor and by high - low)
+        _require(
+            _positive(m.rope_low_freq_factor) and _positive(m.rope_high_freq_factor) and m.rope_low_freq_factor < m.rope_high_freq_factor,
+            "model.rope_low_freq_factor/rope_high_freq_factor",
+            f"need 0 < low < high with rope scaling on, got {m.rope_low_freq_factor}, {m.rope_high_freq_factor}",
+        )
+        _require(m.rope_original_max_len > 0, "model.rope_original_max_len", f"must be positive with rope scaling on, got {m.rope_original_max_len}")
     _require(m.param_dtype != DType.auto, "model.param_dtype", "must be float32, bfloat16 or float16 (not auto)")
 
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name}", f"must be a positive integer, got {getattr(t, name)}")
     _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 disables eval), got {t.eval_every}")
+    _require(0 <= t.seed < 2**63, "train.seed", f"must be in [0, 2**63) (numpy and jax.random seeds), got {t.seed}")
     _require(
         t.seq_len <= m.max_seq_len,
         "train.seq_len",
@@ -417,7 +579,8 @@ def validate(cfg: Config) -> None:
         f"must be empty or [start, stop) with 0 <= start < stop, got {list(cfg.profile.steps)}",
     )
 
-    _require(o.learning_rate > 0, "optimizer.learning_rate", f"must be positive, got {o.learning_rate}")
+    _require(_positive(o.learning_rate), "optimizer.learning_rate", f"must be a positive finite number, got {o.learning_rate}")
+    _require(_positive(o.eps), "optimizer.eps", f"must be a positive finite number (Adam divides by sqrt(v) + eps; v is 0 for unused rows), got {o.eps}")
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", f"must be in [0, 1), got {o.b1}, {o.b2}")
@@ -432,6 +595,9 @@ def validate(cfg: Config) -> None:
         _require(m.vocab_size >= 257, "model.vocab_size", f"the byte tokenizer needs >= 257 (256 bytes + EOS), got {m.vocab_size}")
     if d.tokenizer == TokenizerKind.bpe and d.source == DataSource.text:
         _require(m.vocab_size >= 260, "model.vocab_size", f"a byte-level BPE needs >= 260 tokens, got {m.vocab_size}")
+
+    for key, value in (("run_dir", cfg.run_dir), ("data.path", d.path), ("data.cache_dir", d.cache_dir), ("mesh.coordinator_address", mesh.coordinator_address)):
+        _require(value is None or str(value).strip() != "", key, "must not be empty" + (" (null: unset)" if key != "data.cache_dir" else ""))
 
     sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
     for name, size in sizes.items():

@@ -45,6 +45,7 @@ from scaling.config import (
     DataSource,
     StrEnum,
     _deep_merge,
+    _Loader,
     _read_yaml,
     config_from_dict,
     dump_yaml,
@@ -302,8 +303,11 @@ def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[S
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"sweep spec not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:  # (the configs' loader: a key repeated in the spec is an error, not the last one silently)
+        with open(path, "rb") as f:
+            data = yaml.load(f, Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     data = _deep_merge(data, parse_overrides(overrides))

@@ -1,5 +1,7 @@
 """`python -m scaling` itself: the command list, and an unknown command."""
 
+import pytest
+
 from scaling.__main__ import COMMANDS, main
 
 
@@ -18,3 +20,18 @@ def test_unknown_or_missing_command_exits_2_naming_the_commands(capsys):
     assert "unknown command 'trian'; allowed: train, shardings, plan, generate, sweep, fit, export" in err
     assert main([]) == 2
     assert "usage: python -m scaling COMMAND" in capsys.readouterr().err
+
+
+def test_space_separated_overrides(capsys):
+    """`--section.key value` is the same override as `--section.key=value` (the value alone was
+    refused as an unrecognised argument, so the README's form did not work)."""
+    from scaling.__main__ import _config_args
+
+    _, a = _config_args(["--config", "configs/models/tiny.yaml", "--model.num_layers", "3", "--mesh.data", "-1",
+                         "--mesh.fsdp=1"], "plan")
+    _, b = _config_args(["--config", "configs/models/tiny.yaml", "--model.num_layers=3", "--mesh.data=-1",
+                         "--mesh.fsdp=1"], "plan")
+    assert a == b and a.model.num_layers == 3 and a.mesh.data == -1
+    with pytest.raises(SystemExit):  # a value with no key before it is still refused
+        _config_args(["--config", "configs/models/tiny.yaml", "stray"], "plan")
+    assert "unrecognised arguments ['stray']" in capsys.readouterr().err

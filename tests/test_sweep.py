@@ -322,3 +322,13 @@ def test_submitit_local_executor_runs_a_point(tmp_path, corpus_cache, monkeypatc
     assert rc == 0 and r["status"] == "done", r["error"]
     assert math.isfinite(r["eval_loss"]) and (tmp_path / "submitit").is_dir()
     assert not r["job_id"].isdigit() or int(r["job_id"]) > 0
+
+
+def test_spec_yaml_errors_are_named(tmp_path):
+    """A key repeated in a spec (the last one won silently) and a YAML syntax error (a traceback)."""
+    (tmp_path / "dup.yaml").write_text("name: a\nseeds: [0]\nname: b\n")
+    with pytest.raises(SpecError, match="key 'name' repeated \\(first at line 1\\)"):
+        load_spec(tmp_path / "dup.yaml")
+    (tmp_path / "bad.yaml").write_text("name: [a\n")
+    with pytest.raises(SpecError, match="bad.yaml: not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
