@@ -742,6 +742,12 @@ class Sampling:
     kernel: bool = False  # sampled rows by scaling.kernels.sample (no sort), the same tokens
 
 
+# The smallest temperature a step divides by: any smaller one is taken as this. logits / 1e-30
+# stays inside f32 for |logits| < 3e8, and its distribution is the argmax's for any two logits
+# more than ~1e-28 apart: what every smaller temperature gives, without +-inf ties.
+MIN_TEMPERATURE = 1e-30
+
+
 def _chosen_logprob(logits_bv, tok_b):
     """log_softmax(logits)[tok] per row, from the row's max and sum (no [B, V] log-softmax)."""
     m_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
@@ -1240,9 +1246,9 @@ class Decoder:
         # (host values moved to the device in one transfer each, not one eager op per value: on
         # the way to the first token, every call on the host is latency)
         params = jax.device_put({
-            # (at least f32's smallest normal: a smaller one is 0 or a subnormal, which XLA's CPU
-            # flushes to 0, and logits / 0 is no distribution; `sample` takes the limit from there)
-            "temperature": np.float32(max(temperature, np.finfo(np.float32).tiny) if temperature > 0 else 1.0),
+            # (at least MIN_TEMPERATURE: below it logits / T leaves f32's range for ordinary logits,
+            # and the sampler kernel, which divides as it is, drew among tokens tied at +inf)
+            "temperature": np.float32(max(temperature, MIN_TEMPERATURE) if temperature > 0 else 1.0),
             "top_p": np.float32(top_p if top_p is not None else 1.0),
             "stop_ids": stop_ids,
             "max_new": np.int32(max_new_tokens),

@@ -263,3 +263,14 @@ def test_decoder_sampler_option():
         np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="sampler must be one of \\('auto', 'xla', 'pallas'\\), got 'sort'"):
         decode.Decoder(model, sampler="sort")
+
+
+def test_tiny_temperatures_draw_the_argmax_on_the_kernel_too():
+    """temperature -> 0 is greedy on the sampler kernel as on the XLA path: logits / T past f32's
+    range (+inf for several tokens, which then tie) drew other tokens than the argmax. The
+    reference: greedy decoding by the same decoder."""
+    model = build_model(CFG, seed=1)
+    dec = decode.Decoder(model, sampler="pallas", max_batch=4, max_len=64, attention="xla", chunk=4)
+    want = dec.generate(PROMPTS, 5).tokens
+    for t, extra in ((1e-38, dict(top_k=5)), (1e-42, dict(top_p=0.9)), (1e-33, dict(top_k=3, top_p=0.5))):
+        assert dec.generate(PROMPTS, 5, temperature=t, seed=4, **extra).tokens == want, (t, extra)
