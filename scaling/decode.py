@@ -767,13 +767,7 @@ def sample(logits_bv, keys_b, temperature, top_p, sampling: Sampling):
         return sample_kernel.sample_rows(logits_bv, noise, temperature, top_p, top_k=sampling.top_k,
                                          use_top_p=sampling.use_top_p)
     logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
-    z = logits_bv / temperature
-    # A tiny temperature takes logits / T past f32's range: +inf for several tokens (which then tie,
-    # the first winning, not the largest logit) or -inf for all of them (token 0). Such rows as
-    # (logits - max) / T, the same distribution with its max at 0. (Other rows keep logits / T: the
-    # tokens of scaling.kernels.sample, which divides so too.)
-    finite_b1 = jnp.isfinite(jnp.max(z, axis=-1, keepdims=True))
-    z = jnp.where(finite_b1, z, (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / temperature)
+    z = logits_bv / temperature  # (T >= MIN_TEMPERATURE, the Decoder's floor: z stays finite)
     if sampling.top_k is not None:
         kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
         z = jnp.where(z < kth, -jnp.inf, z)

@@ -42,11 +42,11 @@ def _hf_stop_ids(d: Path) -> list[int]:
     return sorted(set(ids))
 
 
-def continuation(tok, prompt: list[int], new: list[int]) -> str:
+def continuation(tok, prompt: list[int], new: list[int], head: str | None = None) -> str:
     """The text `new` adds after `prompt`. Decoded together with the prompt and cut after the
     prompt's text, because decoders treat a sequence's first token specially (SentencePiece's
     Metaspace, as in Llama 2's tokenizer, drops its leading space: "Hello" + "world")."""
-    head = tok.decode(prompt)
+    head = tok.decode(prompt) if head is None else head  # (the prompt's text: a streamer decodes it once)
     text = tok.decode(list(prompt) + list(new))
     return text[len(head):] if text.startswith(head) else tok.decode(new)
 
@@ -138,19 +138,20 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             new: list[int] = []
             shown = ""
+            head = tok.decode(prompts[0])
             items_stream = dec.stream(prompts, args.max_new_tokens, **kw)  # (bad arguments raise here)
             sys.stdout.write(args.prompt[0])
             for items in items_stream:
                 for _, toks, _ in items:
                     new += toks
-                text = continuation(tok, prompts[0], [t for t in new if t not in stop])
+                text = continuation(tok, prompts[0], [t for t in new if t not in stop], head)
                 # Hold back a trailing partial UTF-8 character until its remaining bytes arrive.
                 ready = text[: len(text) - 1] if text.endswith("\ufffd") else text
                 if ready.startswith(shown):
                     sys.stdout.write(ready[len(shown):])
                     shown = ready
                 sys.stdout.flush()
-            text = continuation(tok, prompts[0], [t for t in new if t not in stop])
+            text = continuation(tok, prompts[0], [t for t in new if t not in stop], head)
             sys.stdout.write(text[len(shown):] + "\n")
             dt = time.perf_counter() - t0
             ran = dec._step_layers(dec.bucket(1)).value

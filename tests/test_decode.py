@@ -478,12 +478,13 @@ def test_tiny_temperature_draws_the_argmax(model, decoder):
     want = [_uncached_argmax(model, p, 4) for p in PROMPTS]
     for t in (1e-38, 1e-42, 1e-60):
         assert decoder.generate(PROMPTS, 4, temperature=t, seed=1).tokens == want, t
-    # `sample` alone: rows of all-positive and all-negative logits that overflow at T = 1e-38
+    # `sample` alone at the floor the Decoder applies: rows of all-positive and all-negative logits
+    # (which overflowed at T = 1e-38) draw their argmax
     logits = jnp.asarray([[3.0, 5.0, 4.0, 5.5], [-5.0, -3.0, -4.0, -3.5], [40.0, -40.0, 41.0, 0.0]])
     keys = jax.random.split(jax.random.key(0), 3)
     for top_k, use_top_p in ((None, False), (2, False), (None, True)):
         sampling = decode.Sampling(greedy=False, top_k=top_k, use_top_p=use_top_p)
-        toks, lps = decode.sample(logits, keys, jnp.float32(1e-38), jnp.float32(0.9), sampling)
+        toks, lps = decode.sample(logits, keys, jnp.float32(decode.MIN_TEMPERATURE), jnp.float32(0.9), sampling)
         np.testing.assert_array_equal(np.asarray(toks), [3, 1, 2])
         np.testing.assert_allclose(np.asarray(lps), np.asarray(jax.nn.log_softmax(logits))[[0, 1, 2], [3, 1, 2]],
                                    atol=1e-6)
