@@ -78,11 +78,20 @@ MEASURE_S = 30.0  # a child's start-up + compile + timed steps, until one has be
 _ENV = dict(os.environ)  # the children's environment (the parent switches itself to the CPU)
 
 
+def presets() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.yaml"))
+
+
+def model_source(model: str) -> Path:
+    """A preset name (configs/models/<model>.yaml) or a config file's path."""
+    path = ROOT / "configs" / "models" / f"{model}.yaml"
+    return path if path.exists() else Path(model)
+
+
 def make_config(model: str, policy: str, batch: int, seq: int, steps: int = 10):
     from scaling.config import load_config
 
-    path = ROOT / "configs" / "models" / f"{model}.yaml"
-    src = path if path.exists() else model
+    src = model_source(model)
     seq = min(seq, load_config(src).model.max_seq_len)
     overrides = [
         "--model.compute_dtype=bfloat16", f"--train.batch_size={batch}", f"--train.seq_len={seq}",
@@ -644,7 +653,51 @@ def predictions(args, policy: str, batch: int, cal: dict | None, limit: float | 
     return out
 
 
-def main() -> int:
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Bad flags end here (argparse's usage line, the flag, what is allowed; exit code 2), not
+    as a traceback in the parent after the calibration child has spent its time on them."""
+    def positive(name: str, value, what: str = "a positive integer") -> None:
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            p.error(f"{name}: must be {what}, got {value}")
+
+    if not model_source(args.model).is_file():
+        p.error(f"--model: {args.model!r} is neither a preset under configs/models/ (allowed: {', '.join(presets())}) "
+                "nor a config file")
+    for name in ("seq", "batch", "steps", "max_batch"):
+        positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    if not args.no_search and args.max_batch < args.batch:
+        p.error(f"--max-batch: {args.max_batch} is below --batch {args.batch} (the search starts from it)")
+    positive("--budget-s", args.budget_s, "a positive number of seconds")
+    if args.child is None and args.budget_s <= FINAL_S:
+        p.error(f"--budget-s: {args.budget_s:g} s leaves nothing to run ({FINAL_S:g} s are kept back for the table)")
+    if args.capacity_gib is not None:
+        positive("--capacity-gib", args.capacity_gib, "a positive number of GiB")
+    try:
+        fraction = float(args.mem_fraction)
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:
+        p.error(f"--mem-fraction: must be a number in (0, 1], got {args.mem_fraction!r}")
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    args.policies = ",".join(policies)
+    bad = [x for x in policies if x not in POLICIES]
+    if bad or not policies or len(set(policies)) < len(policies):
+        why = (f"unknown {', '.join(map(repr, bad))}" if bad else "empty" if not policies
+               else f"repeated {', '.join(sorted({x for x in policies if policies.count(x) > 1}))}")
+        p.error(f"--policies: {why}; allowed: a comma-separated list of {', '.join(POLICIES)}")
+    if args.child == "policy" and args.policy not in POLICIES:
+        p.error(f"--policy: {args.policy!r} is not a policy; allowed: {', '.join(POLICIES)}")
+    if args.child is None:
+        from scaling.config import ConfigError
+
+        try:  # the model's own config, with every flag this run passes to it
+            for policy in policies:
+                make_config(args.model, policy, args.batch, args.seq, args.steps)
+        except ConfigError as e:
+            p.error(f"--model {args.model}: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1b", help="preset under configs/models/ (default 1b)")
     p.add_argument("--seq", type=int, default=2048)
@@ -667,7 +720,8 @@ def main() -> int:
     p.add_argument("--planned", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--fast-s", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--tune-k", type=float, default=0.0, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    check_args(p, args)
     if args.child == "calibrate":
         calibrate(args)
         return 0

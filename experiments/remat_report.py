@@ -16,11 +16,28 @@ def fmt(x, scale=1.0, spec=",.2f", none="n/a") -> str:
 
 
 def rate(x: float, unit: str) -> str:
-    """FLOP/s or B/s with an SI prefix (T on a GPU, G on a CPU)."""
-    for prefix, v in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
-        if x >= v:
-            return f"{x / v:,.3g} {prefix}{unit}"
-    return f"{x:,.3g} {unit}"
+    """FLOP/s or B/s with an SI prefix (T on a GPU, G on a CPU), 3 significant digits.
+
+    Rounded before the prefix is chosen (999.7e9 is "1 T", not "1e+03 G"); past the largest
+    prefix the digits are written out ("1,200 P"), never in exponent form."""
+    x = float(f"{x:.3g}")
+    prefix, v = next(((p, v) for p, v in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+                      if abs(x) >= v), ("", 1.0))
+    y = x / v
+    return f"{y:,.0f} {prefix}{unit}" if abs(y) >= 100 else f"{y:.3g} {prefix}{unit}"
+
+
+def cell(x) -> str:
+    """Text for a markdown table cell: a '|' (in an error message) would split the cell."""
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def byte_unit(rows: list[dict]) -> tuple[str, int]:
+    """MiB for a CPU smoke run (every byte count in the table under 1 GiB), else GiB. Judged on
+    the byte counts present: a failed or skipped row has none (it used to count as 1 GiB, which
+    put a CPU run's whole table in GiB: 0.00 everywhere)."""
+    sizes = [v for r in rows for v in (r.get("xla"), r.get("peak"), r.get("pred", {}).get("memory")) if v]
+    return ("MiB", 2**20) if max(sizes, default=0) < GiB else ("GiB", GiB)
 
 
 def err(pred, meas) -> str:
@@ -30,8 +47,7 @@ def err(pred, meas) -> str:
 
 def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: float) -> str:
     seq = next((r["seq"] for r in rows if "seq" in r), args.seq)
-    small = all((r.get("xla") or GiB) < GiB for r in rows)  # a CPU smoke run: MiB, not GiB
-    unit, ub = ("MiB", 2**20) if small else ("GiB", GiB)
+    unit, ub = byte_unit(rows)
     dev = cal["device"] if cal else "?"
     lines = [
         f"# bench_remat: `{args.model}`, bf16 compute, batch {args.batch} x {seq}, one {dev}",
@@ -76,7 +92,7 @@ def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: flo
     for r in rows:
         pr = r.get("pred", {})
         if "seconds" not in r:
-            lines.append(f"| {r['policy']} | {r.get('error', 'failed')} | | {fmt(pr.get('memory'), 1 / ub)} | | "
+            lines.append(f"| {r['policy']} | {cell(r.get('error', 'failed'))} | | {fmt(pr.get('memory'), 1 / ub)} | | "
                          f"{pr.get('phase', '')} | | {fmt(pr.get('seconds'), 1e3, ',.1f')} | | "
                          f"{fmt(pr.get('seconds_square'), 1e3, ',.1f')} | {fmt(pr.get('roofline'), 1e3, ',.1f')} | | | "
                          f"{pr.get('largest', 'n/a')} | |")
@@ -94,7 +110,7 @@ def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: flo
             f"{err(pr.get('memory'), meas_mem)} | {pr.get('phase', '')} | {r['seconds'] * 1e3:,.1f} | "
             f"{fmt(pr.get('seconds'), 1e3, ',.1f')}{parts} | {err(pr.get('seconds'), r['seconds'])} | "
             f"{fmt(pr.get('seconds_square'), 1e3, ',.1f')} ({err(pr.get('seconds_square'), r['seconds'])}) | "
-            f"{fmt(pr.get('roofline'), 1e3, ',.1f')} | {fmt(mfu, 100, '.1f')}{'%' if mfu else ''} | {largest} | "
+            f"{fmt(pr.get('roofline'), 1e3, ',.1f')} | {fmt(mfu, 100, '.1f')}{'%' if mfu else ''} | {cell(largest)} | "
             f"{pr.get('largest', 'n/a')} | {fmt(peak_at, 1 / ub)} |"
         )
     for r in rows:

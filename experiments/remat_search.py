@@ -98,12 +98,16 @@ def largest_cell(s: dict) -> str:
     if s.get("skipped"):
         return f"skipped: {s['skipped']}"
     lo, hi = s["found"], s["hi"]
-    text = str(lo) if s["bracketed"] else f"≥ {lo}" + (f", < {hi}" if hi else "")
+    monotone = hi is None or hi > lo
+    # Not monotone (a batch below the one found is over the limit): "≥ 12, < 10" would say
+    # nothing fits; the cell names the batch that broke the order instead.
+    text = str(lo) if s["bracketed"] else f"≥ {lo}" + (f", < {hi}" if hi and monotone else "")
     why = []
     if not s["bracketed"]:
-        why.append("not bracketed" if s.get("monotone", True) else "probes not monotone")
+        why.append("not bracketed" if monotone else f"probes not monotone: {hi} is over the limit")
     if s.get("autotune"):  # which sides of the bracket were compiled the normal (autotuned) way
-        lo_ok, hi_ok = s.get("lo_autotuned"), s.get("hi_autotuned") or s.get("hi_inferred")
+        # (lo 0, nothing fits: no lower side to compile)
+        lo_ok, hi_ok = s.get("lo_autotuned") or not lo, s.get("hi_autotuned") or s.get("hi_inferred")
         if hi is None:  # no upper side (yet, or the cap): only the lower one to check
             hi_ok = lo_ok
         if not lo_ok and not hi_ok:
@@ -112,7 +116,8 @@ def largest_cell(s: dict) -> str:
             why.append(f"{lo if not lo_ok else hi}: autotune-off probe only")
     st = s.get("step")
     if not st:
-        why.append("no real step")
+        if lo:  # (nothing fits: no step to run)
+            why.append("no real step")
     elif not st["ok"]:
         why.append(f"real step failed: {st.get('error', '?')[:80]}")
     elif st.get("after_host_oom"):

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from scaling import layers
+from scaling.attention_args import check_attention_args
 from scaling.config import AttentionImpl, ModelConfig
 from scaling.sharding import active as active_sharding
 from scaling.sharding import axes as A
@@ -33,13 +34,14 @@ def _segment_mask(segment_ids):
 
 def xla_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
     """Reference: softmax(q k^T / sqrt(H)) v in f32, GQA by grouping query heads."""
+    check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
     b, t, n, h = q_btnh.shape
     s, kh = k_bskh.shape[1], k_bskh.shape[2]
     g = n // kh
     q_btkgh = q_btnh.reshape(b, t, kh, g, h)
     logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     logits = logits / math.sqrt(h)
-    mask = jnp.ones((t, s), bool) if not causal else jnp.tril(jnp.ones((t, s), bool), k=s - t)
+    mask = jnp.ones((t, s), bool) if not causal else jnp.tril(jnp.ones((t, s), bool))
     mask = mask[None]
     seg = _segment_mask(segment_ids)
     if seg is not None:
@@ -57,6 +59,7 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=
         raise ValueError(
             f"attention.impl=cudnn needs a GPU (backend is {jax.default_backend()!r}); use attention.impl=xla or auto"
         )
+    check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
     mask = None
     if segment_ids is not None:
         mask = _segment_mask(segment_ids)[:, None]
@@ -74,6 +77,9 @@ def pallas_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids
     own layout: batch over data x fsdp, heads over tensor, whole rows), which needs no
     communication: attention is independent per row and per KV-head group."""
     from scaling.kernels import flash_attention  # imported lazily: the kernel is optional
+
+    # Checked on the global shapes: inside the shard_map the kernel would name per-device ones.
+    check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
 
     def local(q, k, v, seg):
         # "auto": on Hopper the faster measured forward (Triton or Mosaic GPU) and the Mosaic GPU
@@ -150,6 +156,7 @@ def prepare(impl: AttentionImpl) -> None:
 
 def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None, bwd_workspace_mb=None):
     """The `auto` core: resolved per call (shapes are static under jit)."""
+    check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
     impl = resolve_impl(AttentionImpl.auto, seq_len=max(q_btnh.shape[1], k_bskh.shape[1]),
                         segmented=segment_ids is not None, head_dim=q_btnh.shape[-1])
     kw = dict(bwd_workspace_mb=bwd_workspace_mb) if impl == AttentionImpl.pallas and bwd_workspace_mb is not None else {}
@@ -158,6 +165,11 @@ def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=N
 
 def attention_core(impl: AttentionImpl, *, bwd_workspace_mb: int | None = None) -> Callable:
     """The core for `impl`; bwd_workspace_mb goes to our kernels' backward (None: its default)."""
+    if impl not in (*ATTENTION_CORES, AttentionImpl.auto):
+        raise ValueError(f"attention impl {impl!r} must be one of {[i.value for i in AttentionImpl]}")
+    if bwd_workspace_mb is not None and (isinstance(bwd_workspace_mb, bool) or not isinstance(bwd_workspace_mb, int)
+                                         or bwd_workspace_mb < 0):
+        raise ValueError(f"bwd_workspace_mb must be None or an int >= 0, got {bwd_workspace_mb!r}")
     core = auto_attention if impl == AttentionImpl.auto else ATTENTION_CORES[impl]
     if bwd_workspace_mb is not None and impl in (AttentionImpl.auto, AttentionImpl.pallas):
         core = functools.partial(core, bwd_workspace_mb=bwd_workspace_mb)

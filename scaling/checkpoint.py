@@ -76,8 +76,30 @@ def complete_steps(directory: str | Path) -> list[int]:
 
 
 def read_meta(step_dir: str | Path) -> dict:
-    """The JSON `meta` item of one step (Orbax JsonSave writes it as `meta/metadata`)."""
-    return json.loads((Path(step_dir) / "meta" / "metadata").read_text())
+    """The JSON `meta` item of one step (Orbax JsonSave writes it as `meta/metadata`).
+
+    Raises CheckpointError naming the file when it is missing or not a JSON object."""
+    path = Path(step_dir) / "meta" / "metadata"
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing (the step's loader position and config)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({_one_line(e)})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return meta
+
+
+def step_config(step_dir: str | Path) -> Config:
+    """The resolved config a training step was saved with (its `meta`)."""
+    meta = read_meta(step_dir)
+    if "config" not in meta:
+        raise CheckpointError(f"{Path(step_dir) / 'meta' / 'metadata'} holds no `config`")
+    try:
+        return config_from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{Path(step_dir) / 'meta' / 'metadata'}: its config is invalid ({_one_line(e)})") from None
 
 
 @dataclasses.dataclass
@@ -195,7 +217,7 @@ class Checkpointer:
         if mismatches:
             try:
                 saved_cfg = read_meta(self.directory / str(step)).get("config")
-            except (OSError, ValueError):
+            except CheckpointError:
                 saved_cfg = None
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory / str(step)} does not match the config:\n  "
@@ -218,6 +240,9 @@ class Checkpointer:
         shape mismatch with the config raises CheckpointMismatchError naming the leaves.
         """
         log = log or print
+        if step is not None and step not in complete_steps(self.directory):
+            raise CheckpointError(f"step {step}: no complete checkpoint of that step in {self.directory}; "
+                                  f"have {complete_steps(self.directory)}")
         steps = [step] if step is not None else complete_steps(self.directory)[::-1]
         failed = []
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
@@ -278,19 +303,41 @@ def abstract_params(model_cfg: ModelConfig) -> dict:
     return nnx.to_pure_dict(nnx.state(model))  # the same tree as the train state's "params"
 
 
-def _restore_params(state_dir: Path, model_cfg: ModelConfig, sharding: Any, *, under: str | None) -> dict:
-    """Params only (no optimizer state) from an Orbax pytree directory, with a shape check."""
+def _params_target(model_cfg: ModelConfig, sharding: Any) -> dict:
+    """The params' ShapeDtypeStructs laid out by `sharding` (one for all, or a tree of them).
+
+    A sharding that does not divide a parameter's shape is refused here, naming the
+    parameter, before anything is read."""
     target = abstract_params(model_cfg)
     if not isinstance(sharding, dict):
         sharding = jax.tree.map(lambda _: sharding, target)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, sharding)
+
+    def leaf(path, a, s):
+        try:
+            s.shard_shape(a.shape)
+        except ValueError as e:
+            name = ".".join(_key_name(k) for k in path)
+            raise ValueError(f"sharding: params.{name} of shape {tuple(a.shape)}: {_one_line(e)}") from None
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    return jax.tree_util.tree_map_with_path(leaf, target, sharding)
+
+
+def _read_params(state_dir: Path, target: dict, *, under: str | None) -> dict:
+    """Params only (no optimizer state) from an Orbax pytree directory into `target`
+    (`_params_target`), with a shape check."""
     item = {under: target} if under else target
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # quiet: a training step's `state` item has no step metadata file
     try:
         with ocp.PyTreeCheckpointer() as ckptr:
-            saved = ckptr.metadata(state_dir).item_metadata.tree
+            saved = ckptr.metadata(state_dir).item_metadata
+            if saved is None:  # Orbax answers None where the tree's metadata cannot be read
+                raise CheckpointError(f"{state_dir} holds no readable tree metadata")
+            saved = saved.tree
+            if under and under not in saved:
+                raise CheckpointError(f"{state_dir} holds no `{under}`")
             saved = {under: saved[under]} if under else saved
             mismatches = shape_mismatches(item, saved)
             if mismatches:
@@ -306,11 +353,59 @@ def _restore_params(state_dir: Path, model_cfg: ModelConfig, sharding: Any, *, u
     return restored[under] if under else restored
 
 
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _restore_run_params(run_dir: Path, step: int | None, model_cfg: ModelConfig | None, sharding: Any,
+                        log: Callable[[str], None], *, need_config: bool) -> tuple[int, dict, Config | None]:
+    """(step, params, the step's config) from a run directory's training checkpoints.
+
+    `step` None: the latest complete checkpoint; partial saves (not committed) are named
+    through `log` and skipped, and a complete-looking one that cannot be read is reported
+    through `log` and the one before it is tried (as a resumed run does; nothing is moved).
+    An explicit `step` that cannot be read raises. A model that does not fit raises
+    CheckpointMismatchError at once (older steps of the run would not fit either).
+    """
+    ckpt_dir = run_dir / "checkpoints"
+    steps = complete_steps(ckpt_dir)
+    partial = partial_checkpoints(ckpt_dir)
+    if not steps:
+        extra = f" (partial saves, never committed: {', '.join(p.name for p in partial)})" if partial else ""
+        raise CheckpointError(f"no complete checkpoint in {ckpt_dir}{extra}")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"step {step}: no complete checkpoint of that step in {ckpt_dir}; have {steps}")
+    if step is None:
+        for p in partial:
+            log(f"checkpoint: ignoring partial save {p} (not committed: interrupted, or still being written)")
+    failed = []
+    for s in [step] if step is not None else steps[::-1]:
+        step_dir = ckpt_dir / str(s)
+        try:
+            cfg = step_config(step_dir) if need_config or model_cfg is None else None
+        except CheckpointError as e:
+            err = e
+        else:
+            target = _params_target(model_cfg or cfg.model, sharding)  # a bad sharding is the caller's: raise
+            try:
+                return s, _read_params(step_dir / "state", target, under="params"), cfg
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions on bad data
+                err = e
+        if step is not None:
+            raise CheckpointError(f"step {s}: the checkpoint {step_dir} is unreadable ({_one_line(err)}); "
+                                  f"complete steps: {steps}") from err
+        failed.append(f"step {s}: {_one_line(err)}")
+        log(f"checkpoint: step {s} in {ckpt_dir} is unreadable ({_one_line(err)}); trying the one before it")
+    raise CheckpointError(f"no readable checkpoint in {ckpt_dir}:\n  " + "\n  ".join(failed))
+
+
 EXPORT_FORMATS = ("orbax", "hf")
 
 
 def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *, format: str = "orbax",
-                  dtype: str | None = None) -> Path:
+                  dtype: str | None = None, log: Callable[[str], None] | None = None) -> Path:
     """Write the params of a training checkpoint (latest complete one by default) on their own.
 
     format="orbax": `out_dir/params` is an Orbax pytree of the params (no optimizer state),
@@ -322,39 +417,60 @@ def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     generation_config.json), which transformers' `AutoModelForCausalLM` / `AutoTokenizer` and
     `python -m scaling generate` load; `dtype` (float32, bfloat16, float16) for its weights,
     default the params' own. Also `export.json`.
+
+    `out_dir` must be new or empty, and outside the run directory's config and checkpoints.
+    Without `step`, partial saves and an unreadable latest checkpoint are reported through
+    `log` (default: stderr) and the latest readable complete one is exported.
     """
+    log = log or _warn
     if format not in EXPORT_FORMATS:
         raise CheckpointError(f"--format {format!r}: allowed {', '.join(EXPORT_FORMATS)}")
     if dtype is not None and format != "hf":
         raise CheckpointError("--dtype applies to --format hf only (an Orbax export keeps the checkpoint's dtypes)")
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise CheckpointError(f"--dtype {dtype!r}: allowed float32, bfloat16, float16")
-    run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
+    # resolve(): `--out run/../run` or a symlink to the run is the run directory too.
+    run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
+    if not run_dir.exists():
+        raise CheckpointError(f"--run_dir: run directory {run_dir} does not exist")
     if not run_dir.is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist")
+        raise CheckpointError(f"--run_dir: {run_dir} is a file, not a run directory")
     ckpt_dir = run_dir / "checkpoints"
     steps = complete_steps(ckpt_dir)
     if not steps:
-        raise CheckpointError(f"no complete checkpoint in {ckpt_dir}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise CheckpointError(f"no complete checkpoint for step {step} in {ckpt_dir}; have {steps}")
+        partial = partial_checkpoints(ckpt_dir)
+        extra = f" (partial saves, never committed: {', '.join(p.name for p in partial)})" if partial else ""
+        raise CheckpointError(f"--run_dir: no complete checkpoint in {ckpt_dir}{extra}")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"--step {step}: no complete checkpoint of that step in {ckpt_dir}; have {steps}")
     # Refuse a bad destination before reading anything (a large model's params take a while).
     if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"{out_dir} exists and is not a directory; choose another --out")
-    for name in ("params",) if format == "orbax" else ("config.json", "model.safetensors"):
-        if (out_dir / name).exists():
-            raise CheckpointError(f"{out_dir / name} already exists; choose another --out")
+        raise CheckpointError(f"--out {out_dir} exists and is not a directory; choose another --out")
     if out_dir == run_dir:
         raise CheckpointError(f"--out {out_dir} is the run directory itself (its config.yaml would be overwritten); "
                               "choose another --out")
-    cfg = config_from_dict(read_meta(ckpt_dir / str(step))["config"])
-    params = _restore_params(ckpt_dir / str(step) / "state", cfg.model, _host_sharding(), under="params")
+    if out_dir == ckpt_dir or ckpt_dir in out_dir.parents:
+        raise CheckpointError(f"--out {out_dir} is inside the run's checkpoints directory, which Orbax and the "
+                              "trainer manage (a resumed run deletes a step-named directory there that Orbax did not "
+                              "commit); choose another --out")
+    if out_dir.is_dir():
+        held = sorted(p.name for p in out_dir.iterdir())
+        if held:
+            shown = ", ".join(held[:5]) + (f", ... ({len(held)} entries)" if len(held) > 5 else "")
+            raise CheckpointError(f"--out {out_dir} is not empty (holds {shown}); nothing is overwritten: "
+                                  "choose a new or empty directory")
+    try:
+        step, params, cfg = _restore_run_params(run_dir, step, None, _host_sharding(), log, need_config=True)
+    except CheckpointError as e:
+        raise CheckpointError(f"--{e}" if str(e).startswith("step ") else str(e)) from None
     tokenizer = run_dir / "tokenizer.json" if (run_dir / "tokenizer.json").exists() else None
     if format == "hf":
         from scaling.interop import hf
 
-        hf.save_params(cfg.model, params, out_dir, dtype=dtype, tokenizer=tokenizer)
+        try:
+            hf.save_params(cfg.model, params, out_dir, dtype=dtype, tokenizer=tokenizer)
+        except ValueError as e:  # e.g. a tokenizer larger than the model's vocabulary
+            raise CheckpointError(f"--format hf: {e}") from None
     else:
         out_dir.mkdir(parents=True, exist_ok=True)
         with ocp.StandardCheckpointer() as ckptr:
@@ -380,12 +496,22 @@ def load_config_of(path: str | Path) -> Config:
         return load_config(path / "config.yaml")
     steps = complete_steps(path / "checkpoints")
     if not steps:
-        raise CheckpointError(f"{path} is neither an export (config.yaml + params/) nor a run with a complete checkpoint")
-    return config_from_dict(read_meta(path / "checkpoints" / str(steps[-1]))["config"])
+        raise CheckpointError(_not_loadable(path))
+    return step_config(path / "checkpoints" / str(steps[-1]))
+
+
+def _not_loadable(path: Path) -> str:
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_dir():
+        return f"{path} is a file; expected an export directory (params/) or a run directory (checkpoints/)"
+    partial = partial_checkpoints(path / "checkpoints")
+    extra = f" (partial saves, never committed: {', '.join(p.name for p in partial)})" if partial else ""
+    return f"{path} is neither an export (config.yaml + params/) nor a run with a complete checkpoint{extra}"
 
 
 def load_params(path: str | Path, model_cfg: ModelConfig | None = None, sharding: Any = None,
-                step: int | None = None) -> dict:
+                step: int | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Params as a pure dict of arrays, without the optimizer state.
 
     `path`: an export directory (`export_params`), or a run directory (its latest
@@ -393,22 +519,27 @@ def load_params(path: str | Path, model_cfg: ModelConfig | None = None, sharding
     stored with the params); a shape mismatch raises CheckpointMismatchError naming each
     parameter and both shapes. `sharding`: one sharding for every leaf or a tree of them
     (default: the first local device). `step`: a run directory's checkpoint of that step
-    (default: the latest complete one); not for an export.
+    (default: the latest complete one); not for an export. Without `step`, partial saves
+    and an unreadable latest checkpoint are reported through `log` (default: stderr) and
+    the latest readable one is loaded, as a resumed training run does.
     """
     path = Path(path).absolute()
-    model_cfg = model_cfg or load_config_of(path).model
     sharding = sharding or _host_sharding()
     steps = complete_steps(path / "checkpoints")
     if (path / "params").exists() and not steps:
         if step is not None:
             raise CheckpointError(f"step {step}: {path} is an export (params/, one step); a step picks a run directory's checkpoint")
-        return _restore_params(path / "params", model_cfg, sharding, under=None)
+        model_cfg = model_cfg or load_config_of(path).model
+        target = _params_target(model_cfg, sharding)
+        try:
+            return _read_params(path / "params", target, under=None)
+        except (CheckpointError, CheckpointMismatchError):
+            raise
+        except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions on bad data
+            raise CheckpointError(f"{path / 'params'} is unreadable ({_one_line(e)})") from e
     if not steps:
-        raise CheckpointError(f"{path} is neither an export (params/) nor a run with a complete checkpoint")
-    if step is not None and step not in steps:
-        raise CheckpointError(f"step {step}: no complete checkpoint of that step in {path / 'checkpoints'}; have {steps}")
-    step = steps[-1] if step is None else step
-    return _restore_params(path / "checkpoints" / str(step) / "state", model_cfg, sharding, under="params")
+        raise CheckpointError(_not_loadable(path))
+    return _restore_run_params(path, step, model_cfg, sharding, log or _warn, need_config=False)[1]
 
 
 def export_main(argv: list[str]) -> int:

@@ -18,7 +18,16 @@ Corrections made against the sources (issue 6): TPU DCN was 2.5e10 B/s per chip;
 pages give 50 Gb/s per chip for v5p (6.25e9 B/s) and 6.4 Tb/s per 256-chip pod for v5e
 (25 Gb/s = 3.125e9 B/s per chip). v5p HBM is 95 GiB at 2,765 GB/s per Google (the book
 rounds to 96 GB and 2.8e12). GPU HBM sizes are GiB-scale stacks (80 GiB on H100), but the
-usable amount after the CUDA context is a little less: see `usable_fraction`.
+usable amount after the CUDA context is a little less: see `usable_fraction`. The H200's
+"141 GB" is GiB-scale too: it was 141e9 B (131 GiB), below the 128.5 GiB a measured H200 step
+peaked at (docs/benchmarks.md) after `usable_fraction`; nvidia-smi on an H200 reports 143,771 MiB
+(140.4 GiB), as an H100 reports 81,559 MiB against its nominal 80 GiB.
+
+`by_device_kind` maps the strings JAX reports (`jax.Device.device_kind`, the CUDA device name
+on GPUs) to entries: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H200",
+"NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB", "TPU v5 lite" (v5e), "TPU v5" (v5p). A variant
+of a listed chip that has different rates (H100 NVL, GH200, H200 NVL, A100 PCIe) gets None, not
+its sibling's numbers.
 
 Achievable rates (`matmul_fraction`, `attention_fraction`, `hbm_fraction`): the datasheet peak is
 a ceiling no kernel reaches. The calibrated step time (`scaling.accounting.training_time`)
@@ -30,6 +39,7 @@ the same run as the training steps it predicts and passes them in instead of the
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 
@@ -92,9 +102,10 @@ HARDWARE: dict[str, Hardware] = {
         "HBM3 vs HBM3e may differ)",
     ),
     "h200": Hardware(
-        "NVIDIA H200 SXM", 989e12, 4.8e12, 141e9, 450e9, 50e9,
-        "NVIDIA H200 datasheet (989 dense bf16 TFLOP/s, 4.8 TB/s HBM3e, 141 GB, 900 GB/s NVLink "
-        "bidirectional); 400 Gb/s NIC per GPU; PCIe Gen5 x16 to the host (64 GB/s one way)",
+        "NVIDIA H200 SXM", 989e12, 4.8e12, 141 * 2**30, 450e9, 50e9,
+        "NVIDIA H200 datasheet (989 dense bf16 TFLOP/s, 4.8 TB/s HBM3e, 141 GB (GiB-scale: nvidia-smi "
+        "reports 143,771 MiB), 900 GB/s NVLink bidirectional); 400 Gb/s NIC per GPU; PCIe Gen5 x16 to the "
+        "host (64 GB/s one way)",
         host_bandwidth=64e9,
         **_H200_MEASURED,
         calibration="measured on one H200, 2026-11-22: matmul 631 TFLOP/s (bench_train.py), JAX copy "
@@ -123,11 +134,28 @@ HARDWARE: dict[str, Hardware] = {
         axis_bandwidth=2 * 9e10,
         devices_per_node=8960,
     ),
+    "h100_pcie": Hardware(
+        "NVIDIA H100 PCIe", 756e12, 2.0e12, 80 * 2**30, 300e9, 50e9,
+        "NVIDIA H100 datasheet, PCIe column (1,513 bf16 TFLOP/s with sparsity = 756 dense, 2 TB/s HBM2e, "
+        "80 GB, 114 SMs, 350 W; NVLink bridge 600 GB/s bidirectional = 300 GB/s egress, between a pair of "
+        "cards); PCIe Gen5 x16 to the host (64 GB/s one way); the NIC per GPU (400 Gb/s) is the server's, "
+        "assumed as for the SXM",
+        devices_per_node=2,
+        host_bandwidth=64e9,
+    ),
+    "a100_40gb": Hardware(
+        "NVIDIA A100 SXM 40GB", 312e12, 1.555e12, 40 * 2**30, 300e9, 25e9,
+        "NVIDIA A100 datasheet, 40GB SXM column (312 dense bf16 TFLOP/s, 1,555 GB/s HBM2, 40 GB, 600 GB/s "
+        "NVLink bidirectional); 200 Gb/s HDR NIC per GPU (DGX A100 40GB); PCIe Gen4 x16 to the host "
+        "(32 GB/s one way)",
+        host_bandwidth=32e9,
+    ),
 }
 
 
 def get_hardware(name: str) -> Hardware:
-    key = name.lower().replace("-", "_")
+    """A table entry by its key, in any case, with '-' or ' ' for '_' ("H100", "tpu-v5e", "v5p")."""
+    key = "_".join(str(name).strip().lower().replace("-", " ").replace("_", " ").split())
     key = {"v5e": "tpu_v5e", "v5p": "tpu_v5p"}.get(key, key)
     if key not in HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; allowed: {', '.join(HARDWARE)}")
@@ -141,9 +169,28 @@ def detect(device: jax.Device | None = None) -> Hardware | None:
 
 
 def by_device_kind(kind: str) -> Hardware | None:
-    """The table entry for a `jax.Device.device_kind` string ("NVIDIA H200", "TPU v5 lite"), or None."""
-    kind = kind.lower()
-    for key, marker in (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("tpu_v5e", "v5 lite"), ("tpu_v5e", "v5e"), ("tpu_v5p", "v5p")):
-        if marker in kind:
-            return HARDWARE[key]
+    """The table entry for a `jax.Device.device_kind` string, or None where the table has no
+    entry with that device's rates (the CPU, other chips, variants listed in the module docstring).
+
+    JAX's strings: the CUDA device name on GPUs ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+    "NVIDIA H200", "NVIDIA A100-SXM4-80GB"); "TPU v5 lite" for v5e and "TPU v5" for v5p on TPUs.
+    """
+    k = " ".join(kind.lower().replace("-", " ").replace("_", " ").split())
+    tpu = re.fullmatch(r"tpu ?v(\d+) ?(lite|e|p)?( pod)?", k)
+    if tpu:
+        version, variant = tpu.group(1), tpu.group(2)
+        if version == "5":
+            return HARDWARE["tpu_v5e"] if variant in ("lite", "e") else HARDWARE["tpu_v5p"]
+        return None
+    words = set(k.split())
+    if words & {"nvl", "gh200", "gh100"}:  # NVL cards and Grace Hopper: other clocks, memory
+        return None
+    if "h200" in words:
+        return HARDWARE["h200"]
+    if "h100" in words:
+        return HARDWARE["h100_pcie"] if "pcie" in words else HARDWARE["h100"]
+    if "a100" in words:
+        if "pcie" in words:  # 250-300 W cards: 1,555 / 1,935 GB/s, NVLink bridges; not in the table
+            return None
+        return HARDWARE["a100_40gb"] if "40gb" in words else HARDWARE["a100"]
     return None

@@ -23,8 +23,10 @@ How the trace is laid out (jax 0.11, XLA's profiler, read from its exporter):
   double-count), only used to count module executions.
 - On CPU there is no device process: XLA's thunk executor records each HLO op it runs as a
   host event with `args.hlo_op`, `hlo_module` and `run_id` (one per execution), on several
-  worker threads at once, and a `while` op's event encloses its body's ops. Exclusive (self)
-  time is used, so nested events are not counted twice.
+  worker threads at once, and a `while` op's event encloses its body's ops, which run on its
+  thread and on others. Exclusive (self) time is used, so nested events are not counted twice:
+  a control-flow op (while/conditional/call) keeps only the time in which no op of its execution
+  runs on any thread.
 
 Categories, in this order of precedence: collectives (NCCL kernels, all-reduce/all-gather/
 reduce-scatter/all-to-all/collective-permute ops), copy/dynamic-update-slice (memcpy, memset, copy,
@@ -33,7 +35,12 @@ kernels), matmul (cuBLAS / cutlass / Triton gemm fusions, dots), optimizer updat
 outside autodiff: op names without `jvp(` / `transpose(`, i.e. AdamW, clipping, the gradient
 norm, the non-finite guard), elementwise/reduction fusions (by fusion name), other (control
 flow, other modules). Idle is the part of the profiled window (first to last kernel of the
-main module) in which no kernel runs.
+main module) in which no kernel runs. With several devices (or CPU threads) kernel and category
+times are summed over them, so they can exceed the window.
+
+Bad input (a missing or unreadable trace, a trace without kernels, --steps < 1, --top < 0, a
+missing --hlo file, an unknown --module) ends with a message naming it and exit status 2;
+the Python API raises ProfileError (a ValueError), or FileNotFoundError for a missing path.
 """
 
 from __future__ import annotations
@@ -42,10 +49,12 @@ import argparse
 import collections
 import dataclasses
 import gzip
+import heapq
 import json
 import os
 import re
 import sys
+import zlib
 from pathlib import Path
 
 MATMUL = "matmul"
@@ -67,6 +76,15 @@ _COLLECTIVE_RE = re.compile(r"nccl|all-reduce|all_reduce|allreduce|all-gather|al
                             r"reducescatter|all-to-all|all_to_all|alltoall|collective-permute|collective_permute|sendrecv", re.I)
 _CONTROL_RE = re.compile(r"^(while|conditional|call)([._]\d+)?$")
 _SUFFIX_RE = re.compile(r"([._]\d+)+$")
+
+
+class ProfileError(ValueError):
+    """Input that cannot be summarized (an unreadable or empty trace, HLO text, an argument out of
+    range); the message says what is wrong and what is allowed, `field` names the argument if one."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 # ----------------------------------------------------------------------------- HLO text
@@ -184,39 +202,99 @@ class Event:
         return str(self.args.get("hlo_module", ""))
 
 
+def _read_text(p: Path) -> str:
+    """A file's text, gunzipped if it is gzip (by its magic bytes, whatever its name)."""
+    with open(p, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    try:
+        with (gzip.open if gz else open)(p, "rt", encoding="utf-8") as f:
+            return f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError) as e:
+        what = "truncated or corrupt gzip" if gz else "not UTF-8 text"
+        raise ProfileError(f"{p}: {what} ({type(e).__name__}: {e})") from e
+
+
 def load_trace(path: str | os.PathLike) -> tuple[dict, Path]:
     """The trace JSON from a file or the newest perfetto/trace file under a directory."""
     p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or directory")
     if p.is_dir():
         found = sorted(p.rglob("perfetto_trace.json.gz"), key=os.path.getmtime) or sorted(
             p.rglob("*.trace.json.gz"), key=os.path.getmtime
         )
         if not found:
-            raise FileNotFoundError(f"no perfetto_trace.json.gz or *.trace.json.gz under {p}")
+            hint = (" (only *.xplane.pb: summarize the *.trace.json.gz or perfetto_trace.json.gz written with it)"
+                    if next(p.rglob("*.xplane.pb"), None) else "")
+            raise FileNotFoundError(f"no perfetto_trace.json.gz or *.trace.json.gz under {p}{hint}")
         p = found[-1]
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt") as f:
-        return json.load(f), p
+    text = _read_text(p)
+    try:
+        trace = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{p}: not JSON, or cut short ({e})") from e
+    return trace, p
+
+
+def load_hlo(path: str | os.PathLike) -> dict[str, HloInstr]:
+    """parse_hlo of a (possibly gzipped) HLO text file; an error if it holds no instruction."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"HLO text {p}: no such file")
+    hlo = parse_hlo(_read_text(p))
+    if not hlo:
+        raise ProfileError(f"HLO text {p}: no HLO instructions in it (expected the compiled step's "
+                           "`.as_text()`, lines like `%dot.1 = bf16[8,4]{1,0} dot(...)`)")
+    return hlo
 
 
 def self_times(events: list[Event]) -> None:
-    """Exclusive time of each event on its own line (children nested in time are subtracted)."""
+    """Exclusive time of each event on its own line: each instant of a line goes to the innermost
+    event running then (the latest to start; of equal starts the shortest), so the self times of a
+    line add up to the union of its events however they nest or overlap."""
     by_line = collections.defaultdict(list)
     for e in events:
+        e.self_us = 0.0
         by_line[e.line].append(e)
     for evs in by_line.values():
         evs.sort(key=lambda e: (e.ts, -e.dur))
-        stack: list[Event] = []
-        for e in evs:
-            e.self_us = e.dur
-            while stack and stack[-1].end <= e.ts:
-                stack.pop()
-            if stack:  # nested in stack[-1]: its time is not the parent's own
-                parent = stack[-1]
-                parent.self_us -= min(e.end, parent.end) - e.ts
-            stack.append(e)
-        for e in evs:
-            e.self_us = max(e.self_us, 0.0)
+        points = sorted({e.ts for e in evs} | {e.end for e in evs})
+        heap: list = []  # (-start, dur, index): the top is the innermost event
+        i = 0
+        for a, b in zip(points, points[1:]):
+            while i < len(evs) and evs[i].ts <= a:
+                heapq.heappush(heap, (-evs[i].ts, evs[i].dur, i))
+                i += 1
+            while heap and evs[heap[0][2]].end <= a:
+                heapq.heappop(heap)
+            if heap:
+                evs[heap[0][2]].self_us += b - a
+
+
+def _is_control(e: Event) -> bool:
+    return bool(_CONTROL_RE.match(e.hlo_op or e.name))
+
+
+def control_own_times(events: list[Event]) -> None:
+    """Host (CPU) traces: a control-flow op (while/conditional/call) encloses its body's ops, which
+    XLA's thunk executor runs on other threads as well as on the op's own. Its own time is what is
+    left of it once every op of the same execution (module and run_id) that runs meanwhile on any
+    thread is taken out, other than control ops it lies inside (its ancestors)."""
+    by_run = collections.defaultdict(list)
+    for e in events:
+        by_run[(e.module, e.args.get("run_id"))].append(e)
+    for evs in by_run.values():
+        order = {id(e): k for k, e in enumerate(sorted(evs, key=lambda e: (e.ts, -e.dur)))}
+        for c in (e for e in evs if _is_control(e)):
+            cover = []
+            for o in evs:
+                if o is c or o.end <= c.ts or o.ts >= c.end:
+                    continue
+                inside = o.ts >= c.ts and o.end <= c.end and order[id(o)] > order[id(c)]
+                if _is_control(o) and not inside:
+                    continue  # a control op around c (or across it): not part of c
+                cover.append((max(o.ts, c.ts), min(o.end, c.end)))
+            c.self_us = max(c.dur - union_length(cover), 0.0)
 
 
 def union_length(intervals) -> float:
@@ -299,22 +377,40 @@ def summarize(
     module: str | None = None,
     top: int = 20,
 ) -> dict:
-    events_raw = trace.get("traceEvents", [])
+    """Device time by category, phase, kernel and HLO op (see the module docstring). `trace` is the
+    Chrome trace JSON (an object with `traceEvents`, or the bare array of events); `steps` > 0
+    overrides the count of steps read from the trace; `top` (>= 0) rows of the kernel and op tables."""
+    if steps is not None and not (isinstance(steps, (int, float)) and not isinstance(steps, bool) and steps > 0):
+        raise ProfileError(f"steps must be a number > 0 (or None: counted from the trace), got {steps!r}", field="steps")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ProfileError(f"top must be an integer >= 0, got {top!r}", field="top")
+    events_raw = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events_raw, list):
+        raise ProfileError("not a Chrome trace: expected an object with a `traceEvents` list, or a list of events; got "
+                           + (f"an object with keys {sorted(trace)[:8]}" if isinstance(trace, dict) else type(trace).__name__))
+    norm = []
+    for i, ev in enumerate(events_raw):
+        if not isinstance(ev, dict):
+            raise ProfileError(f"traceEvents[{i}]: not an event object: {ev!r:.80}")
+        if not isinstance(ev.get("args"), dict):
+            ev = {**ev, "args": {}}
+        norm.append(ev)
+    events_raw = norm
     procs, threads = {}, {}
     for ev in events_raw:
         if ev.get("ph") != "M":
             continue
         if ev.get("name") == "process_name":
-            procs[ev.get("pid")] = ev.get("args", {}).get("name", "")
+            procs[ev.get("pid")] = str(ev["args"].get("name", ""))
         elif ev.get("name") == "thread_name":
-            threads[(ev.get("pid"), ev.get("tid"))] = ev.get("args", {}).get("name", "")
+            threads[(ev.get("pid"), ev.get("tid"))] = str(ev["args"].get("name", ""))
     device_pids = {pid for pid, n in procs.items() if _DEVICE_PROCESS.match(n or "")}
     complete = [ev for ev in events_raw if ev.get("ph") == "X" and "dur" in ev]
     stream_lines = {k for k, n in threads.items() if k[0] in device_pids and "Stream" in n}
     if not stream_lines:  # lines whose events are CUPTI kernel records
         stream_lines = {
             (ev.get("pid"), ev.get("tid")) for ev in complete
-            if ev.get("pid") in device_pids and ("kernel_details" in ev.get("args", {}) or "correlation_id" in ev.get("args", {}))
+            if ev.get("pid") in device_pids and ("kernel_details" in ev["args"] or "correlation_id" in ev["args"])
         }
     if not stream_lines:  # TPU-style: the XLA Ops line is the op timeline
         stream_lines = {k for k, n in threads.items() if k[0] in device_pids and n == "XLA Ops"}
@@ -322,17 +418,21 @@ def summarize(
     if mode == "device":
         chosen = [ev for ev in complete if (ev.get("pid"), ev.get("tid")) in stream_lines]
     else:
-        chosen = [
-            ev for ev in complete if "hlo_op" in ev.get("args", {}) and ev.get("pid") not in device_pids
-        ]
-    events = [
-        Event(ev.get("name", ""), float(ev["ts"]), float(ev["dur"]), (ev.get("pid"), ev.get("tid")), ev.get("args", {}) or {})
-        for ev in chosen
-    ]
+        chosen = [ev for ev in complete if "hlo_op" in ev["args"] and ev.get("pid") not in device_pids]
+    events = []
+    for ev in chosen:
+        try:
+            ts, dur = float(ev["ts"]), float(ev["dur"])
+        except (KeyError, TypeError, ValueError):
+            ts = dur = float("nan")
+        if not (ts == ts and dur == dur and abs(ts) != float("inf") and 0 <= dur < float("inf")):
+            raise ProfileError(f"event {ev.get('name', '')!r} on line {(ev.get('pid'), ev.get('tid'))}: "
+                               f"ts and dur must be finite numbers, dur >= 0; got ts={ev.get('ts')!r}, dur={ev.get('dur')!r}")
+        events.append(Event(str(ev.get("name", "")), ts, dur, (ev.get("pid"), ev.get("tid")), ev["args"]))
     if not events:
-        raise ValueError(
-            "no kernel or HLO-op events found; processes: "
-            + ", ".join(sorted(set(map(str, procs.values()))))
+        raise ProfileError(
+            "no kernel or HLO-op events in the trace (no /device:GPU|TPU process with kernel lines, and no host "
+            "events with args.hlo_op); processes: " + (", ".join(sorted(set(map(str, procs.values())))) or "none")
         )
 
     per_module = collections.Counter()
@@ -343,7 +443,7 @@ def summarize(
         module = per_module.most_common(1)[0][0] if per_module else ""
     main = [e for e in events if e.module == module] if module else events
     if not main:
-        raise ValueError(f"no events of module {module!r}; modules seen: {sorted(per_module)}")
+        raise ProfileError(f"no events of module {module!r}; modules seen: {sorted(per_module)}", field="module")
     t0 = min(e.ts for e in main)
     t1 = max(e.end for e in main)
     # Everything that ran on the op timeline inside the window counts: it occupied the device.
@@ -355,28 +455,33 @@ def summarize(
         if e.end > t1:
             e.dur = t1 - e.ts
     self_times(inwin)
+    if mode == "host":
+        control_own_times(inwin)
 
     # Steps: executions of the main module.
     steps_source = "given"
     if steps is None:
         runs = collections.Counter(e.args.get("run_id") for e in main if e.args.get("run_id") is not None)
+        # One event per execution, named `module(program_id)`, on each device's XLA Modules line:
+        # the steps are the executions on one device, not the sum over devices.
         module_lines = {k for k, n in threads.items() if n == "XLA Modules"}
-        module_line = [
-            ev for ev in complete
-            if (ev.get("pid"), ev.get("tid")) in module_lines and module and str(ev.get("name", "")).startswith(module)
-        ]
+        per_device = collections.Counter(
+            (ev.get("pid"), ev.get("tid")) for ev in complete
+            if (ev.get("pid"), ev.get("tid")) in module_lines and module
+            and re.sub(r"\(\d+\)$", "", str(ev.get("name", ""))) == module
+        )
         step_marks = {ev.get("args", {}).get("step_num") for ev in complete if "step_num" in ev.get("args", {})}
         if runs:  # an execution cut by the trace's start or end counts as the fraction of its ops seen
             full = max(runs.values())
             steps = round(sum(runs.values()) / full, 2)
             steps_source = f"{len(runs)} run_ids of the module's ops, {full} ops each when whole"
-        elif module_line:
-            steps, steps_source = len(module_line), "XLA Modules line"
+        elif per_device:
+            steps = max(per_device.values())
+            steps_source = "XLA Modules line" + (f" (of each of {len(per_device)} devices)" if len(per_device) > 1 else "")
         elif step_marks:
             steps, steps_source = len(step_marks), "StepTraceAnnotation step_num"
         else:
             steps, steps_source = 1, "unknown (totals are for the whole window)"
-    steps = steps if steps > 0 else 1
 
     window = t1 - t0
     busy = union_length((e.ts, e.end) for e in inwin)
@@ -385,11 +490,14 @@ def summarize(
     cats = {c: {"us": 0.0, "count": 0} for c in CATEGORIES}
     phases = collections.defaultdict(float)
     kinds = collections.defaultdict(lambda: {"us": 0.0, "count": 0})
-    kernels: dict[str, dict] = {}
-    ops: dict[str, dict] = {}  # by HLO instruction: which dot is which
+    # Rows by kernel and by HLO instruction (which dot is which). Instruction names are those of
+    # one module, and another module's kernels are not classified: its rows are kept apart.
+    kernels: dict[tuple, dict] = {}
+    ops: dict[tuple, dict] = {}
     other_modules = 0.0
     for e in inwin:
-        if module and e.module and e.module != module:
+        foreign = bool(module and e.module and e.module != module)
+        if foreign:
             cat, ph = OTHER, UNKNOWN
             other_modules += e.self_us
         else:
@@ -401,14 +509,17 @@ def summarize(
             k = kinds[fusion_kind(e)]
             k["us"] += e.self_us
             k["count"] += 1
-        row = kernels.setdefault(e.name, {"name": e.name, "category": cat, "count": 0, "us": 0.0, "hlo_op": e.hlo_op})
+        mod = e.module if foreign else module
+        row = kernels.setdefault((foreign and mod, e.name), {"name": e.name, "module": mod, "category": cat, "count": 0,
+                                                            "us": 0.0, "hlo_op": e.hlo_op})
         row["count"] += 1
         row["us"] += e.self_us
         key = e.hlo_op or e.name
-        info = hlo.get(e.hlo_op) if hlo else None
-        row = ops.setdefault(key, {"hlo_op": key, "kernel": e.name, "category": cat, "count": 0, "us": 0.0,
-                                   "op_name": (info.op_name if info and info.op_name else str(e.args.get("name", ""))),
-                                   "types": info.signature(hlo) if info else ""})
+        info = hlo.get(e.hlo_op) if hlo and not foreign else None
+        row = ops.setdefault((foreign and mod, key), {
+            "hlo_op": key, "module": mod, "kernel": e.name, "category": cat, "count": 0, "us": 0.0,
+            "op_name": (info.op_name if info and info.op_name else str(e.args.get("name", ""))),
+            "types": info.signature(hlo) if info else ""})
         row["count"] += 1
         row["us"] += e.self_us
 
@@ -429,6 +540,8 @@ def summarize(
     largest = sorted(gaps, reverse=True)[:5]
 
     total_self = sum(c["us"] for c in cats.values())
+    devices = {e.line[0] for e in main} if mode == "device" else {e.args.get("device_ordinal") for e in main}
+    main_ops = {e.hlo_op for e in main if e.hlo_op}
     return {
         "mode": mode,
         "processes": sorted(set(map(str, procs.values()))),
@@ -452,6 +565,8 @@ def summarize(
         "gap_buckets": {k: {"count": v[0], "us": v[1]} for k, v in buckets.items()},
         "largest_gaps": [{"us": g, "after": a, "before": b, "at_us": at} for g, a, b, at in largest],
         "hlo": bool(hlo),
+        "hlo_ops_matched": [sum(op in hlo for op in main_ops), len(main_ops)] if hlo else None,
+        "devices": len(devices),  # > 1: times are summed over the devices
     }
 
 
@@ -466,7 +581,10 @@ def to_markdown(s: dict, title: str = "profile") -> str:
         "",
         f"{s['mode']} timeline: {', '.join(s['lines'][:6])}{' ...' if len(s['lines']) > 6 else ''}; "
         f"module `{s['module']}`, {n} step(s) ({s['steps_source']}), {s['events']} events"
-        + ("" if s["hlo"] else "; no HLO text given (op names from the trace only)"),
+        + (f", {s['devices']} devices (kernel and category times are summed over them)" if s.get("devices", 1) > 1 else "")
+        + ("" if s["hlo"] else "; no HLO text given (op names from the trace only)")
+        + (f"; WARNING: the HLO text names only {m[0]} of the module's {m[1]} ops (HLO of another program?)"
+           if (m := s.get("hlo_ops_matched")) and m[0] < m[1] else ""),
         "",
         f"per step: window {ms(s['window_us'])} ms = busy {ms(s['busy_us'])} ms + idle {ms(s['idle_us'])} ms"
         f" ({pct(s['idle_us'])} idle); kernel time {ms(s['kernel_us'])} ms"
@@ -487,23 +605,27 @@ def to_markdown(s: dict, title: str = "profile") -> str:
         lines += ["", "| elementwise/reduction fusion kind | ms/step | events/step |", "|---|---|---|"]
         for r in s["fusion_kinds"][:12]:
             lines.append(f"| {r['kind']} | {ms(r['us'])} | {r['count'] / n:.0f} |")
-    lines += ["", f"top {len(s['top_kernels'])} kernels by total time:", "",
-              "| kernel | category | count | count/step | total ms | ms/step | mean us | % of window |",
-              "|---|---|---|---|---|---|---|---|"]
+    # Rows of another module than the one followed name it: its op names are its own.
+    where = lambda r: f" ({r['module']})" if r.get("module") and r["module"] != s["module"] else ""  # noqa: E731
+    if s["top_kernels"]:
+        lines += ["", f"top {len(s['top_kernels'])} kernels by total time:", "",
+                  "| kernel | category | count | count/step | total ms | ms/step | mean us | % of window |",
+                  "|---|---|---|---|---|---|---|---|"]
     for r in s["top_kernels"]:
         name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
         lines.append(
-            f"| `{name}` | {r['category']} | {r['count']} | {r['count'] / n:.1f} | {r['us'] / 1e3:.2f} | {ms(r['us'])} "
+            f"| `{name}`{where(r)} | {r['category']} | {r['count']} | {r['count'] / n:.1f} | {r['us'] / 1e3:.2f} | {ms(r['us'])} "
             f"| {r['us'] / max(r['count'], 1):.1f} | {pct(r['us'])} |"
         )
-    lines += ["", f"top {len(s['top_ops'])} HLO ops by total time (op_name: JAX's name stack, `transpose(...)` = backward):", "",
-              "| HLO op | kernel | category | count/step | ms/step | types (result <- operands) | op_name |",
-              "|---|---|---|---|---|---|---|"]
+    if s["top_ops"]:
+        lines += ["", f"top {len(s['top_ops'])} HLO ops by total time (op_name: JAX's name stack, `transpose(...)` = backward):", "",
+                  "| HLO op | kernel | category | count/step | ms/step | types (result <- operands) | op_name |",
+                  "|---|---|---|---|---|---|---|"]
     for r in s["top_ops"]:
         kernel = r["kernel"] if len(r["kernel"]) <= 60 else r["kernel"][:57] + "..."
         op_name = r["op_name"] if len(r["op_name"]) <= 90 else "..." + r["op_name"][-87:]
         types = r["types"] if len(r["types"]) <= 80 else r["types"][:77] + "..."
-        lines.append(f"| `{r['hlo_op']}` | `{kernel}` | {r['category']} | {r['count'] / n:.1f} | {ms(r['us'])} | {types} | `{op_name}` |")
+        lines.append(f"| `{r['hlo_op']}`{where(r)} | `{kernel}` | {r['category']} | {r['count'] / n:.1f} | {ms(r['us'])} | {types} | `{op_name}` |")
     gb = s["gap_buckets"]
     lines += ["", "idle gaps: " + ", ".join(f"{k}: {v['count'] / n:.0f}/step, {ms(v['us'])} ms/step" for k, v in gb.items())]
     for g in s["largest_gaps"]:
@@ -513,11 +635,7 @@ def to_markdown(s: dict, title: str = "profile") -> str:
 
 def summarize_path(trace_path, hlo_path=None, steps=None, module=None, top=20) -> tuple[dict, Path]:
     trace, path = load_trace(trace_path)
-    hlo = None
-    if hlo_path:
-        opener = gzip.open if str(hlo_path).endswith(".gz") else open
-        with opener(hlo_path, "rt") as f:
-            hlo = parse_hlo(f.read())
+    hlo = load_hlo(hlo_path) if hlo_path else None
     s = summarize(trace, hlo=hlo, steps=steps, module=module, top=top)
     s["trace"] = str(path)
     return s, path
@@ -527,19 +645,42 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m scaling.profile_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="perfetto_trace.json.gz, *.trace.json.gz, or a directory holding one")
     p.add_argument("--hlo", default=None, help="compiled HLO text of the step (op names, fused opcodes)")
-    p.add_argument("--steps", type=int, default=None, help="steps in the trace (default: counted from it)")
+    p.add_argument("--steps", type=int, default=None, help="steps in the trace, >= 1 (default: counted from it)")
     p.add_argument("--module", default=None, help="HLO module to follow (default: the one with most time)")
-    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--top", type=int, default=20, help="rows of the kernel and HLO-op tables, >= 0 (0: no tables)")
     p.add_argument("--md", default=None, help="write the markdown summary here")
     p.add_argument("--json", default=None, help="write the summary as JSON here")
     args = p.parse_args(argv)
-    s, path = summarize_path(args.trace, args.hlo, args.steps, args.module, args.top)
+    # Bad input: a message naming the flag and exit status 2 (p.error), never a traceback.
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be an integer >= 1 (the steps the trace holds), got {args.steps}")
+    if args.top < 0:
+        p.error(f"--top must be an integer >= 0 (rows of the kernel/op tables), got {args.top}")
+    for flag, dest in (("--md", args.md), ("--json", args.json)):
+        if dest and Path(dest).is_dir():
+            p.error(f"{flag} {dest}: is a directory; give a file name")
+    try:
+        hlo = load_hlo(args.hlo) if args.hlo else None
+    except (OSError, ProfileError) as e:
+        p.error(f"--hlo: {e}")
+    try:
+        trace, path = load_trace(args.trace)
+    except (OSError, ProfileError) as e:
+        p.error(f"TRACE: {e}")
+    try:
+        s = summarize(trace, hlo=hlo, steps=args.steps, module=args.module, top=args.top)
+    except ProfileError as e:
+        p.error(f"{f'--{e.field}' if e.field else f'TRACE {path}'}: {e}")
+    s["trace"] = str(path)
     md = to_markdown(s, title=f"profile: {path}")
     print(md)
-    if args.md:
-        Path(args.md).write_text(md)
-    if args.json:
-        Path(args.json).write_text(json.dumps(s, indent=1))
+    for flag, dest, text in (("--md", args.md, md), ("--json", args.json, json.dumps(s, indent=1))):
+        if dest:
+            try:
+                Path(dest).parent.mkdir(parents=True, exist_ok=True)
+                Path(dest).write_text(text)
+            except OSError as e:
+                p.error(f"{flag} {dest}: cannot write it ({e.strerror or e})")
     return 0
 
 

@@ -90,22 +90,41 @@ def host_offload_supported(device: jax.Device | None = None) -> bool:
 
 
 def validate_names(names: tuple[str, ...]) -> None:
+    if not isinstance(names, (tuple, list)):
+        # A bare string would be taken letter by letter ("mlp_up" -> 'm', 'l', ...).
+        got = f"the string {names!r}; write [{names}]" if isinstance(names, str) else f"{type(names).__name__} {names!r}"
+        raise RematError(f"remat.names: takes a list of tags, got {got}; allowed tags: {', '.join(layers.CHECKPOINT_NAMES)}")
     unknown = [n for n in names if n not in layers.CHECKPOINT_NAMES]
     if unknown:
         # A RematError (a ValueError) so the command line reports it in one line, exit code 2.
         raise RematError(f"remat.names: unknown tag(s) {unknown}; allowed: {', '.join(layers.CHECKPOINT_NAMES)}")
 
 
+def validate(cfg: RematConfig) -> RematPolicyName:
+    """The policy of a RematConfig (one built in Python skips the config file's checks), or a
+    RematError naming the field and the allowed values."""
+    try:
+        policy = RematPolicyName(cfg.policy)
+    except ValueError:
+        raise RematError(f"remat.policy: {cfg.policy!r} is not a policy; allowed: {', '.join(p.value for p in POLICIES)}") from None
+    validate_names(cfg.names)
+    if policy in (RematPolicyName.names, RematPolicyName.offload) and not cfg.names:
+        # save_only_these_names() of nothing saves nothing: `full` under another name.
+        raise RematError(f"remat.names: remat.policy={policy.value} needs the checkpoint_name tags to "
+                         f"{'save' if policy == RematPolicyName.names else 'offload'}; allowed: {', '.join(layers.CHECKPOINT_NAMES)}")
+    return policy
+
+
 def apply(fn: Callable, cfg: RematConfig, *, prevent_cse: bool = True) -> Callable:
     """Wrap a layer body with jax.checkpoint under the configured policy."""
-    validate_names(cfg.names)
-    if cfg.policy == RematPolicyName.offload and not host_offload_supported():
+    policy_name = validate(cfg)
+    if policy_name == RematPolicyName.offload and not host_offload_supported():
         raise RematError(
             f"remat.policy=offload needs a pinned_host memory space, which the {jax.default_backend()!r} "
             "backend does not have; use remat.policy=names with the same remat.names (keep them on the "
             "device) or remat.policy=full"
         )
-    policy = POLICIES[cfg.policy].make(tuple(cfg.names))
-    if cfg.policy == RematPolicyName.none:
+    policy = POLICIES[policy_name].make(tuple(cfg.names))
+    if policy_name == RematPolicyName.none:
         return fn
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)

@@ -199,3 +199,24 @@ def test_offload_search_holds_the_predicted_host_bytes_against_host_ram(monkeypa
     s = rs.summarize_search(ev, 256)
     assert (s["found"], s["hi"]) == (10, 11)
     assert {p[5] for p in s["probes"]} == {"predicted"}
+
+
+def test_largest_cell_of_non_monotone_probes_names_the_batch_over_the_limit():
+    # 12 fits but 10, below it, does not (XLA picked other buffers there): the answer is 12,
+    # flagged; it is not "≥ 12, < 10" (which no batch satisfies).
+    s = rs.summarize_search(events((10, 101.0, True), (12, 99.0, True),
+                                   step={"batch": 12, "ok": True, "tuned": True, "peak": 99.0}), 256)
+    assert (s["found"], s["hi"], s["monotone"]) == (12, 10, False)
+    assert rs.largest_cell(s) == "≥ 12 (probes not monotone: 10 is over the limit)"
+
+
+def test_largest_cell_when_nothing_fits():
+    # The measured batch 4 is over the limit already and so are 2 and 1: nothing fits, no step
+    # to run, no lower side to compile autotuned.
+    ev = events((2, 110.0, False), (1, 105.0, False), (1, 104.0, True), limit=100.0)
+    ev[0]["xla"] = 130.0
+    s = rs.summarize_search(ev, 256)
+    assert (s["found"], s["hi"], s["bracketed"]) == (0, 1, True)
+    assert rs.largest_cell(s) == "0"
+    s = rs.summarize_search(ev[:-2] + ev[-1:], 256)  # 1 with autotuning off only
+    assert rs.largest_cell(s) == "0 (1: autotune-off probe only)"

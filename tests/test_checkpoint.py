@@ -153,7 +153,7 @@ def test_export_as_a_hugging_face_directory(saved_fsdp8, tmp_path, capsys):
     np.testing.assert_array_equal(emb, saved["params"]["embed"]["table_vd"].astype(hf.ml_dtypes.bfloat16))
     # refused: the directory already holds a model; --dtype without --format hf
     assert main(["export", "--run_dir", str(run), "--out", str(out), "--format", "hf"]) == 2
-    assert "config.json already exists" in capsys.readouterr().err
+    assert f"--out {out} is not empty (holds config.json, export.json, generation_config.json" in capsys.readouterr().err
     assert main(["export", "--run_dir", str(run), "--out", str(tmp_path / "o"), "--dtype", "bfloat16"]) == 2
     assert "--dtype applies to --format hf only" in capsys.readouterr().err
 
@@ -172,8 +172,8 @@ def test_export_errors_exit_2_on_stderr_before_reading_params(saved_fsdp8, tmp_p
     # An occupied destination is refused before the params are read (no restore happens).
     (tmp_path / "taken" / "params").mkdir(parents=True)
     (tmp_path / "a_file").write_text("x")
-    monkeypatch.setattr(C, "_restore_params", lambda *a, **k: pytest.fail("read the params for a refused --out"))
-    for out_dir, why in ((tmp_path / "taken", "params already exists"), (tmp_path / "a_file", "is not a directory"),
+    monkeypatch.setattr(C, "_read_params", lambda *a, **k: pytest.fail("read the params for a refused --out"))
+    for out_dir, why in ((tmp_path / "taken", "is not empty (holds params)"), (tmp_path / "a_file", "is not a directory"),
                          (run_dir, "is the run directory itself")):
         assert main(["export", "--run_dir", str(run_dir), "--out", str(out_dir)]) == 2
         assert why in capsys.readouterr().err

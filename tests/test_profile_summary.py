@@ -79,14 +79,31 @@ def test_cpu_trace_sums(cpu_trace):
     # Only this module ran while tracing, so every op event is in the window.
     assert s["events"] == len(ops)
     assert sum(c["count"] for c in s["categories"].values()) == len(ops)
-    # Exclusive time summed over categories == per-thread union of the op intervals (nested
-    # `while` bodies counted once), computed here without the summarizer.
+    # Exclusive time summed over categories, computed here without the summarizer: the ops that
+    # compute (all but while/conditional/call) by the per-thread union of their intervals, plus
+    # each control op's time during which no op of its execution runs on any thread (its body's
+    # ops run on other threads too: they must not be counted twice).
+    control = lambda e: e["name"].split(".")[0] in ("while", "conditional", "call")  # noqa: E731
     by_thread = collections.defaultdict(list)
     for e in ops:
-        by_thread[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
-    per_thread = sum(_union(iv) for iv in by_thread.values())
+        if not control(e):
+            by_thread[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    expected = sum(_union(iv) for iv in by_thread.values())
+    controls = [e for e in ops if control(e)]
+    assert controls  # the scanned layers' loops
+    for c in controls:
+        c0, c1 = c["ts"], c["ts"] + c["dur"]
+        inner = [(max(o["ts"], c0), min(o["ts"] + o["dur"], c1)) for o in ops
+                 if o is not c and o["args"]["run_id"] == c["args"]["run_id"] and o["ts"] < c1 and o["ts"] + o["dur"] > c0
+                 and (not control(o) or (o["ts"] >= c0 and o["ts"] + o["dur"] <= c1))]
+        expected += c["dur"] - _union(inner)
     total = sum(c["us"] for c in s["categories"].values())
-    assert total == pytest.approx(per_thread, rel=1e-9)
+    assert total == pytest.approx(expected, rel=1e-9)
+    # Nothing counted twice on a thread: at most the per-thread union of all op intervals.
+    all_by_thread = collections.defaultdict(list)
+    for e in ops:
+        all_by_thread[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    assert total <= sum(_union(iv) for iv in all_by_thread.values()) * (1 + 1e-9)
     assert sum(s["phases"].values()) == pytest.approx(total, rel=1e-9)
     assert sum(k["us"] for k in s["fusion_kinds"]) == pytest.approx(s["categories"][ps.ELEMENTWISE]["us"], rel=1e-9)
     # Window, busy (union over all threads) and idle.
@@ -230,3 +247,159 @@ def test_train_profile_writes_summary(tmp_path, capsys):
     assert "| matmul |" in summary
     out = capsys.readouterr().out
     assert "profile: per step" in out and "summary.md" in out and "profile: trace of steps" in out
+
+
+# ----------------------------------------------------------------------------- hand-built traces
+
+
+def _host_trace(ops, module="jit_m"):
+    """A CPU-layout trace: (thread, name, ts, dur[, run_id[, module]]) HLO-op events on /host:CPU."""
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    events = []
+    for tid, name, ts, dur, *rest in ops:
+        run = rest[0] if rest else "1"
+        mod = rest[1] if len(rest) > 1 else module
+        events.append({"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name,
+                       "args": {"hlo_op": name, "hlo_module": mod, "run_id": run}})
+    return {"traceEvents": meta + events}
+
+
+def test_self_times_overlapping_children_counted_once():
+    """Two children of one parent that overlap a little (clock rounding): every instant of the line
+    goes to one event, so the self times add up to the line's span, not more."""
+    line = (1, 1)
+    p, b, c = (ps.Event("p", 0.0, 100.0, line, {}), ps.Event("b", 10.0, 40.5, line, {}), ps.Event("c", 50.0, 40.0, line, {}))
+    ps.self_times([p, b, c])
+    # b alone runs 10..50, c (the later start, so the inner one) 50..90, p 0..10 and 90..100.
+    assert (b.self_us, c.self_us, p.self_us) == (40.0, 40.0, 20.0)
+    assert b.self_us + c.self_us + p.self_us == 100.0
+
+
+def test_while_body_on_other_threads_not_counted_twice():
+    """CPU: the thunk executor runs a while's body ops on other threads as well as its own. The
+    while's own time is the part of it during which none of its execution's ops runs anywhere."""
+    ops = [
+        (1, "while.1", 0.0, 100.0),
+        (1, "loop_add_fusion.1", 10.0, 20.0),  # body op on the while's thread: 10..30
+        (2, "loop_mul_fusion.2", 20.0, 40.0),  # body op on another thread: 20..60
+        (2, "while.2", 62.0, 6.0),  # a nested loop on another thread, with no ops of its own traced
+        (1, "loop_sub_fusion.3", 70.0, 10.0),  # 70..80
+    ]
+    s = ps.summarize(_host_trace(ops))
+    assert s["mode"] == "host" and s["steps"] == 1
+    # while.1: 100 - |10..60 u 62..68 u 70..80| = 100 - 66 = 34; while.2: 6 (while.1 around it is
+    # its ancestor, not its part). Fusions: 20 + 40 + 10.
+    assert s["categories"][ps.OTHER]["us"] == pytest.approx(34 + 6)
+    assert s["categories"][ps.ELEMENTWISE]["us"] == pytest.approx(70)
+    assert s["kernel_us"] == pytest.approx(110)
+    assert s["busy_us"] == pytest.approx(100) and s["overlap_us"] == pytest.approx(10)  # 20..30 on both threads
+    rows = {r["hlo_op"]: r["us"] for r in s["top_ops"]}
+    assert rows["while.1"] == pytest.approx(34) and rows["while.2"] == pytest.approx(6)
+
+
+def _gpu_devices_trace(n_devices, modules):
+    """GPU layout, one kernel per module execution on each device: modules = [(module, ts, dur)].
+    Each execution also has its event on the device's derived XLA Modules line."""
+    meta, events = [], []
+    for d in range(n_devices):
+        pid = 10 + d
+        meta += [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"/device:GPU:{d}"}},
+                 {"ph": "M", "pid": pid, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Kernel)"}},
+                 {"ph": "M", "pid": pid, "tid": 100, "name": "thread_name", "args": {"name": "XLA Modules"}}]
+        for k, (mod, ts, dur) in enumerate(modules):
+            events.append({"ph": "X", "pid": pid, "tid": 7, "ts": ts, "dur": dur, "name": "gemm_fusion_dot",
+                           "args": {"hlo_op": "gemm_fusion_dot.1", "hlo_module": mod, "correlation_id": k}})
+            events.append({"ph": "X", "pid": pid, "tid": 100, "ts": ts, "dur": dur, "name": f"{mod}({k + 3})"})
+    return {"traceEvents": meta + events}
+
+
+def test_steps_counted_per_device():
+    """Two GPUs each run the step 3 times: 3 steps (each device has its own XLA Modules line)."""
+    s = ps.summarize(_gpu_devices_trace(2, [("jit_step", 0, 100), ("jit_step", 200, 100), ("jit_step", 400, 100)]))
+    assert s["mode"] == "device" and s["module"] == "jit_step"
+    assert s["steps"] == 3 and s["steps_source"].startswith("XLA Modules line")
+    assert s["devices"] == 2 and s["window_us"] == 500 and s["busy_us"] == 300
+    assert s["categories"][ps.MATMUL]["us"] == 600  # summed over the two devices
+
+
+def test_steps_not_counted_from_a_module_sharing_the_name_prefix():
+    """`jit_step(3)` is the followed module; `jit_step_eval(4)` is another one."""
+    s = ps.summarize(_gpu_devices_trace(1, [("jit_step", 0, 100), ("jit_step", 200, 100), ("jit_step_eval", 400, 10)]))
+    assert s["module"] == "jit_step" and s["steps"] == 2
+
+
+def test_rows_of_another_module_kept_apart():
+    """HLO op names are a module's own: `fusion.1` of jit_other (run inside the window) is not
+    `fusion.1` of jit_m, takes none of its HLO metadata, and its kernel row is its own."""
+    ops = [(1, "fusion.1", 0.0, 10.0, "1", "jit_m"), (1, "fusion.1", 20.0, 3.0, "9", "jit_other"),
+           (1, "fusion.1", 30.0, 10.0, "2", "jit_m")]
+    hlo = ps.parse_hlo("""HloModule jit_m
+
+%fc (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %p1 = f32[8,8]{1,0} parameter(1)
+  ROOT %dot.0 = f32[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  ROOT %fusion.1 = f32[8,8]{1,0} fusion(%a, %a), kind=kOutput, calls=%fc, metadata={op_name="jit(m)/jvp()/dot_general"}
+}
+""")
+    s = ps.summarize(_host_trace(ops), hlo=hlo, top=5)
+    assert s["module"] == "jit_m" and s["steps"] == 2
+    assert sorted((r["hlo_op"], r["count"], r["us"]) for r in s["top_ops"]) == [("fusion.1", 1, 3.0), ("fusion.1", 2, 20.0)]
+    assert sorted((r["name"], r["count"]) for r in s["top_kernels"]) == [("fusion.1", 1), ("fusion.1", 2)]
+    ops_rows = {(r["module"], r["hlo_op"]): r for r in s["top_ops"]}
+    assert set(ops_rows) == {("jit_m", "fusion.1"), ("jit_other", "fusion.1")}
+    mine, other = ops_rows["jit_m", "fusion.1"], ops_rows["jit_other", "fusion.1"]
+    assert (mine["count"], mine["us"], mine["category"]) == (2, 20.0, ps.MATMUL)
+    assert mine["op_name"] == "jit(m)/jvp()/dot_general" and mine["types"] == "f32[8,8] <- f32[8,8], f32[8,8]"
+    assert (other["count"], other["us"], other["category"], other["op_name"], other["types"]) == (1, 3.0, ps.OTHER, "", "")
+    kernels = {(r["module"], r["name"]): (r["count"], r["category"]) for r in s["top_kernels"]}
+    assert kernels == {("jit_m", "fusion.1"): (2, ps.MATMUL), ("jit_other", "fusion.1"): (1, ps.OTHER)}
+    md = ps.to_markdown(s)
+    assert "| `fusion.1` (jit_other) |" in md and "| `fusion.1` | `fusion.1` | matmul |" in md
+
+
+def test_arguments_out_of_range_rejected():
+    trace = _host_trace([(1, "fusion.1", 0.0, 10.0), (1, "fusion.2", 12.0, 5.0)])
+    for bad in (0, -1, 0.0):
+        with pytest.raises(ValueError, match=r"steps must be a number > 0") as e:
+            ps.summarize(trace, steps=bad)
+        assert getattr(e.value, "field", None) == "steps"
+    with pytest.raises(ValueError, match=r"top must be an integer >= 0"):
+        ps.summarize(trace, top=-1)
+    assert ps.summarize(trace, steps=2)["steps"] == 2
+    s = ps.summarize(trace, top=0)
+    assert s["top_kernels"] == [] and s["top_ops"] == []
+    md = ps.to_markdown(s)
+    assert "kernels by total time" not in md and "HLO ops by total time" not in md
+
+
+def test_json_array_trace_and_null_args():
+    """Chrome's trace format may also be a bare array of events; `args` may be null."""
+    trace = _host_trace([(1, "fusion.1", 0.0, 10.0), (1, "copy.2", 12.0, 5.0)])
+    events = trace["traceEvents"] + [{"ph": "X", "pid": 1, "tid": 3, "ts": 1.0, "dur": 1.0, "name": "python", "args": None}]
+    s = ps.summarize(events)
+    assert s["events"] == 2 and s["window_us"] == 17 and s["busy_us"] == 15 and s["idle_us"] == 2
+    assert s["categories"][ps.COPY]["us"] == 5 and s["categories"][ps.ELEMENTWISE]["us"] == 10
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        ps.summarize({"displayTimeUnit": "ns"})
+    with pytest.raises(ValueError, match="no kernel or HLO-op events"):
+        ps.summarize({"traceEvents": [{"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5, "name": "python"}]})
+
+
+def test_load_trace_unreadable_files(tmp_path):
+    trace = _host_trace([(1, "fusion.1", 0.0, 10.0)])
+    data = gzip.compress(json.dumps(trace).encode())
+    (tmp_path / "cut.trace.json.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt gzip"):
+        ps.load_trace(tmp_path / "cut.trace.json.gz")
+    (tmp_path / "half.json").write_text(json.dumps(trace)[:40])
+    with pytest.raises(ValueError, match="not JSON, or cut short"):
+        ps.load_trace(tmp_path / "half.json")
+    (tmp_path / "gzipped.json").write_bytes(data)  # gzip under another name: read by its magic bytes
+    assert ps.load_trace(tmp_path / "gzipped.json")[0] == trace
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        ps.load_trace(tmp_path / "missing")

@@ -198,3 +198,28 @@ def test_policies_are_typed_registry_values():
     assert set(remat.POLICIES) == set(R)
     with pytest.raises(ValueError, match="unknown tag"):
         remat.apply(lambda x: x, RematConfig(policy=R.names, names=("nope",)))
+
+
+@pytest.mark.parametrize("cfg,field,says", [
+    # a policy name built in Python (the config file refuses it, RematConfig does not): was a KeyError
+    (RematConfig(policy="bogus"), "remat.policy", "'bogus' is not a policy; allowed: none, full, dots, names, offload, selective"),
+    # a bare string: was taken letter by letter ("unknown tag(s) ['m', 'l', 'p', ...]")
+    (RematConfig(policy=R.names, names="mlp_up"), "remat.names", "got the string 'mlp_up'; write [mlp_up]"),
+    # names/offload with no tags: was silently `full` (save_only_these_names() saves nothing)
+    (RematConfig(policy=R.names), "remat.names", "remat.policy=names needs the checkpoint_name tags to save"),
+    (RematConfig(policy=R.offload), "remat.names", "remat.policy=offload needs the checkpoint_name tags to offload"),
+])
+def test_bad_remat_config_is_a_remat_error_naming_the_field(cfg, field, says):
+    with pytest.raises(remat.RematError) as e:
+        remat.apply(lambda x: x, cfg)
+    msg = str(e.value)
+    assert msg.startswith(field + ":") and says in msg, msg
+    if field == "remat.names":
+        assert "query_proj" in msg and "mlp_down" in msg  # the allowed tags
+
+
+def test_policy_given_as_a_plain_string_is_the_registry_policy():
+    """The checks accept what a RematPolicyName accepts: 'names' as a str is the names policy."""
+    x = jnp.arange(4.0)
+    f = remat.apply(lambda x: jnp.sin(x) * 2, RematConfig(policy="names", names=("mlp_up",)))
+    np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), 2 * np.cos(np.arange(4.0)), rtol=1e-6)

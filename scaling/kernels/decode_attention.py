@@ -70,9 +70,51 @@ class _Plan:
     chunk: int  # cache positions per split, a multiple of block_s
 
 
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def _check_blocks(blocks) -> None:
+    """Refuse tile settings the kernels cannot run (before a ZeroDivisionError or a Triton error)."""
+    if not isinstance(blocks, DecodeBlockSizes):
+        raise TypeError(f"blocks must be a DecodeBlockSizes, got {type(blocks).__name__}")
+    if not _is_pow2(blocks.block_s) or blocks.block_s < MIN_ROWS:
+        raise ValueError(f"blocks.block_s={blocks.block_s!r} must be a power of two >= {MIN_ROWS} (a Triton dot's N)")
+    for name in ("min_programs", "max_splits", "num_stages"):
+        value = getattr(blocks, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"blocks.{name}={value!r} must be an int >= 1")
+    if not _is_pow2(blocks.num_warps):
+        raise ValueError(f"blocks.num_warps={blocks.num_warps!r} must be a power of two")
+
+
+def _check_cache(k_bskh, v_bskh) -> None:
+    """k and v caches: the same shape [B, S, K, H] and the same floating dtype."""
+    for name, x in (("k", k_bskh), ("v", v_bskh)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} cache must be 4-D [B, S, K, H], got shape {getattr(x, 'shape', None)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name}.dtype={x.dtype} must be a floating type (bfloat16, float16 or float32)")
+    if k_bskh.shape != v_bskh.shape:
+        raise ValueError(f"k and v caches must have the same shape, got {k_bskh.shape} and {v_bskh.shape}")
+    if k_bskh.dtype != v_bskh.dtype:
+        raise TypeError(f"k and v caches must have the same dtype, got {k_bskh.dtype} and {v_bskh.dtype}")
+
+
+def _check_lengths(lengths_b, batch: int, name: str = "lengths"):
+    """An int array [B] (one per row); returns it as int32. (Its values are traced under jit, so
+    they cannot be checked here: see decode_attention for what values outside [1, S] do.)"""
+    lengths_b = jnp.asarray(lengths_b)
+    if lengths_b.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B]=({batch},) (one per row), got {lengths_b.shape}")
+    if not jnp.issubdtype(lengths_b.dtype, jnp.integer):
+        raise TypeError(f"{name}.dtype={lengths_b.dtype} must be an integer type (int32)")
+    return lengths_b.astype(jnp.int32)
+
+
 def _plan(batch: int, kv_heads: int, max_len: int, blocks: DecodeBlockSizes) -> _Plan:
     if max_len % blocks.block_s:
-        raise ValueError(f"{max_len=} must be a multiple of block_s={blocks.block_s}")
+        raise ValueError(f"{max_len=} (the cache length S) must be a multiple of block_s={blocks.block_s}")
     n_blocks = max_len // blocks.block_s
     want = min(blocks.max_splits, n_blocks, max(1, -(-blocks.min_programs // (batch * kv_heads))))
     # The smallest divisor of n_blocks that is >= want, so every chunk is whole tiles.
@@ -290,13 +332,22 @@ def _combine(o_bkpgh, m_bkpg, l_bkpg):
 def decode_attention(q_bnh, k_bskh, v_bskh, lengths_b, *, blocks: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False):
     """softmax(q kᵀ / sqrt(H)) v over cache positions [0, lengths[b]) of each row: [B, N, H].
 
-    q [B, N, H]; k, v [B, S, K, H] with N % K == 0; lengths [B] int32 in [1, S].
-    On a CPU backend the kernel runs in Pallas interpret mode.
+    q [B, N, H]; k, v [B, S, K, H] with N % K == 0, S a multiple of blocks.block_s; lengths
+    [B] int32, normally in [1, S]. (Traced values cannot be checked: a length above S reads the
+    whole cache, and a row with length <= 0 sees no position and returns zeros, as
+    `decode_attention_reference` does.) On a CPU backend the kernel runs in Pallas interpret mode.
     """
+    _check_blocks(blocks)
+    _check_cache(k_bskh, v_bskh)
+    if getattr(q_bnh, "ndim", None) != 3:
+        raise ValueError(f"q must be 3-D [B, N, H], got shape {getattr(q_bnh, 'shape', None)}")
+    if not jnp.issubdtype(q_bnh.dtype, jnp.floating):
+        raise TypeError(f"q.dtype={q_bnh.dtype} must be a floating type")
     b, n, h = q_bnh.shape
     bk, s, kh, hk = k_bskh.shape
-    if (bk, hk) != (b, h) or v_bskh.shape != k_bskh.shape:
+    if (bk, hk) != (b, h):
         raise ValueError(f"shapes disagree: q {q_bnh.shape}, k {k_bskh.shape}, v {v_bskh.shape}")
+    lengths_b = _check_lengths(lengths_b, b)
     if n % kh:
         raise ValueError(f"query heads {n=} must be a multiple of KV heads {kh=}")
     if h < 16 or h & (h - 1):
@@ -330,7 +381,12 @@ def decode_attention_grouped(q_bkgh, k_bskh, v_bskh, lengths_b, *, num_heads: in
     tickets: int32 [B, K, 1] counters (zeros to start; pass the returned ones to the next call)
     to combine the splits inside the kernel (`_decode_combine_kernel`) instead of in a separate
     XLA kernel; then returns (out, tickets). G must be a power of two (`combine_in_kernel_reason`)."""
+    _check_blocks(blocks)
+    _check_cache(k_bskh, v_bskh)
+    if getattr(q_bkgh, "ndim", None) != 4:
+        raise ValueError(f"q must be 4-D [B, K, {MIN_ROWS}, H], got shape {getattr(q_bkgh, 'shape', None)}")
     b, kh, rows, h = q_bkgh.shape
+    lengths_b = _check_lengths(lengths_b, b)
     if rows != MIN_ROWS or num_heads % kh or num_heads // kh > MIN_ROWS:
         raise ValueError(f"q {q_bkgh.shape} must be [B, K, {MIN_ROWS}, H] with num_heads={num_heads} a multiple of K "
                          f"and at most {MIN_ROWS} per KV head")
@@ -451,11 +507,16 @@ def decode_attention_fused(qkv_bmh, pos_b, cos_bf, sin_bf, k_bskh, v_bskh, *, nu
     Returns (out [B, N, H], k, v), equal to rotating q and k, writing k/v at pos and calling
     `decode_attention` with lengths pos + 1.
     """
+    _check_blocks(blocks)
+    _check_cache(k_bskh, v_bskh)
+    if getattr(qkv_bmh, "ndim", None) != 3:
+        raise ValueError(f"qkv must be 3-D [B, N + 2K, H], got shape {getattr(qkv_bmh, 'shape', None)}")
     b, m, h = qkv_bmh.shape
     bk, s, kh, hk = k_bskh.shape
     n = num_heads
-    if m != n + 2 * kh or (bk, hk) != (b, h) or v_bskh.shape != k_bskh.shape:
+    if m != n + 2 * kh or (bk, hk) != (b, h):
         raise ValueError(f"shapes disagree: qkv {qkv_bmh.shape} (want [B, {n} + 2 * {kh}, H]), k {k_bskh.shape}, v {v_bskh.shape}")
+    pos_b = _check_lengths(pos_b, b, "pos")
     if not fused_supported(n, kh, h):
         raise ValueError(f"fused decode needs a power-of-two group size and head_dim >= 16: heads {n}, kv {kh}, head_dim {h}")
     if cos_bf.shape != (b, h // 2) or sin_bf.shape != (b, h // 2):
@@ -594,11 +655,16 @@ def decode_attention_rotated(qkv_bmh, pos_b, k_bskh, v_bskh, *, num_heads: int,
     k, v [B, S, K, H] caches (donated, updated in place). Returns (out [B, N, H], k, v), equal
     to writing k/v at pos and calling `decode_attention` with lengths pos + 1. As
     decode_attention_fused without the rotation, with tensor-core dots."""
+    _check_blocks(blocks)
+    _check_cache(k_bskh, v_bskh)
+    if getattr(qkv_bmh, "ndim", None) != 3:
+        raise ValueError(f"qkv must be 3-D [B, N + 2K, H], got shape {getattr(qkv_bmh, 'shape', None)}")
     b, m, h = qkv_bmh.shape
     bk, s, kh, hk = k_bskh.shape
     n = num_heads
-    if m != n + 2 * kh or (bk, hk) != (b, h) or v_bskh.shape != k_bskh.shape:
+    if m != n + 2 * kh or (bk, hk) != (b, h):
         raise ValueError(f"shapes disagree: qkv {qkv_bmh.shape} (want [B, {n} + 2 * {kh}, H]), k {k_bskh.shape}, v {v_bskh.shape}")
+    pos_b = _check_lengths(pos_b, b, "pos")
     if (why := rotated_supported(n, kh, h)) is not None:
         raise ValueError(f"decode_attention_rotated: {why}")
     g = n // kh
@@ -637,14 +703,22 @@ def prime_lowering() -> None:
 
 
 def decode_attention_reference(q_bnh, k_bskh, v_bskh, lengths_b):
-    """Pure jnp: reads the whole cache and masks positions >= length. f32 softmax."""
+    """Pure jnp: reads the whole cache and masks positions >= length. f32 softmax. A row with
+    length <= 0 sees no position and returns zeros (as the kernels do), not the mean of v."""
+    _check_cache(k_bskh, v_bskh)
+    if getattr(q_bnh, "ndim", None) != 3:
+        raise ValueError(f"q must be 3-D [B, N, H], got shape {getattr(q_bnh, 'shape', None)}")
     b, n, h = q_bnh.shape
-    kh = k_bskh.shape[2]
+    bk, _, kh, hk = k_bskh.shape
+    if (bk, hk) != (b, h) or n % kh:
+        raise ValueError(f"shapes disagree: q {q_bnh.shape} (N a multiple of K), k {k_bskh.shape}, v {v_bskh.shape}")
+    lengths_b = _check_lengths(lengths_b, b)
     g = n // kh
     q_bkgh = q_bnh.reshape(b, kh, g, h)
     logits = jnp.einsum("bkgh,bskh->bkgs", q_bkgh, k_bskh, preferred_element_type=jnp.float32) / math.sqrt(h)
     valid_bs = jnp.arange(k_bskh.shape[1])[None, :] < lengths_b[:, None]
     logits = jnp.where(valid_bs[:, None, None, :], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(valid_bs.any(axis=-1)[:, None, None, None], probs, 0.0)  # empty rows: no weights
     out = jnp.einsum("bkgs,bskh->bkgh", probs.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
     return out.reshape(b, n, h).astype(q_bnh.dtype)

@@ -719,6 +719,8 @@ def _is_pow2(n) -> bool:
 
 
 def _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes):
+    if not (isinstance(causal, (bool, np.bool_)) or (isinstance(causal, int) and causal in (0, 1))):
+        raise TypeError(f"causal must be True or False, got {causal!r}")  # ("no" would read as True)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must be 4-D ({'[B, T, H, D]' if name == 'q' else '[B, S, KV, D]'}), "

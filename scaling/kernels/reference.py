@@ -12,6 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from scaling.attention_args import check_attention_args
+
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array] | None
 
 
@@ -44,12 +46,9 @@ def attention_reference(
     segment_ids: positions attend only to keys with an equal segment id.
     sm_scale: defaults to 1 / sqrt(D).
     """
+    check_attention_args(q, k, v, causal=causal, segment_ids=segment_ids)
     b, t, h, d = q.shape
     _, s, kv, _ = k.shape
-    if h % kv:
-        raise ValueError(f"query heads {h=} must be a multiple of KV heads {kv=}")
-    if causal and t != s:
-        raise ValueError(f"causal attention needs equal lengths, got q length {t=} and kv length {s=}")
     compute = jnp.float64 if jnp.float64 in (q.dtype, k.dtype, v.dtype) else jnp.float32
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     group = h // kv

@@ -50,6 +50,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -358,6 +359,19 @@ def _sample_kernel(scal_ref, logits_ref, noise_ref, _count_in, tok_ref, lp_ref, 
         lp_ref[row] = (x_tok - m) - jnp.log(s)
 
 
+def _check_scalar(name: str, x, ok, allowed: str) -> None:
+    """temperature and top_p are one value for the whole batch (shape ()); a concrete value (not
+    a tracer, whose value is unknown until run) must also be finite and satisfy ok (None: any)."""
+    shape = np.shape(x)
+    if shape != ():
+        raise ValueError(f"{name} must be a scalar (one value for every row), got shape {shape}")
+    if ok is None or isinstance(x, jax.core.Tracer):
+        return
+    value = float(np.asarray(x))
+    if not (np.isfinite(value) and ok(value)):
+        raise ValueError(f"{name}={value!r} must be finite{' and ' + allowed if allowed else ''}")
+
+
 def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = None, use_top_p: bool = False,
                 max_candidates: int = MAX_CANDIDATES, splits: int | None = None, chunk: int | None = None,
                 num_warps: int | None = None, exchange: int = 1, interpret: bool | None = None,
@@ -365,16 +379,39 @@ def sample_rows(logits_bv, noise_bv, temperature, top_p, *, top_k: int | None = 
     """One token per row drawn as `decode.sample` draws it from the same Gumbel noise
     (noise_bv = jax.random.gumbel(key_b, (V,)) per row): (token [B] int32, its log-prob [B] f32).
 
+    logits, noise [B, V]; temperature (> 0) and top_p (in (0, 1], read only with use_top_p) are
+    scalars, their values checked where they are concrete (not traced); top_k: None or an int
+    in [1, V].
+
     splits: programs per row (default: plan_splits', as many as the GPU holds at once; 1 in
     interpret mode); chunk: a row's values per load (a power of two); chunk and num_warps default to
     plan_chunk's for the batch and vocabulary; exchange: how the GPU reads the shared partials (0
     atomics, 1 volatile loads; see gather; no effect in interpret mode). return_counters: also return
     the rows' barrier counters (exchanges x splits; a diagnostic; 0 on the GPU with one split)."""
+    if getattr(logits_bv, "ndim", None) != 2:
+        raise ValueError(f"logits must be 2-D [B, V], got shape {getattr(logits_bv, 'shape', None)}")
     b, v = logits_bv.shape
-    if noise_bv.shape != (b, v):
-        raise ValueError(f"noise must be {(b, v)} like the logits, got {noise_bv.shape}")
-    if top_k is not None and not 1 <= top_k <= v:
-        raise ValueError(f"top_k={top_k} must be in [1, {v}]")
+    if b < 1 or v < 1:
+        raise ValueError(f"logits [B, V] must have at least one row and one token, got shape {(b, v)}")
+    if getattr(noise_bv, "shape", None) != (b, v):
+        raise ValueError(f"noise must be {(b, v)} like the logits, got {getattr(noise_bv, 'shape', None)}")
+    if top_k is not None:
+        # A static count (it shapes the kernel's control flow): a Python or NumPy int, not an array.
+        if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
+            raise TypeError(f"top_k must be an int or None, got {top_k!r} ({type(top_k).__name__})")
+        top_k = int(top_k)
+        if not 1 <= top_k <= v:
+            raise ValueError(f"top_k={top_k} must be in [1, {v}]")
+    if not isinstance(use_top_p, (bool, np.bool_)):
+        raise TypeError(f"use_top_p must be True or False, got {use_top_p!r}")
+    use_top_p = bool(use_top_p)
+    if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 0:
+        raise ValueError(f"max_candidates={max_candidates!r} must be an int >= 0")
+    _check_scalar("temperature", temperature, lambda t: t > 0, "> 0")
+    if use_top_p:
+        _check_scalar("top_p", top_p, lambda p: 0 < p <= 1, "in (0, 1]")
+    else:  # (unused: its value is not read)
+        _check_scalar("top_p", top_p, None, "")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     planned_chunk, planned_warps = plan_chunk(b, v, programs=b if interpret else None)
