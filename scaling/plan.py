@@ -19,7 +19,7 @@ import sys
 
 from scaling import accounting as acc
 from scaling.config import Config, RematPolicyName
-from scaling.hardware import Hardware, get_hardware
+from scaling.hardware import HARDWARE, Hardware, get_hardware
 from scaling.sharding.mesh import MeshError, resolve_mesh_shape
 
 GiB = 2**30
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     from scaling.__main__ import _config_args
 
     def extra(p):
-        p.add_argument("--hardware", default="h100", help="h100, h200, a100, tpu_v5e, tpu_v5p")
+        p.add_argument("--hardware", default="h100", help="one of: " + ", ".join(HARDWARE))
         p.add_argument("--devices", type=int, default=None, help="device count (default: the mesh's fixed sizes, or 8)")
         p.add_argument("--search", action="store_true", help="rank mesh x remat x grad_accum by predicted throughput")
         p.add_argument("--top", type=int, default=10)
