@@ -31,7 +31,7 @@ from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer, build_model
 from scaling.optim import learning_rate_schedule, make_optimizer
 from scaling.sharding import axes as A
-from scaling.sharding import ShardingError, constrain, get_rule_set, logical_to_spec, make_mesh, use_sharding
+from scaling.sharding import ShardingError, constrain, get_rule_set, logical_to_spec, make_mesh, sharding_rules, use_sharding
 from scaling.sharding.mesh import active
 from scaling.sharding.params import logical_axes, param_shardings
 
@@ -299,6 +299,20 @@ def abstract_state(setup: Setup) -> dict:
 # ------------------------------------------------------------------------ the step
 
 
+def _under_sharding(setup: Setup, fn):
+    """fn traced under the setup's mesh and rules, wherever it is first called or lowered: the
+    activation constraints (`constrain`) are the identity outside `use_sharding`, and without them
+    XLA picked other layouts (tiny on 8 CPU devices with fsdp=8: the whole batch on every device,
+    6x the temporary memory)."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with sharding_rules(setup.mesh, setup.rules):  # (use_sharding's jax.set_mesh is refused under jit)
+            return fn(*args)
+
+    return traced
+
+
 def make_train_step(setup: Setup):
     cfg = setup.cfg
     accum = cfg.train.grad_accum
@@ -352,7 +366,7 @@ def make_train_step(setup: Setup):
         return new_state, metrics
 
     return jax.jit(
-        step_fn,
+        _under_sharding(setup, step_fn),
         in_shardings=(setup.state_shardings, setup.batch_sharding),
         out_shardings=(setup.state_shardings, None),
         donate_argnums=(0,),
@@ -377,7 +391,7 @@ def make_eval_step(setup: Setup):
         total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), micro)
         return total / accum
 
-    return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
+    return jax.jit(_under_sharding(setup, eval_fn), in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
 
 def global_batch(setup: Setup, local_rows: np.ndarray) -> jax.Array:

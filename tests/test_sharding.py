@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from scaling.config import MeshConfig, load_config
 from scaling.data import make_dataset
 from scaling.sharding import MeshError, ShardingError, make_mesh, resolve_mesh_shape, use_sharding
-from scaling.train import global_batch, init_state, make_setup, make_train_step
+from scaling.train import abstract_state, global_batch, init_state, make_setup, make_train_step
 
 TINY = "configs/models/tiny.yaml"
 STEPS = 3
@@ -176,6 +176,22 @@ def test_fsdp8_holds_an_eighth_per_device(devices):
             share = bytes_on(state[part], d) / total
             # Exactly 1/8 but for the replicated RMSNorm scales (and Adam's step count).
             assert 1 / 8 <= share < 1 / 8 + 0.01, (part, d, share)
+
+
+def test_train_step_keeps_its_constraints_when_lowered_outside_use_sharding(devices):
+    """make_train_step's step carries the activation constraints wherever it is traced: lowered
+    outside `use_sharding` (a user timing or inspecting the step), it is the program the training
+    loop runs. Before, `constrain` was the identity there, and with fsdp=8 XLA kept the whole
+    batch on every device (6x the temporary memory)."""
+    setup = make_setup(tiny_config((1, 8, 1)), devices=devices)
+    state = abstract_state(setup)
+    batch = jax.ShapeDtypeStruct((8, 32), np.int32, sharding=setup.batch_sharding)
+    outside = make_train_step(setup).lower(state, batch)
+    with use_sharding(setup.mesh, setup.rules):
+        inside = make_train_step(setup).lower(state, batch)
+    assert outside.as_text().count("sharding_constraint") == inside.as_text().count("sharding_constraint") > 0
+    temp = [x.compile(compiler_options=FAST_COMPILE).memory_analysis().temp_size_in_bytes for x in (outside, inside)]
+    assert temp[0] == temp[1], temp
 
 
 def test_indivisible_kv_heads_is_a_clear_error(devices):

@@ -92,12 +92,21 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, RuleSet] | None] = contextvars.Conte
 
 @contextlib.contextmanager
 def use_sharding(mesh: Mesh, rules: RuleSet | str) -> Iterator[None]:
-    """Activate a mesh + rule set for `constrain` calls traced inside the block."""
+    """Activate a mesh + rule set for `constrain` calls traced inside the block (and the mesh as
+    JAX's ambient mesh: outside jit only, where jax.set_mesh is allowed)."""
+    with sharding_rules(mesh, rules), jax.set_mesh(mesh):
+        yield
+
+
+@contextlib.contextmanager
+def sharding_rules(mesh: Mesh, rules: RuleSet | str) -> Iterator[None]:
+    """The mesh + rule set for `constrain`, without JAX's ambient mesh: usable inside a function
+    being traced by jit (jax.set_mesh is refused there). Enough for Auto axes, whose
+    constraints name the mesh themselves."""
     rules = get_rule_set(rules) if isinstance(rules, str) else rules
     token = _ACTIVE.set((mesh, rules))
     try:
-        with jax.set_mesh(mesh):
-            yield
+        yield
     finally:
         _ACTIVE.reset(token)
 
