@@ -33,7 +33,9 @@ def _segment_mask(segment_ids):
 
 
 def xla_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
-    """Reference: softmax(q k^T / sqrt(H)) v in f32, GQA by grouping query heads."""
+    """Reference: softmax(q k^T / sqrt(H)) v, GQA by grouping query heads. Scores and softmax in
+    f32; the probabilities are rounded to v's dtype for the P·V product (f32 accumulation), as the
+    flash kernels do."""
     check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
     b, t, n, h = q_btnh.shape
     s, kh = k_bskh.shape[1], k_bskh.shape[2]

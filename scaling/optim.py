@@ -9,10 +9,17 @@ from scaling.config import OptimizerConfig, Schedule
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup to the peak, then cosine/linear decay to min_lr_ratio x peak."""
+    """Linear warmup to the peak, then cosine/linear decay to min_lr_ratio x peak.
+
+    Indexed by the 0-based count of applied updates, for a run of steps 0 .. total_steps - 1:
+    lr(0) = 0, the peak at step `warmup_steps` (a warmup longer than the run is cut to end
+    at the last step), and the decay lands on min_lr_ratio x peak exactly at the last step,
+    total_steps - 1, staying there beyond it. `constant` holds the peak after the warmup.
+    """
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    decay_steps = max(total_steps - warmup, 1)
+    # The last step is total_steps - 1, so the decay spans total_steps - 1 - warmup steps.
+    decay_steps = max(total_steps - 1 - warmup, 1)
     if cfg.schedule == Schedule.cosine:
         decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
     elif cfg.schedule == Schedule.linear:
@@ -25,7 +32,9 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
 
 
 def decay_mask(params: dict, decay_embeddings: bool) -> dict:
-    """Decay matrices only: not norm scales (1-D), and not embeddings unless asked."""
+    """Decay matrices only: not norm scales (1-D, or [L, D] stacked over layers), and not
+    the embedding table unless asked. An untied output head (`head_dv`) is a matrix and is
+    decayed; a tied head is the embedding table, so follows decay_embeddings."""
 
     def keep(path, p) -> bool:
         keys = [str(getattr(k, "key", k)) for k in path]
