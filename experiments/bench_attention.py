@@ -36,7 +36,9 @@ import datetime
 import functools
 import importlib
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -229,7 +231,7 @@ def format_table(rows) -> str:
                 if c.startswith("vs") and f"{c}_q1" in r:  # the quartiles of the per-round ratio
                     x += f" ({r[c + '_q1']:.2f}-{r[c + '_q3']:.2f})"
             cells.append(str(x))
-        note = r.get("error", r.get("skipped", r.get("note", "")))
+        note = " ".join(str(r.get("error", r.get("skipped", r.get("note", "")))).split()).replace("|", "\\|")
         lines.append("| " + " | ".join(cells) + f" | {note} |")
     return "\n".join(lines)
 
@@ -288,52 +290,159 @@ def write_out(name: str, payload: dict, markdown: str | None = None):
     if not out_dir:
         return
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+        json.dump(strict_json(payload), f, indent=1, default=str, allow_nan=False)
     if markdown is not None:
         with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
             f.write(markdown + "\n")
 
 
-def main(argv=None):
+def strict_json(obj):
+    """obj with every non-finite float as None (a NaN error of a broken kernel is what the check is
+    for): JSON's grammar has no NaN or Infinity."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+CHECK_CASES = 8  # len(check_suite's all_cases)
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    """A comma list of integers >= 1; spaces and a repeat dropped."""
+    out = []
+    for s in (s.strip() for s in text.split(",")):
+        if not s:
+            continue
+        try:
+            n = int(s)
+        except ValueError:
+            raise ValueError(f"{flag}: {s!r} is not an integer") from None
+        if n < 1:
+            raise ValueError(f"{flag}: {n} must be >= 1")
+        out.append(n)
+    if not out:
+        raise ValueError(f"{flag}: none given")
+    return list(dict.fromkeys(out))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before anything compiles: a bad flag exits 2 naming it. Adds
+    impl_list, shapes, causals, check_cases, block_sizes and per_dim."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="T in {1k, 4k}, causal, D=128 only")
     p.add_argument("--shape", action="append", help="B,T,H,KV,D instead of the sweep (repeatable)")
-    p.add_argument("--head-dims", default="128,64", help="head dims of the sweep")
-    p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384", help="sequence lengths of the sweep")
+    p.add_argument("--head-dims", default=None, help="head dims of the sweep (default 128,64)")
+    p.add_argument("--seq-lens", default=None, help=f"sequence lengths of the sweep, divisors of {TOKENS} "
+                                                    "(default 1024,2048,4096,8192,16384)")
     p.add_argument("--out-name", default="bench_attention", help="file name (no suffix) under $OUT")
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
     p.add_argument("--impls", default="cudnn,ours,xla", help=f"comma list of {', '.join(IMPLS)}")
-    p.add_argument("--check", nargs="?", const="all", help="run the GPU correctness suite first (or cases i,j)")
+    p.add_argument("--check", nargs="?", const="all",
+                   help=f"run the GPU correctness suite first (or cases i,j of 0..{CHECK_CASES - 1})")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", help="JSON of BlockSizes fields for ours (default: the tuned table)")
     p.add_argument("--block-sizes-from", help="tune_attention.json: use its best BlockSizes per head dim")
     args = p.parse_args(argv)
+    try:
+        _check_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
+
+def _check_args(args) -> None:
+    if args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", args.out_name):
+        raise ValueError(f"--out-name {args.out_name!r}: a file name stem, of letters, digits, '.', '_' and '-' "
+                         "(no '/')")
+    args.impl_list = list(dict.fromkeys(s.strip() for s in args.impls.split(",") if s.strip()))
+    if unknown := [i for i in args.impl_list if i not in IMPLS]:
+        raise ValueError(f"--impls: unknown {unknown}; allowed: {', '.join(IMPLS)}")
+    if not args.impl_list:
+        raise ValueError(f"--impls: none given; allowed: {', '.join(IMPLS)}")
+    if args.check is not None and args.check != "all":
+        try:
+            args.check_cases = [int(s) for s in args.check.split(",") if s.strip()]
+        except ValueError:
+            args.check_cases = None
+        if not args.check_cases or any(not 0 <= i < CHECK_CASES for i in args.check_cases):
+            raise ValueError(f"--check {args.check!r}: 'all' or comma-separated case numbers in 0..{CHECK_CASES - 1}")
+    if (args.shape or args.quick) and (args.head_dims is not None or args.seq_lens is not None):
+        raise ValueError("--head-dims and --seq-lens set the sweep, which --shape and --quick replace")
+    if args.shape and args.quick:
+        raise ValueError("--quick's shapes and --shape's: give one")
+    args.causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    if args.shape:
+        args.shapes = []
+        for text in args.shape:
+            try:
+                parts = [int(s) for s in text.split(",")]
+            except ValueError:
+                parts = []
+            if len(parts) != 5 or any(n < 1 for n in parts):
+                raise ValueError(f"--shape {text!r}: B,T,H,KV,D, five integers >= 1")
+            b, t, h, kv, d = parts
+            if h % kv:
+                raise ValueError(f"--shape {text!r}: the heads H={h} must be a multiple of the KV heads KV={kv}")
+            args.shapes.append(tuple(parts))
+    elif args.quick:
+        args.shapes = [(TOKENS // t, t, HEADS, HEADS, 128) for t in (1024, 4096)]
+        args.causals = [True] if args.causal == "both" else args.causals
+    else:
+        dims = _ints("--head-dims", args.head_dims if args.head_dims is not None else "128,64")
+        lens = _ints("--seq-lens", args.seq_lens if args.seq_lens is not None else "1024,2048,4096,8192,16384")
+        if bad := [t for t in lens if TOKENS % t]:
+            raise ValueError(f"--seq-lens: {bad} do not divide {TOKENS} (the sweep's B·T); --shape B,T,H,KV,D takes "
+                             "any shape")
+        args.shapes = [(TOKENS // t, t, HEADS, HEADS, d) for d in dims for t in lens]
+    args.block_sizes_obj = None
+    if args.block_sizes:
+        try:
+            args.block_sizes_obj = BlockSizes(**json.loads(args.block_sizes))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--block-sizes {args.block_sizes!r}: a JSON object of BlockSizes fields "
+                             f"({', '.join(f.name for f in dataclasses.fields(BlockSizes))}): {e}") from None
+    args.per_dim = {}
+    if args.block_sizes_from:
+        try:
+            with open(args.block_sizes_from) as f:
+                args.per_dim = {int(d): BlockSizes(**fields) for d, fields in json.load(f)["best"].items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"--block-sizes-from {args.block_sizes_from!r}: want tune_attention.json's "
+                             f"{{\"best\": {{head_dim: BlockSizes fields}}}} ({type(e).__name__}: {e})") from None
+    out = os.environ.get("OUT")
+    if out:
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ValueError(f"$OUT={out!r} is not a folder")
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"$OUT={out!r}: cannot make the output folder ({e.strerror or e})") from None
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise ValueError(f"$OUT={out!r}: the output folder is not writable")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if (backend := jax.default_backend()) != "gpu":
+        print(f"error: bench_attention.py times attention kernels on a GPU; JAX's backend here is {backend!r} "
+              "(tests/test_bench_attention.py covers its CPU parts)", file=sys.stderr)
+        return 2
     print(header(), flush=True)
     print(" ".join(sys.argv), flush=True)
     checks = check_suite(cases=args.check) if args.check else []
-    block_sizes = BlockSizes(**json.loads(args.block_sizes)) if args.block_sizes else None
-    per_dim = {}
+    block_sizes, per_dim = args.block_sizes_obj, args.per_dim
     if args.block_sizes_from:
-        with open(args.block_sizes_from) as f:
-            per_dim = {int(d): BlockSizes(**fields) for d, fields in json.load(f)["best"].items()}
         print("block sizes from", args.block_sizes_from, per_dim, flush=True)
-    impls = args.impls.split(",")
-    if unknown := [i for i in impls if i not in IMPLS]:
-        p.error(f"--impls: unknown {unknown}; allowed: {', '.join(IMPLS)}")
-    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
-    if args.shape:
-        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shape]
-    elif args.quick:
-        shapes = [(TOKENS // t, t, HEADS, HEADS, 128) for t in (1024, 4096)]
-        causals = [True] if args.causal == "both" else causals
-    else:
-        shapes = [(TOKENS // t, t, HEADS, HEADS, int(d)) for d in args.head_dims.split(",")
-                  for t in (int(x) for x in args.seq_lens.split(","))]
     rows = []
-    for b, t, h, kv, d in shapes:
-        for causal in causals:
-            for r in bench_shape(b, t, h, kv, d, causal, impls, per_dim.get(d, block_sizes), reps=args.reps):
+    for b, t, h, kv, d in args.shapes:
+        for causal in args.causals:
+            for r in bench_shape(b, t, h, kv, d, causal, args.impl_list, per_dim.get(d, block_sizes), reps=args.reps):
                 rows.append(r)
                 print("row", json.dumps(r), flush=True)
     table = format_table(rows)
@@ -343,7 +452,8 @@ def main(argv=None):
                                       block_sizes={d: dataclasses.asdict(bs) for d, bs in per_dim.items()} or (
                                           dataclasses.asdict(block_sizes) if block_sizes else "table")),
               header() + "\n\n" + table)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

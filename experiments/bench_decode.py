@@ -18,7 +18,9 @@ transformers, side by side on the same weights (written by scaling.interop.hf.sa
 in bf16): `generate` eager (dynamic cache) and with `cache_implementation="static"`, which
 transformers >= 4.48 compiles automatically (torch.compile, mode reduce-overhead).
 
-Prints a markdown table; writes it (and a JSON of every number) to $OUT when set.
+Prints a markdown table; writes it (and a JSON of every number, non-finite ones as null) to $OUT
+when set. The flags are checked before anything runs (exit 2 naming a bad one); without a GPU the
+script says so and exits 2 (tests/test_bench_decode.py runs its parts on the CPU).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ import functools
 import gc
 import itertools
 import json
+import math
+import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -63,12 +68,65 @@ def _option(spec: str) -> tuple[str, int]:
     try:
         return name, int(value)
     except ValueError:
-        raise SystemExit(f"--attention: a megakernel option is FIELD=INT, got {spec!r}") from None
+        raise ValueError(f"--attention: a megakernel option is FIELD=INT, got {spec!r}") from None
+
+
+def presets() -> list[str]:
+    """The model presets --models may name: configs/models/*.yaml."""
+    return sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.yaml"))
 
 
 def preset(name: str) -> ModelConfig:
     cfg = load_config(ROOT / "configs" / "models" / f"{name}.yaml").model
     return dataclasses.replace(cfg, param_dtype=DType.bfloat16, compute_dtype=DType.bfloat16)
+
+
+def _items(text: str) -> list[str]:
+    """A comma list's entries, stripped, empty ones dropped. A repeat stays: it runs again (A,B,A
+    against drift, docs/benchmarks.md)."""
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    """A comma list of integers >= 1."""
+    out = []
+    for s in _items(text):
+        try:
+            n = int(s)
+        except ValueError:
+            raise ValueError(f"{flag}: {s!r} is not an integer; want a comma list of integers >= 1, e.g. 1,8") \
+                from None
+        if n < 1:
+            raise ValueError(f"{flag}: {n} must be >= 1")
+        out.append(n)
+    return out
+
+
+def parse_impl(impl: str) -> tuple[str, str, dict, dict]:
+    """--attention's ATTN[:LAYERS[/FIELD=INT...]] -> (attention, layers, megakernel plan options,
+    other Decoder keywords: megakernel_short_reach). ValueError naming the allowed values."""
+    attn, _, rest = impl.partition(":")
+    layers, *spec = rest.split("/")
+    layers = layers or "auto"
+    attns = [x.value for x in decode.DecodeAttentionImpl]
+    if attn not in attns:
+        raise ValueError(f"--attention {impl!r}: attention {attn!r} is not one of {attns}")
+    all_layers = [x.value for x in decode.DecodeLayerImpl]
+    if layers not in all_layers:
+        raise ValueError(f"--attention {impl!r}: layers {layers!r} is not one of {all_layers}")
+    options = dict(_option(o) for o in spec)
+    # (short_reach: the decoder's megakernel_short_reach, not a plan field)
+    reach = options.pop("short_reach", None)
+    if reach is not None and reach < 0:
+        raise ValueError(f"--attention {impl!r}: short_reach must be >= 0 (0: off), got {reach}")
+    if options and layers != "megakernel":
+        raise ValueError(f"--attention {impl!r}: plan options need the megakernel layers "
+                         f"(ATTN:megakernel/FIELD=INT/...), got layers {layers!r}")
+    try:
+        decode.parse_megakernel_options(options)
+    except ValueError as e:
+        raise ValueError(f"--attention {impl!r}: {e}") from None
+    return attn, layers, options, ({} if reach is None else {"megakernel_short_reach": reach})
 
 
 # ------------------------------------------------------------------------ bandwidth
@@ -128,6 +186,7 @@ def parse_sampling(spec: str) -> dict:
     out = {}
     for part in spec.split("/"):
         key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
         if not sep or key not in SAMPLING_KEYS:
             raise ValueError(f"--sampling {spec!r}: {part!r} is not key=value with a key in {sorted(SAMPLING_KEYS)} "
                              f"(or the whole spec 'greedy')")
@@ -138,6 +197,12 @@ def parse_sampling(spec: str) -> dict:
                 from None
     if out.get("sampler", decode.SAMPLERS[0]) not in decode.SAMPLERS:
         raise ValueError(f"--sampling {spec!r}: sampler must be one of {decode.SAMPLERS}, got {out['sampler']!r}")
+    if "temperature" in out and not (math.isfinite(out["temperature"]) and out["temperature"] >= 0):
+        raise ValueError(f"--sampling {spec!r}: temperature must be a finite number >= 0, got {out['temperature']}")
+    if "top_k" in out and out["top_k"] < 1:
+        raise ValueError(f"--sampling {spec!r}: top_k must be >= 1, got {out['top_k']}")
+    if "top_p" in out and not 0 < out["top_p"] <= 1:
+        raise ValueError(f"--sampling {spec!r}: top_p must be in (0, 1], got {out['top_p']}")
     return out
 
 
@@ -453,24 +518,38 @@ def step_errors(model, layer_impl, tma, batch: int = 2, cache_len: int = 256) ->
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="1b only, batch 1 and 8, prompt 128")
-    ap.add_argument("--models", default="1b,llama2_7b")
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--prompts", default="128,2048")
-    ap.add_argument("--new-tokens", type=int, default=256)
+DEFAULT_MODELS = "1b,llama2_7b"
+DEFAULT_HF_MODELS = "1b,llama2_7b"
+HF_PROMPT = 128  # transformers runs at this prompt length only
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before anything runs: a bad flag exits 2 with a message naming it
+    and the allowed values. Adds the parsed lists (model_list, batch_list, prompt_list, impls,
+    specs, hf_batches, hf_model_list, blocks) and argv (the arguments given, for the report)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="1b only, batch 1 and 8, prompt 128 (an explicit --models/--batches/--prompts wins)")
+    ap.add_argument("--models", default=None, help=f"model presets (configs/models/), comma-separated "
+                                                   f"(default {DEFAULT_MODELS})")
+    ap.add_argument("--batches", default=None, help="comma-separated (default 1,8,64)")
+    ap.add_argument("--prompts", default=None, help="prompt lengths, comma-separated (default 128,2048)")
+    ap.add_argument("--new-tokens", type=int, default=256, help="decode steps per case (>= 2: the first token "
+                                                                "comes from the prefill)")
     ap.add_argument("--attention", default="pallas",
                     help="decode variants, comma-separated: ATTN or ATTN:LAYERS, ATTN in pallas/xla/fused, "
                          "LAYERS in auto/xla/pallas/pallas_tma/megakernel (default auto); megakernel may take plan "
                          "options as megakernel/FIELD=INT/... (decode.parse_megakernel_options; booleans 0/1), "
                          "e.g. pallas:megakernel/qkv_ld=0/norm_in_qkv=0; short_reach=N sets the decoder's "
-                         "megakernel_short_reach (0: off)")
+                         "megakernel_short_reach (0: off); a repeated variant runs again (A,B,A,B against drift)")
     ap.add_argument("--gemv-blocks", default="", help="tiles of the Pallas layer kernels, a decode_gemv.LayerBlocks.parse spec")
     ap.add_argument("--chunk", type=int, default=64, help="decode steps per compiled call")
     ap.add_argument("--reps", type=int, default=3, help="timed generate calls per case (their median step)")
-    ap.add_argument("--hf-models", default="1b,llama2_7b", help="models to run transformers on")
-    ap.add_argument("--hf", default="1", help="batches to run transformers at (prompt 128 only), comma-separated; '' for none")
+    ap.add_argument("--hf-models", default=None, help="models of --models to run transformers on "
+                                                      f"(default those of {DEFAULT_HF_MODELS} in --models)")
+    ap.add_argument("--hf", default=None, help=f"batches of --batches to run transformers at (prompt {HF_PROMPT} "
+                                               "only), comma-separated; '' for none (default 1 where --batches has "
+                                               f"it and --prompts has {HF_PROMPT})")
     ap.add_argument("--hf-eager-new", type=int, default=64, help="new tokens for the (slow) eager transformers runs")
     ap.add_argument("--mem-budget-gb", type=float, default=70.0, help="skip cases whose weights + KV cache exceed this")
     ap.add_argument("--bw-gib", type=float, default=4.0, help="buffer size of the bandwidth measurement")
@@ -482,20 +561,127 @@ def main(argv=None) -> int:
                          "attention only")
     ap.add_argument("--check", action="store_true", help="first check the kernel and the decoder on the GPU")
     args = ap.parse_args(argv)
-    if args.reps < 1:
-        ap.error(f"--reps must be >= 1, got {args.reps}")
-    if args.quick:
-        args.models, args.batches, args.prompts = "1b", "1,8", "128"
-    batches = [int(x) for x in args.batches.split(",")]
-    prompts = [int(x) for x in args.prompts.split(",")]
-    hf_batches = [int(x) for x in args.hf.split(",") if x]
-    impls = args.attention.split(",")
-    specs = args.sampling.split(",")
-    for spec in specs:
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _check_args(args)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def _check_args(args) -> None:
+    for flag in ("new_tokens", "reps", "chunk", "hf_eager_new"):
+        least = 2 if flag == "new_tokens" else 1
+        if getattr(args, flag) < least:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
+    for flag in ("mem_budget_gb", "bw_gib"):
+        if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {getattr(args, flag)}")
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", args.tag):
+        raise ValueError(f"--tag {args.tag!r}: a file name stem, of letters, digits, '.', '_' and '-' (no '/')")
+    quick = dict(models="1b", batches="1,8", prompts="128") if args.quick else {}
+    args.model_list = _items(args.models if args.models is not None else quick.get("models", DEFAULT_MODELS))
+    known = presets()
+    if not args.model_list:
+        raise ValueError(f"--models: none given; allowed: {', '.join(known)}")
+    if unknown := [m for m in args.model_list if m not in known]:
+        raise ValueError(f"--models: unknown {', '.join(unknown)}; allowed: {', '.join(known)}")
+    args.batch_list = _ints("--batches", args.batches if args.batches is not None else quick.get("batches", "1,8,64"))
+    args.prompt_list = _ints("--prompts", args.prompts if args.prompts is not None else quick.get("prompts", "128,2048"))
+    for flag, values in (("--batches", args.batch_list), ("--prompts", args.prompt_list)):
+        if not values:
+            raise ValueError(f"{flag}: none given")
+    cfgs = {m: load_config(ROOT / "configs" / "models" / f"{m}.yaml").model for m in args.model_list}
+    for m, cfg in cfgs.items():  # (the decoder runs past it, RoPE has no table: the timing stands, say so)
+        if (longest := max(args.prompt_list)) + args.new_tokens > cfg.max_seq_len:
+            print(f"note: --prompts {longest} + --new-tokens {args.new_tokens} = {longest + args.new_tokens} positions "
+                  f"run past {m}'s max_seq_len {cfg.max_seq_len}", file=sys.stderr)
+    args.impls = _items(args.attention)
+    if not args.impls:
+        raise ValueError("--attention: none given")
+    for impl in args.impls:
+        attn = parse_impl(impl)[0]
+        for m, cfg in cfgs.items():  # (e.g. fused's group size)
+            try:
+                decode.resolve_decode_impl(attn, cfg)
+            except ValueError as e:
+                raise ValueError(f"--attention {impl!r} on {m}: {e}") from None
+    args.specs = _items(args.sampling)
+    if not args.specs:
+        raise ValueError("--sampling: none given ('greedy' for greedy steps)")
+    for spec in args.specs:
+        top_k = parse_sampling(spec).get("top_k")  # (a bad spec fails here, before anything runs)
+        for m, cfg in cfgs.items():
+            if top_k is not None and top_k > cfg.vocab_size:
+                raise ValueError(f"--sampling {spec!r}: top_k {top_k} exceeds {m}'s vocabulary ({cfg.vocab_size})")
+    from scaling.kernels.decode_gemv import LayerBlocks
+
+    try:
+        args.blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks.strip() else None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--gemv-blocks {args.gemv_blocks!r}: {e}") from None
+    # transformers: explicit names and batches must be among those benchmarked (else nothing would
+    # show them); the defaults are cut to those
+    if args.hf_models is None:
+        args.hf_model_list = [m for m in _items(DEFAULT_HF_MODELS) if m in args.model_list]
+    else:
+        args.hf_model_list = list(dict.fromkeys(_items(args.hf_models)))
+        if stray := [m for m in args.hf_model_list if m not in args.model_list]:
+            raise ValueError(f"--hf-models: {', '.join(stray)} not in --models ({', '.join(args.model_list)})")
+    if args.hf is None:
+        args.hf_batches = [b for b in (1,) if b in args.batch_list and HF_PROMPT in args.prompt_list]
+    else:
+        args.hf_batches = list(dict.fromkeys(_ints("--hf", args.hf)))
+        if stray := [b for b in args.hf_batches if b not in args.batch_list]:
+            raise ValueError(f"--hf: batches {stray} not in --batches {args.batch_list}")
+        if args.hf_batches and HF_PROMPT not in args.prompt_list:
+            raise ValueError(f"--hf: transformers runs at prompt {HF_PROMPT} only, which --prompts "
+                             f"{args.prompt_list} lacks (--hf '' for none)")
+    out = os.environ.get("OUT")
+    if out:
+        if Path(out).exists() and not Path(out).is_dir():
+            raise ValueError(f"$OUT={out!r} is not a folder")
         try:
-            parse_sampling(spec)  # (a bad spec fails here, before anything runs)
-        except ValueError as e:
-            ap.error(str(e))
+            Path(out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"$OUT={out!r}: cannot make the output folder ({e.strerror or e})") from None
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise ValueError(f"$OUT={out!r}: the output folder is not writable")
+
+
+def require_gpu() -> str | None:
+    """Why this process cannot measure (None: a GPU is there)."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return (f"bench_decode.py measures decode on a GPU; JAX's backend here is {backend!r} "
+                "(tests/test_bench_decode.py covers its CPU parts)")
+    return None
+
+
+def strict_json(obj):
+    """obj with every non-finite float as None: JSON's own grammar has no NaN or Infinity."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+def write_results(out: str, tag: str, table: str, versions: dict, bw: dict, rows: list[dict]) -> None:
+    Path(out, f"{tag}.md").write_text(table)
+    Path(out, f"{tag}.json").write_text(json.dumps(strict_json({"versions": versions, "bandwidth": bw, "rows": rows}),
+                                                   indent=1, default=str, allow_nan=False))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if why := require_gpu():
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    batches, prompts, impls, specs = args.batch_list, args.prompt_list, args.impls, args.specs
+    hf_batches = args.hf_batches
 
     dev = jax.devices()[0]
     versions = {"jax": jax.__version__, "device": dev.device_kind}
@@ -520,34 +706,34 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     rows = []
-    for name in args.models.split(","):
+    for name in args.model_list:
         cfg = preset(name)
         t = time.perf_counter()
         model = build_model(cfg, seed=0)
         jax.block_until_ready(jax.tree.leaves(model))
         print(f"{name}: built in {time.perf_counter() - t:.1f}s", flush=True)
         hf_res: dict = {}
-        if hf_batches and name in args.hf_models.split(","):
+        if hf_batches and name in args.hf_model_list:
             from scaling.interop import hf
 
             with tempfile.TemporaryDirectory() as d:
                 t = time.perf_counter()
                 hf.save(cfg, model, d)
                 print(f"{name}: saved HF checkpoint in {time.perf_counter() - t:.1f}s", flush=True)
-                cases = [(b, 128) for b in hf_batches]
+                cases = [(b, HF_PROMPT) for b in hf_batches]
                 hf_res["eager"] = bench_hf(d, cfg, cases, args.new_tokens, rng, False, args.hf_eager_new)
                 hf_res["static"] = bench_hf(d, cfg, cases, args.new_tokens, rng, True, args.hf_eager_new)
         for impl in impls:
-            attn, _, layer_impl = impl.partition(":")
-            from scaling.kernels.decode_gemv import LayerBlocks
-
-            blocks = LayerBlocks.parse(args.gemv_blocks) if args.gemv_blocks else None
-            layer_impl, *spec = layer_impl.split("/")
-            options = dict(_option(o) for o in spec)
-            # (short_reach: the decoder's megakernel_short_reach, not a plan field)
-            reach = {"megakernel_short_reach": options.pop("short_reach")} if "short_reach" in options else {}
-            dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl or "auto",
-                                 gemv_blocks=blocks, megakernel_options=options or None, **reach)
+            attn, layer_impl, options, reach = parse_impl(impl)
+            try:
+                dec = decode.Decoder(model, attention=attn, chunk=args.chunk, layers=layer_impl,
+                                     gemv_blocks=args.blocks, megakernel_options=options or None, **reach)
+            except ValueError as e:  # (this model or this GPU: the other variants still run)
+                row = {"model": name, "impl": impl, "batch": batches[0], "prompt": prompts[0], "sampling": specs[0],
+                       "skip": f"ValueError: {str(e)[:300]}"}
+                rows.append(row)
+                print(row, flush=True)
+                continue
             if dec.auto_megakernel_reason:
                 print(f"{name} {impl}: auto runs no megakernel: {dec.auto_megakernel_reason}", flush=True)
             wbytes = decode.weight_bytes_per_step(dec.weights)
@@ -596,8 +782,7 @@ def main(argv=None) -> int:
     print(table)
     out = os.environ.get("OUT")
     if out:
-        Path(out, f"{args.tag}.md").write_text(table)
-        Path(out, f"{args.tag}.json").write_text(json.dumps({"versions": versions, "bandwidth": bw, "rows": rows}, indent=1, default=str))
+        write_results(out, args.tag, table, versions, bw, rows)
     if fails:
         print("CHECK FAILURES:\n" + "\n".join(fails))
         return 1
@@ -607,22 +792,26 @@ def main(argv=None) -> int:
 def render(rows, versions, bw, args) -> str:
     when = datetime.date.today().isoformat()
     peak = max(bw.values())
+    # the command as given (parse_args' argv), so the table can be reproduced
+    flags = getattr(args, "argv", ["--quick"] if args.quick else [])
     lines = [
         f"Decode benchmark, {when}, {versions.get('device')}, jax {versions.get('jax')}, "
         f"torch {versions.get('torch', '-')}, transformers {versions.get('transformers', '-')}; "
-        f"`{' '.join(['python', 'experiments/bench_decode.py'] + (['--quick'] if args.quick else []))}`; "
+        f"`{shlex.join(['python', 'experiments/bench_decode.py', *flags])}`; "
         f"{args.new_tokens} new tokens, greedy unless the row says otherwise, bf16 weights and KV cache.",
         "",
         "Measured copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bw.items())
         + f"; roofline uses {peak / 1e12:.2f} TB/s.",
         "",
-        "| model | attn (batch-1 layers) | batch | prompt | ms/step | decode tok/s | roofline tok/s | GB/step | achieved TB/s | % of copy BW | prefill ms | e2e tok/s | HF eager e2e tok/s | HF static e2e tok/s | e2e vs HF static |",
+        "| model | attn (layers the steps ran) | batch | prompt | ms/step | decode tok/s | roofline tok/s | GB/step | achieved TB/s | % of copy BW | prefill ms | e2e tok/s | HF eager e2e tok/s | HF static e2e tok/s | e2e vs HF static |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         impl = r["impl"] + (f", {r['sampling']}" if r.get("sampling", "greedy") != "greedy" else "")
         if "skip" in r:
-            lines.append(f"| {r['model']} | {impl} | {r['batch']} | {r['prompt']} | skipped: {r['skip']} ||||||||||| |")
+            # (15 columns: the skip's reason in the fifth, ten empty ones after it)
+            skip = " ".join(str(r["skip"]).split()).replace("|", "\\|")  # (one line, no column breaks)
+            lines.append(f"| {r['model']} | {impl} | {r['batch']} | {r['prompt']} | skipped: {skip} |" + " |" * 10)
             continue
         he, hs = r.get("hf_eager_tok_s"), r.get("hf_static_tok_s")
         lines.append(

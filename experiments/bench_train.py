@@ -40,6 +40,7 @@ import dataclasses
 import datetime
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -82,15 +83,26 @@ class BenchConfig:
         return f"{self.model}:{self.seq}:{self.batch}"
 
 
+def presets() -> list[str]:
+    """The model presets a configuration may name: configs/models/*.yaml."""
+    return sorted(f[: -len(".yaml")] for f in os.listdir(os.path.join(ROOT, "configs", "models")) if f.endswith(".yaml"))
+
+
 def parse_configs(text: str) -> list[BenchConfig]:
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
-        parts = item.split(":")
+        parts = [p.strip() for p in item.split(":")]
         if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
             raise ValueError(f"configuration {item!r} must be model:seq:batch, e.g. 1b:2048:8")
-        if not os.path.exists(os.path.join(ROOT, "configs", "models", f"{parts[0]}.yaml")):
-            raise ValueError(f"configuration {item!r}: no preset configs/models/{parts[0]}.yaml")
-        out.append(BenchConfig(parts[0], int(parts[1]), int(parts[2])))
+        if parts[0] not in presets():
+            raise ValueError(f"configuration {item!r}: no preset configs/models/{parts[0]}.yaml; "
+                             f"allowed: {', '.join(presets())}")
+        if int(parts[1]) < 1 or int(parts[2]) < 1:
+            raise ValueError(f"configuration {item!r}: seq and batch must be >= 1")
+        bc = BenchConfig(parts[0], int(parts[1]), int(parts[2]))
+        if bc in out:  # (the report's sections and the results go by configuration)
+            raise ValueError(f"configuration {bc.key!r} given twice")
+        out.append(bc)
     if not out:
         raise ValueError("no configuration given")
     return out
@@ -112,9 +124,9 @@ def variant_overrides(variant: str, remat_names) -> list[str]:
         raise ValueError(f"variant {variant!r} must be attention/remat/layers[/section.key=value...]")
     attn, remat, layers, *extra = parts
     if attn not in ATTENTIONS + ("auto",):
-        raise ValueError(f"variant {variant!r}: attention must be one of {ATTENTIONS}")
+        raise ValueError(f"variant {variant!r}: attention must be one of {ATTENTIONS + ('auto',)}")
     if remat not in REMATS + ("offload",):
-        raise ValueError(f"variant {variant!r}: remat must be one of {REMATS}")
+        raise ValueError(f"variant {variant!r}: remat must be one of {REMATS + ('offload',)}")
     if layers not in LAYERS:
         raise ValueError(f"variant {variant!r}: layers must be one of {LAYERS}")
     out = [
@@ -498,6 +510,11 @@ def run_plan(plan: list[Piece], args, *, t_start: float, runner=None, clock=time
 # ----------------------------------------------------------------------------- the report
 
 
+def _cell(text) -> str:
+    """Text as one markdown table cell: one line, its pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def format_report(results: list[dict], configs: list[BenchConfig], meta: dict) -> str:
     matmul = next((r.get("flops") for r in results if r["variant"] == "matmul" and "flops" in r), None)
     lines = [
@@ -521,10 +538,10 @@ def format_report(results: list[dict], configs: list[BenchConfig], meta: dict) -
         for r in rows:
             wall = f"{r['wall_s']:.0f}" if "wall_s" in r else ""
             if "skipped" in r:
-                lines.append(f"| {r['variant']} | skipped: {r['skipped']} | | | | | | | | |")
+                lines.append(f"| {r['variant']} | skipped: {_cell(r['skipped'])} | | | | | | | | |")
                 continue
             if "error" in r:
-                lines.append(f"| {r['variant']} | error: {r['error']} | | | | | | | | {wall} |")
+                lines.append(f"| {r['variant']} | error: {_cell(r['error'])} | | | | | | | | {wall} |")
                 continue
             ratio = f"{r['tokens_per_sec'] / torch_c['tokens_per_sec']:.2f}x" if torch_c else "-"
             mm = f"{r['tflops'] * 1e12 / matmul:.1%}" if matmul else "-"
@@ -540,7 +557,9 @@ def format_report(results: list[dict], configs: list[BenchConfig], meta: dict) -
         for r in profs:
             v = r["variant"][len("profile:"):]
             if "skipped" in r or "error" in r:
-                lines.append(f"| {r['config']} | {v} | {r.get('skipped') or r.get('error')} | | | | {r.get('wall_s', 0):.0f} |")
+                why = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}"
+                wall = f"{r['wall_s']:.0f}" if "wall_s" in r else ""  # (a skipped piece ran for no time at all)
+                lines.append(f"| {r['config']} | {v} | {_cell(why)} | | | | {wall} |")
                 continue
             p = r.get("profile", {})
             lines.append(
@@ -587,8 +606,16 @@ def main(argv=None) -> int:
         return child(args)
 
     t_start = time.monotonic()
-    if args.configs is None and (args.model or args.seq or args.batch):
-        args.configs = f"{args.model or '1b'}:{args.seq or 2048}:{args.batch or 8}"
+    one = (args.model, args.seq, args.batch)
+    if any(x is not None for x in one):
+        if args.configs is not None:
+            p.error("give --configs or --model/--seq/--batch, not both")
+        args.configs = f"{args.model or '1b'}:{2048 if args.seq is None else args.seq}:{8 if args.batch is None else args.batch}"
+    for flag, least in (("steps", 1), ("warmup", 1), ("profile_steps", 1), ("accum", 1), ("timeout", 1)):
+        if getattr(args, flag) < least:  # (warm-up: the first step's loss, and the compile outside the timing)
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
+    if not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        p.error(f"--budget-s must be a finite number > 0, got {args.budget_s}")
     try:
         configs = parse_configs(args.configs or DEFAULT_CONFIGS)
         variants = parse_variants(args.variants)
@@ -597,6 +624,22 @@ def main(argv=None) -> int:
         profile_config = parse_configs(args.profile_config)[0] if args.profile_config else None
     except ValueError as e:
         p.error(str(e))
+    if profile_config and not profile_variants:
+        p.error("--profile-config names the configuration of --profile-variant, which is not given")
+    for bc in configs + ([profile_config] if profile_config else []):
+        if bc.batch % args.accum:
+            p.error(f"--accum {args.accum} does not divide the batch of configuration {bc.key}")
+    if not args.remat_names.strip() or not all(n.strip() for n in args.remat_names.split(",")):
+        p.error(f"--remat-names {args.remat_names!r}: a comma list of tags, none empty")
+    if not args.dry_run:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            p.error(f"--out {args.out!r} is not a folder")
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            p.error(f"--out {args.out!r}: cannot make the folder ({e.strerror or e})")
+        if not os.access(args.out, os.W_OK | os.X_OK):
+            p.error(f"--out {args.out!r}: the folder is not writable")
     profile_variants = list(profile_variants)
     if args.keep_trace and len(profile_variants) > 2:
         print("note: more than 2 profiles write more than 8 files into --out, and only 8 come back from $OUT")
@@ -605,6 +648,8 @@ def main(argv=None) -> int:
     plan = make_plan(configs, variants, other_variants, torch=not args.no_torch and not on_cpu,
                      matmul=not args.no_matmul and not on_cpu, profile_variants=profile_variants,
                      profile_config=profile_config, torch_eager=not args.no_torch_eager)
+    if not plan:
+        p.error("nothing to run: no variant, profile, PyTorch or matmul piece (on the CPU only variants and profiles run)")
     if args.dry_run:
         total = 0.0
         for pc in plan:
@@ -635,8 +680,19 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "bench_train.md"), "w") as f:
         f.write(report)
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        json.dump(strict_json({"meta": meta, "results": results}), f, indent=1, allow_nan=False)
     return 0
+
+
+def strict_json(obj):
+    """obj with every non-finite float (a diverged loss: NaN) as None: JSON has no NaN or Infinity."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
 
 
 def _jax_version() -> str:

@@ -43,14 +43,55 @@ def run_once(tree: Path, config: str, overrides: list[str], timeout: int) -> dic
         cmd = [sys.executable, "-m", "scaling", "train", "--config", config, *COMMON, *overrides,
                f"--run_dir={run_dir}"]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tree)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tree)
+        except subprocess.TimeoutExpired:  # (a row of its own: the other runs go on)
+            return {"error": f"timed out after {timeout} s", "wall_s": time.perf_counter() - t0}
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             return {"error": (proc.stderr or proc.stdout)[-2000:], "wall_s": wall}
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        metrics = Path(run_dir) / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         rates = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r][1:]
+        if not rates:  # (the first record includes the compile)
+            return {"error": f"{len(records)} log records: no rate after the first (more steps or a smaller "
+                             "--train.log_every)", "wall_s": wall}
         return {"tokens_per_sec": statistics.median(rates), "records": len(rates), "wall_s": wall,
                 "mfu": statistics.median([r["mfu"] for r in records if r.get("mfu") is not None][1:] or [0.0])}
+
+
+def parse_trees(text: str) -> dict[str, Path]:
+    """--trees name=path,...: names unique, each path a source tree (with scaling/)."""
+    trees: dict[str, Path] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        name, sep, path = (x.strip() for x in item.partition("="))
+        if not sep or not name or not path:
+            raise ValueError(f"--trees: {item!r} is not name=path")
+        if name in trees:
+            raise ValueError(f"--trees: the name {name!r} is given twice")
+        if not (Path(path) / "scaling" / "__init__.py").is_file():
+            raise ValueError(f"--trees: {name}={path} is not a source tree (no {Path(path) / 'scaling' / '__init__.py'})")
+        trees[name] = Path(path)
+    if not trees:
+        raise ValueError("--trees: none given")
+    return trees
+
+
+def format_table(results: dict, trees: list[str], configs: list[str]) -> str:
+    """Each tree's tokens/s per run, and each other tree's ratio to the first (its median tokens/s
+    over the first's: > 1 is faster)."""
+    base, others = trees[0], trees[1:]
+    head = ["config", *(f"{t} tokens/s" for t in trees), *(f"{t} / {base}" for t in others)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in configs:
+        rates = {t: [x["tokens_per_sec"] for x in results[c][t] if "tokens_per_sec" in x] for t in trees}
+        cells = [", ".join(f"{v:,.0f}" for v in rates[t]) or "failed" for t in trees]
+        ratios = [f"{statistics.median(rates[t]) / statistics.median(rates[base]):.3f}"
+                  if rates[t] and rates[base] else "-" for t in others]
+        lines.append("| " + " | ".join([c, *cells, *ratios]) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -61,33 +102,36 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=240, help="seconds per run at most")
     p.add_argument("--out", default=os.environ.get("OUT") or ".", help="output folder (default $OUT)")
     args = p.parse_args(argv)
-    trees = dict(item.split("=", 1) for item in args.trees.split(","))
-    configs = [c.strip() for c in args.configs.split(",")]
+    try:
+        trees = parse_trees(args.trees)
+    except ValueError as e:
+        p.error(str(e))
+    configs = list(dict.fromkeys(c.strip() for c in args.configs.split(",") if c.strip()))
     unknown = [c for c in configs if c not in DEFAULT_CONFIGS]
-    if unknown or args.rounds < 1:
-        p.error(f"--configs: unknown {unknown}; allowed {list(DEFAULT_CONFIGS)}" if unknown else "--rounds must be >= 1")
+    if unknown or not configs:
+        p.error(f"--configs: unknown {unknown}; allowed {list(DEFAULT_CONFIGS)}")
+    for flag in ("rounds", "timeout"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {args.out!r} is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out!r}: cannot make the folder ({e.strerror or e})")
+    if not os.access(out, os.W_OK | os.X_OK):
+        p.error(f"--out {args.out!r}: the folder is not writable")
     results: dict[str, dict[str, list]] = {c: {t: [] for t in trees} for c in configs}
     for r in range(args.rounds):
         for c in configs:
             order = list(trees) if r % 2 == 0 else list(reversed(trees))  # alternate which tree goes first
             for t in order:
-                res = run_once(Path(trees[t]), *DEFAULT_CONFIGS[c], args.timeout)
+                res = run_once(trees[t], *DEFAULT_CONFIGS[c], args.timeout)
                 results[c][t].append(res)
                 print(f"round {r} {c} {t}: {json.dumps(res)[:300]}", flush=True)
-    base = next(iter(trees))
-    lines = ["| config | " + " | ".join(f"{t} tokens/s" for t in trees) + " | "
-             + " | ".join(f"{t} / {base}" for t in list(trees)[1:]) + " |",
-             "|---|" + "---|" * (2 * len(trees) - 1)]
-    for c in configs:
-        rates = {t: [x["tokens_per_sec"] for x in results[c][t] if "tokens_per_sec" in x] for t in trees}
-        cells = [", ".join(f"{v:,.0f}" for v in rates[t]) or "failed" for t in trees]
-        ratios = [f"{statistics.median(rates[t]) / statistics.median(rates[base]):.3f}"
-                  if rates[t] and rates[base] else "-" for t in list(trees)[1:]]
-        lines.append(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    table = "\n".join(lines)
+    table = format_table(results, list(trees), configs)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench_train_loop.md").write_text(table + "\n")
     (out / "bench_train_loop.json").write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -4,9 +4,14 @@
     python experiments/sweep.py --config configs/sweeps/isoflop_gpu.yaml --dry-run --workers 4
 """
 
+import os
 import sys
 
-from scaling.__main__ import main
+# This tree's package first, as experiments/train.py does (else an installed `scaling`, e.g. another
+# checkout's editable install, would run instead)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scaling.__main__ import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["sweep", *sys.argv[1:]]))

@@ -80,3 +80,67 @@ def test_impl_fn_names_the_allowed_implementations_and_the_missing_peer(monkeypa
     with pytest.raises(ValueError, match="allowed: cudnn, ours"):
         bench.impl_fn("flash3", True)
     assert all(i in bench.IMPLS for i in ("cudnn", "auto", "tokamax_mosaic", "tokamax_triton"))
+
+
+# ------------------------------------------------------------------ the command line, on the CPU
+
+TINY = ["--shape", "1,128,2,2,16", "--impls", "xla", "--causal", "yes", "--reps", "1"]  # (quick where not refused)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "1,128,2", "--impls", "xla"], "--shape '1,128,2': B,T,H,KV,D, five integers >= 1"),
+    (["--shape", "0,128,2,2,16", "--impls", "xla"], "--shape '0,128,2,2,16': B,T,H,KV,D, five integers >= 1"),
+    (["--shape", "1,128,4,3,16", "--impls", "xla"], "the heads H=4 must be a multiple of the KV heads KV=3"),
+    (["--seq-lens", "32768", "--head-dims", "16", "--impls", "xla"], "--seq-lens: [32768] do not divide 16384"),
+    (["--head-dims", "16,x", "--impls", "xla"], "--head-dims: 'x' is not an integer"),
+    (TINY + ["--seq-lens", "1024"], "--head-dims and --seq-lens set the sweep, which --shape and --quick replace"),
+    (TINY + ["--reps", "0"], "--reps must be >= 1, got 0"),
+    (TINY + ["--out-name", "runs/a"], "--out-name 'runs/a': a file name stem"),
+    (TINY + ["--check", "9"], "--check '9': 'all' or comma-separated case numbers in 0..7"),
+    (TINY + ["--block-sizes", '{"bogus": 1}'], "--block-sizes '{\"bogus\": 1}': a JSON object of BlockSizes fields"),
+    (TINY + ["--block-sizes-from", "/nonexistent/tune.json"], "--block-sizes-from '/nonexistent/tune.json'"),
+])
+def test_cli_refuses_bad_flags_by_name_before_anything_compiles(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_without_a_gpu_says_so_and_exits_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench, "bench_shape", lambda *a, **k: pytest.fail("benchmarked without a GPU"))
+    assert bench.main(TINY) == 2
+    assert "bench_attention.py times attention kernels on a GPU; JAX's backend here is 'cpu'" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("OUT", str(tmp_path / "file"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(TINY)
+    assert e.value.code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_cli_lists_and_sweep():
+    a = bench.parse_args(["--impls", "cudnn, ours,ours", "--head-dims", "64", "--seq-lens", "16384, 1024"])
+    assert a.impl_list == ["cudnn", "ours"]  # (a repeat would share the other's times: one row)
+    assert a.shapes == [(1, 16384, 32, 32, 64), (16, 1024, 32, 32, 64)] and a.causals == [True, False]
+    q = bench.parse_args(["--quick"])
+    assert q.shapes == [(16, 1024, 32, 32, 128), (4, 4096, 32, 32, 128)] and q.causals == [True]
+    assert bench.parse_args(["--shape", "2,8192,32,8,128", "--shape", "1,100,6,2,64"]).shapes == [
+        (2, 8192, 32, 8, 128), (1, 100, 6, 2, 64)]
+
+
+def test_written_json_is_strict_and_notes_stay_in_their_cell(tmp_path, monkeypatch):
+    """A NaN error (a broken kernel: what --check is for) is null, not the bare NaN JSON lacks."""
+    import json
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = [dict(impl="ours", B=1, T=128, H=2, KV=2, D=16, causal=True, err_out=float("nan"), tflops_fwd=float("inf"),
+                 error="ValueError: a | b\nmore")]
+    bench.write_out("t", {"rows": rows}, bench.format_table(rows))
+    data = json.loads((tmp_path / "t.json").read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert data["rows"][0]["err_out"] is None and data["rows"][0]["tflops_fwd"] is None
+    header, _, row = (tmp_path / "t.md").read_text().splitlines()
+    assert header.count("|") == row.replace("\\|", "").count("|") == 15
+    assert row.endswith("| ValueError: a \\| b more |")

@@ -99,3 +99,59 @@ def test_cpu_smoke(tmp_path):
     assert summary["steps"] == 2 and summary["categories"]["matmul"]["us"] > 0
     assert "| matmul |" in (out / f"{stem}.md").read_text()
     assert "| tiny:32:4 | xla/none/scan/train.loss_chunk=8 |" in (out / "bench_train.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "0"], "configuration '1b:0:8': seq and batch must be >= 1"),  # (0 was taken for "not given")
+    (["--batch", "0"], "configuration '1b:2048:0': seq and batch must be >= 1"),
+    (["--configs", "1b:2048:8", "--model", "350m"], "give --configs or --model/--seq/--batch, not both"),
+    (["--configs", "tiny:32:4, tiny:32:4"], "configuration 'tiny:32:4' given twice"),
+    (["--configs", "nosuch:32:4"], "no preset configs/models/nosuch.yaml; allowed: 125m, 1b, 25m"),
+    (["--warmup", "0"], "--warmup must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
+    (["--accum", "0"], "--accum must be >= 1, got 0"),
+    (["--timeout", "0"], "--timeout must be >= 1, got 0"),
+    (["--configs", "tiny:32:4", "--accum", "3"], "--accum 3 does not divide the batch of configuration tiny:32:4"),
+    (["--budget-s", "0"], "--budget-s must be a finite number > 0, got 0.0"),
+    (["--budget-s", "nan"], "--budget-s must be a finite number > 0, got nan"),
+    (["--profile-config", "tiny:32:4"], "--profile-config names the configuration of --profile-variant"),
+    (["--variants", "cudnn/sometimes/scan"], "remat must be one of ('none', 'full', 'dots', 'selective', 'names', "
+                                             "'offload')"),
+    (["--variants", "flash/none/scan"], "attention must be one of ('xla', 'cudnn', 'pallas', 'auto')"),
+    (["--configs", "tiny:32:4", "--variants", "", "--no-torch", "--no-matmul"], "nothing to run"),
+])
+def test_cli_refuses_bad_flags_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv + ["--dry-run"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_refuses_an_output_folder_it_cannot_write_before_running(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(bench, "run_plan", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--configs", "tiny:32:4", "--variants", "xla/none/scan", "--no-torch", "--out",
+                    str(tmp_path / "file")])
+    assert e.value.code == 2 and f"--out {str(tmp_path / 'file')!r} is not a folder" in capsys.readouterr().err
+
+
+def test_results_json_is_strict_and_skipped_profiles_read_so(tmp_path, monkeypatch):
+    """A diverged variant's NaN loss is null in bench_train.json (JSON has no NaN); a profile the
+    budget skipped says 'skipped' and shows no wall time."""
+    res = {"tokens_per_sec": 100.0, "step_time_ms": 10.0, "tflops": 1.0, "peak_mem_gib": 1.0, "compile_s": 1.0,
+           "loss0": float("nan"), "loss": float("inf")}
+    monkeypatch.setattr(bench, "run_piece", lambda args, piece, timeout: dict(res))
+    assert bench.main(["--configs", "tiny:32:4", "--variants", "xla/none/scan", "--no-torch", "--no-matmul",
+                       "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "bench_train.json").read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    (r,) = data["results"]
+    assert r["loss0"] is None and r["loss"] is None and r["tokens_per_sec"] == 100.0
+    assert "| xla/none/scan | 100 | 10.0 |" in (tmp_path / "bench_train.md").read_text()
+    (c,) = bench.parse_configs("tiny:32:4")
+    skipped = {"variant": "profile:xla/none/scan", "config": c.key, "kind": "profile", "skipped": "budget (needs ~60 s)"}
+    report = bench.format_report([skipped], [c], {"date": "d", "steps": 8, "warmup": 2, "accum": 1, "budget_s": 1,
+                                                  "elapsed_s": 1})
+    assert "| tiny:32:4 | xla/none/scan | skipped: budget (needs ~60 s) | | | |  |" in report
