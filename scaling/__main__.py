@@ -10,7 +10,15 @@ from scaling.config import ConfigError, load_config
 
 def _config_args(argv: list[str], prog: str, extra=None):
     """--config FILE [--run_dir DIR] then dotted overrides (--model.num_layers=4 ...)."""
-    parser = argparse.ArgumentParser(prog=f"python -m scaling {prog}", allow_abbrev=False)
+    import dataclasses
+
+    from scaling.config import Config
+
+    sections = ", ".join(f.name for f in dataclasses.fields(Config) if f.name != "run_dir")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m scaling {prog}", allow_abbrev=False,
+        epilog=f"Config overrides follow as --section.key=value or --section.key value (sections: {sections}; "
+               "fields and defaults in scaling/config.py), e.g. --train.steps=50 --model.num_layers=4.")
     parser.add_argument("--config", default=None, help="YAML file of deltas from the defaults")
     if extra:
         extra(parser)
@@ -32,7 +40,8 @@ def cmd_train(argv: list[str]) -> int:
     from scaling.train import NonFiniteError, train
 
     def flags(p):
-        p.add_argument("--run_dir", default=None)
+        p.add_argument("--run_dir", default=None, help="where the run writes (default: runs/<config name>-<timestamp>); "
+                       "the same --run_dir again resumes from its latest checkpoint")
         p.add_argument("--profile", action="store_true", help="trace steps [5, 8) unless --profile.steps is given")
 
     args, cfg = _config_args(argv, "train", flags)

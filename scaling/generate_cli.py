@@ -1,8 +1,8 @@
 """python -m scaling generate --checkpoint DIR --prompt "..." [--max-new-tokens N --temperature T ...]
 
-DIR is either one of our run directories (config.yaml, tokenizer.json, checkpoints/<step>/
-written by Orbax) or a Hugging Face Llama-family directory (config.json, *.safetensors,
-tokenizer.json). With one prompt the text streams as it is produced (a chunk of tokens at a
+DIR is one of our run directories (config.yaml, tokenizer.json, checkpoints/<step>/ written by
+Orbax), an export of one (`python -m scaling export`: config.yaml, params/) or a Hugging Face
+Llama-family directory (config.json, *.safetensors, tokenizer.json). With one prompt the text streams as it is produced (a chunk of tokens at a
 time); with several (repeat --prompt) they decode as one ragged batch and print at the end.
 Generation stops at the tokenizer's end-of-sequence token unless --no-stop.
 """
@@ -94,7 +94,8 @@ def load_any(path: str | Path, step: int | None = None):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scaling generate", description=__doc__.split("\n\n")[1])
-    p.add_argument("--checkpoint", required=True, help="run directory or Hugging Face model directory")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="run directory, its export, or Hugging Face model directory")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

@@ -677,6 +677,9 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
             step = start_step
             while step < total:
                 if cfg.profile.steps and step == cfg.profile.steps[0] and is_main:
+                    # The previous step may still be running (the host keeps one step ahead):
+                    # wait for it, or the trace holds part of it too and the summary counts it.
+                    jax.block_until_ready(state)
                     jax.profiler.start_trace(str(run_dir_path / "profile"), create_perfetto_trace=True)
                     profiling = True
                 batch = global_batch(setup, next(data.train))
