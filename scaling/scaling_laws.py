@@ -621,12 +621,19 @@ def chinchilla_objective(
 
 
 def _ci_from_samples(samples_bp: np.ndarray, level: float) -> dict[str, tuple[float, float]]:
+    """Percentile intervals of E, A, B, alpha, beta from optima in the optimiser's coordinates
+    [a, b, e, alpha, beta].
+
+    The percentiles are taken in those coordinates and then mapped through exp (monotone, so
+    it keeps the order): a resample whose coefficient runs off (a > 709, as on 15 points that
+    do not identify the law) gives an upper bound of inf. Exponentiating first gave inf samples,
+    between which np.percentile interpolates inf - inf = nan, with RuntimeWarnings.
+    """
     lo, hi = 50 * (1 - level), 50 * (1 + level)
-    nat = np.column_stack([np.exp(samples_bp[:, 2]), np.exp(samples_bp[:, 0]), np.exp(samples_bp[:, 1]), samples_bp[:, 3:]])
-    return {
-        name: (float(np.percentile(nat[:, j], lo)), float(np.percentile(nat[:, j], hi)))
-        for j, name in enumerate(PARAM_NAMES)
-    }
+    q = np.percentile(samples_bp, [lo, hi], axis=0)  # [2, 5]: rows lo, hi
+    with np.errstate(over="ignore"):
+        nat = np.column_stack([np.exp(q[:, 2]), np.exp(q[:, 0]), np.exp(q[:, 1]), q[:, 3], q[:, 4]])  # [2, 5]
+    return {name: (float(nat[0, j]), float(nat[1, j])) for j, name in enumerate(PARAM_NAMES)}
 
 
 def fit_chinchilla(

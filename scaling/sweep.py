@@ -11,7 +11,9 @@ finished points and resumes the others from their checkpoints.
     python -m scaling sweep --config configs/sweeps/tiny_cpu.yaml [--out DIR] [--dry-run]
         [--workers K] [--executor local|submitit] [--only GLOB] [--spec.key=value ...]
 
-The runner never imports JAX: on a GPU machine it would claim memory the points need.
+The runner never starts a JAX backend (it imports jax's modules, through scaling.accounting
+and scaling.hardware, but touches no device): on a GPU machine a backend would claim
+memory the points need.
 """
 
 from __future__ import annotations
@@ -576,15 +578,32 @@ def _hms(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def trained_with_another_config(p: Point, row: Mapping[str, Any] | None, run_dir: Path | None) -> bool:
+    """Did this point already train (finished, logged a step, or left a checkpoint in
+    `run_dir`) with a config other than `p.cfg`? The runner refuses such points: resuming
+    would mix two configs in one run dir."""
+    if row is None or row["config_hash"] == p.config_hash:
+        return False
+    return row["status"] == "done" or bool(row["last_step"]) or (run_dir is not None and (run_dir / "checkpoints").exists())
+
+
 def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_rows: Mapping[str, dict] | None = None) -> str:
+    """The --dry-run listing. `store_rows` (id -> row of an existing store) give each point's
+    status; the predicted time counts only the points a run would train: not those done,
+    not invalid ones, and not those the runner refuses (trained with another config)."""
     rows = store_rows or {}
     head = f"{'point':<20} {'L':>3} {'d':>5} {'N':>12} {'D':>13} {'D/N':>7} {'steps':>7} {'batch':>5} {'lr':>8} {'C target':>9} {'C used':>9} {'time':>8}  status"
     lines = [head, "-" * len(head)]
     times = []
+    changed = []
     for p in points:
         t = tp.seconds(p)
-        status = "invalid: " + p.error if p.error else rows.get(p.id, {}).get("status", "new")
-        if status != "done":
+        row = rows.get(p.id)
+        status = "invalid: " + p.error if p.error else (row or {}).get("status", "new")
+        if trained_with_another_config(p, row, Path(row["run_dir"]) if row and row.get("run_dir") else None):
+            changed.append(p.id)
+            status += "; trained with another config: the run refuses it"
+        elif status != "done" and not p.error:
             times.append(t)
         target = f"{p.target:.3g}" if p.id.startswith("C") else "-"
         lines.append(
@@ -597,6 +616,11 @@ def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_r
         f"predicted time for the {len(times)} points left: {_hms(sum(times))} in series, "
         f"{_hms(schedule_seconds(times, workers))} with --workers {workers}"
     )
+    if changed:
+        lines.append(
+            f"{len(changed)} point(s) already trained with another config ({', '.join(changed[:4])}"
+            f"{', ...' if len(changed) > 4 else ''}): the run will refuse to start; use a new --out"
+        )
     return "\n".join(lines)
 
 
@@ -702,12 +726,11 @@ def run_sweep(
             run_dir = out / "points" / p.id
             store.add(spec.name, p, str(run_dir))
             row = store.row(p.id)
-            if row["config_hash"] != p.config_hash:
-                if row["status"] == "done" or row["last_step"] or (run_dir / "checkpoints").exists():
-                    changed.append(p.id)
-                else:  # never trained: take the new config
-                    store.delete(p.id)
-                    store.add(spec.name, p, str(run_dir))
+            if trained_with_another_config(p, row, run_dir):
+                changed.append(p.id)
+            elif row["config_hash"] != p.config_hash:  # never trained: take the new config
+                store.delete(p.id)
+                store.add(spec.name, p, str(run_dir))
             if p.error is not None:
                 store.update(p.id, status="failed", error=p.error)
         if changed:

@@ -376,3 +376,36 @@ def test_power_law_needs_three_distinct_x() -> None:
     loss = 2.0 + (1e5 / x) ** 0.3
     with pytest.raises(ValueError, match="at least 3 distinct x values, got 2"):
         sl.fit_power_law(x, loss)
+
+
+# docs/results/sweep_isoflop_gpu_v2 (docs/sweeps.md): 15 points, too few to identify the
+# five-parameter law, so some bootstrap resamples run A off to e^a > 1.8e308.
+V2_N = [278624, 631104, 1118880, 1901696, 4229568] * 3
+V2_D = [10706944, 4153344, 2084864, 1105920, 446464, 32120832, 12453888, 6260736, 3317760, 1339392,
+        107077632, 41517056, 20865024, 11059200, 4464640]
+V2_EVAL_LOSS = [3.23800945281982, 3.2076690196991, 3.50757169723511, 3.8670289516449, 4.90343046188354,
+                3.31965398788452, 3.00430011749268, 2.96549940109253, 3.42906856536865, 4.17823791503906,
+                3.34946393966675, 2.82988858222961, 2.18582105636597, 2.44450235366821, 3.27763032913208]
+
+
+def test_bootstrap_interval_of_a_runaway_coefficient_is_inf_not_nan() -> None:
+    """`fit --results docs/results/sweep_isoflop_gpu_v2 --bootstrap 200` printed A's interval as
+    [58.1, nan] with two RuntimeWarnings: the percentile interpolated between two overflowed
+    (inf) samples. The interval is unbounded above: inf."""
+    import warnings
+
+    # Directly: percentiles of [a, b, e, alpha, beta] samples, three of which have a > 709.
+    samples = np.column_stack([np.r_[np.linspace(5, 7, 37), 800, 900, 1000], np.full(40, 7.0), np.full(40, 0.6),
+                               np.full(40, 0.35), np.full(40, 0.37)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ci = sl._ci_from_samples(samples, 0.95)
+    assert ci["A"][1] == math.inf and ci["A"][0] == pytest.approx(math.exp(np.percentile(samples[:, 0], 2.5)))
+    assert ci["B"] == pytest.approx((math.exp(7.0), math.exp(7.0))) and ci["alpha"] == pytest.approx((0.35, 0.35))
+    # End to end, on the sweep's points.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning may reach the user
+        fit = sl.fit_chinchilla(V2_N, V2_D, V2_EVAL_LOSS, bootstrap=200, seed=0)
+    assert fit.ci is not None and not any(math.isnan(v) for pair in fit.ci.values() for v in pair), fit.ci
+    lo, hi = fit.ci["A"]
+    assert lo < fit.A < hi

@@ -332,3 +332,42 @@ def test_spec_yaml_errors_are_named(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: [a\n")
     with pytest.raises(SpecError, match="bad.yaml: not valid YAML"):
         load_spec(tmp_path / "bad.yaml")
+
+
+def test_dry_run_counts_only_points_a_run_would_train(tmp_path, capsys):
+    """An invalid point (its point_overrides break its config) never runs, so it is not among
+    the points left in the predicted time (was: counted, 4 of 4)."""
+    bad = '--point_overrides={"C3e9-L2-*": {train: {grad_accum: 3}}}'  # batch 8 is not divisible by 3
+    assert main(["--config", str(TINY), "--dry-run", "--out", str(tmp_path / "none"), bad]) == 0
+    out = capsys.readouterr().out
+    assert "invalid: point_overrides make an invalid config" in out
+    assert "predicted time for the 3 points left" in out
+
+
+def test_dry_run_flags_points_the_runner_would_refuse(tmp_path, capsys):
+    """A point that trained with another config: the runner refuses to start (use a new --out);
+    the dry run said `done` and nothing else, so it promised a run that would not happen."""
+    from scaling.sweep import SweepError, run_sweep
+
+    out = tmp_path / "sweep"
+    spec, spec_dir = load_spec(TINY)
+    points, _ = generate_points(spec, spec_dir)
+    store = ResultStore(out / "results.sqlite")
+    for p in points:
+        store.add(spec.name, p, str(out / "points" / p.id))
+    store.update(points[0].id, status="done", last_step=points[0].steps, final_loss=3.0)
+    store.close()
+    moved = f"--base.overrides.data.cache_dir={tmp_path / 'cache'}"  # changes every point's config
+    assert main(["--config", str(TINY), "--dry-run", "--out", str(out), moved]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith(points[0].id))
+    assert row.endswith("done; trained with another config: the run refuses it")
+    assert f"1 point(s) already trained with another config ({points[0].id}): the run will refuse" in text
+    assert f"predicted time for the {len(points) - 1} points left" in text
+    # ... which is what the runner does, before any point starts.
+    spec2, _ = load_spec(TINY, [moved])
+    with pytest.raises(SweepError, match=f"changed the config of points that already ran: {points[0].id};"):
+        run_sweep(spec2, spec_dir, out, log=lambda msg: None)
+    # Unchanged config: the same store is fine, the done point is simply done.
+    assert main(["--config", str(TINY), "--dry-run", "--out", str(out)]) == 0
+    assert "another config" not in capsys.readouterr().out
