@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from scaling.config import ConfigError, load_config
@@ -130,5 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _run() -> int:
+    try:
+        rc = main()
+        sys.stdout.flush()  # (inside the try: a piped stdout is block-buffered, written here)
+        return rc
+    except BrokenPipeError:
+        # The reader went away (`python -m scaling fit ... | head`): stop quietly, as Unix tools
+        # do. stdout goes to devnull so that the interpreter's own flush at exit raises nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the signal
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run())

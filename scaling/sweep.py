@@ -611,7 +611,7 @@ def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_r
             f"{p.steps:>7,} {p.cfg.train.batch_size:>5} {p.cfg.optimizer.learning_rate:>8.2e} {target:>9} {p.flops:>9.3g} {_hms(t):>8}  {status}"
         )
     total_c = sum(p.flops for p in points)
-    lines.append(f"{len(points)} points, {total_c:.3g} training FLOPs in all; throughput: {tp.source}")
+    lines.append(f"{len(points)} point{'s' * (len(points) != 1)}, {total_c:.3g} training FLOPs in all; throughput: {tp.source}")
     lines.append(
         f"predicted time for the {len(times)} points left: {_hms(sum(times))} in series, "
         f"{_hms(schedule_seconds(times, workers))} with --workers {workers}"
@@ -750,7 +750,7 @@ def run_sweep(
             todo.append(p)
         done_before = sum(store.row(p.id)["status"] == "done" for p in points)
         if todo:
-            log(f"sweep {spec.name}: {len(points)} points, {done_before} already finished, running {len(todo)} in {out}")
+            log(f"sweep {spec.name}: {len(points)} point{'s' * (len(points) != 1)}, {done_before} already finished, running {len(todo)} in {out}")
             prepare_data(todo, log)
         ex = EXECUTORS[executor](workers=workers, folder=out / "submitit", cluster=cluster, options=spec.submitit)
         queue = list(todo)

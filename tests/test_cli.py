@@ -1,5 +1,7 @@
 """`python -m scaling` itself: the command list, and an unknown command."""
 
+from pathlib import Path
+
 import pytest
 
 from scaling.__main__ import COMMANDS, main
@@ -35,3 +37,17 @@ def test_space_separated_overrides(capsys):
     with pytest.raises(SystemExit):  # a value with no key before it is still refused
         _config_args(["--config", "configs/models/tiny.yaml", "stray"], "plan")
     assert "unrecognised arguments ['stray']" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`python -m scaling fit ... | head` ended in a BrokenPipeError traceback once head had
+    exited. Now it stops quietly with 141 (128 + SIGPIPE), as Unix tools do."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "scaling", "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+    proc.stdout.close()  # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

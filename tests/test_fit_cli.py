@@ -149,3 +149,19 @@ def test_fit_without_compute_optimal_allocation_still_reports(tmp_path: Path, ca
         assert (out / f"{name}.png").is_file(), name
     printed = capsys.readouterr().out
     assert "no compute-optimal allocation" in printed and "(no Approach-3 allocation)" in printed
+
+
+def test_fit_json_is_strict_json_when_a_bound_runs_off_to_infinity(tmp_path: Path) -> None:
+    """The 15-point GPU sweep's bootstrap sends A's upper bound past float range. fit.json held
+    `NaN` there (then `Infinity`): neither is JSON, and strict readers (JavaScript, jq's
+    --strict peers, pandas' ujson) refuse the file. It is null now."""
+    out = tmp_path / "fit"
+    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweep_isoflop_gpu_v2"
+    assert fit_cli.main(["--results", str(results), "--out", str(out), "--no-plots", "--bootstrap", "200"]) == 0
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    report = json.loads((out / "fit.json").read_text(), parse_constant=refuse)
+    lo, hi = report["approach3"]["ci"]["A"]
+    assert hi is None and lo < report["approach3"]["A"]
