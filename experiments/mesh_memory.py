@@ -4,6 +4,14 @@ shardings come from `make_setup` (abstract shapes), bytes from `sharding.shard_s
 
     python experiments/mesh_memory.py                   # 1b and llama3_8b, the four meshes
     python experiments/mesh_memory.py --hardware h200 --batch 16 --seq 2048
+    python experiments/mesh_memory.py --models tiny --batch 64 --seq 64 --xla --remat full
+
+--xla also compiles each mesh's real train step on the 8 CPU devices (XLA attention: cuDNN does
+not compile there) and adds XLA's memory analysis per device, args (params + AdamW state +
+batch) and args + temp, beside the accounting's prediction for that program (the CPU's:
+gradients allocated eagerly, XLA attention). What still differs is mostly XLA:CPU's own
+buffers (the donated AdamW moments copied, the all-reduced [D, V] head gradient, layout
+copies), not the model's: scaling/accounting.py and tests/test_accounting_xla.py say which.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ def check_args(p: argparse.ArgumentParser, args) -> dict:
     import math
 
     from scaling import accounting, hardware
-    from scaling.config import ConfigError, load_config
+    from scaling.config import ConfigError, RematPolicyName, load_config
     from scaling.sharding import axes as A
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -69,6 +77,9 @@ def check_args(p: argparse.ArgumentParser, args) -> dict:
     for name in ("batch", "seq"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: must be a positive integer, got {getattr(args, name)}")
+    plain = [r.value for r in RematPolicyName if r not in (RematPolicyName.names, RematPolicyName.offload)]
+    if args.remat not in plain:  # names/offload need tags this script does not take
+        p.error(f"--remat: {args.remat!r}; allowed: {', '.join(plain)}")
     configs = {}
     for model in models:
         try:
@@ -89,9 +100,39 @@ def check_args(p: argparse.ArgumentParser, args) -> dict:
             configs[model, (d, f, t)] = load_config(
                 f"configs/models/{model}.yaml",
                 [f"--mesh.data={d}", f"--mesh.fsdp={f}", f"--mesh.tensor={t}", f"--train.batch_size={args.batch}",
-                 f"--train.seq_len={args.seq}", "--model.compute_dtype=bfloat16", "--attention.impl=cudnn"],
+                 f"--train.seq_len={args.seq}", "--model.compute_dtype=bfloat16", "--attention.impl=cudnn",
+                 f"--remat.policy={args.remat}"],
             )
     return configs
+
+
+def xla_header() -> str:
+    return (" XLA:CPU args MiB/device | XLA:CPU args + temp MiB/device | predicted for that program MiB/device | "
+            "predicted - XLA |")
+
+
+def xla_cells(cfg) -> str:
+    """XLA's per-device memory analysis of the real train step compiled on the 8 CPU devices, and
+    the accounting's prediction for that program (the CPU's: eager gradients; XLA attention)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from scaling import accounting
+    from scaling.config import AttentionImpl
+    from scaling.train import abstract_state, make_setup, make_train_step
+
+    cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, impl=AttentionImpl.xla))
+    setup = make_setup(cfg, devices=jax.devices()[:8])
+    shape = (cfg.train.batch_size, cfg.train.seq_len + 1)
+    batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding)
+    ma = make_train_step(setup).lower(abstract_state(setup), batch).compile().memory_analysis()
+    xla = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    mesh = accounting.MeshShape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.rules)
+    pred = accounting.training_memory(cfg, mesh, accelerator=False).total
+    return (f" {num(ma.argument_size_in_bytes / 2**20, 1)} | {num(xla / 2**20, 1)} | {num(pred / 2**20, 1)} | "
+            f"{(pred - xla) / xla:+.1%} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="h200")
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--remat", default="none", help="remat policy of the predictions (and of the --xla compiles)")
+    p.add_argument("--xla", action="store_true", help="also compile each step on the CPU devices: XLA's bytes/device")
     args = p.parse_args(argv)
     configs = check_args(p, args)
 
@@ -112,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     hw = args.hw
     rows = [
         "| model | mesh (data, fsdp, tensor) | params+opt GiB/device, from shardings | predicted | "
-        f"predicted total GiB/device (batch {args.batch} x {args.seq}, remat none) | predicted step ms ({hw.name} x 8) | bound |",
-        "|---|---|---|---|---|---|---|",
+        f"predicted total GiB/device (batch {args.batch} x {args.seq}, remat {args.remat}) | "
+        f"predicted step ms ({hw.name} x 8) | bound |" + (xla_header() if args.xla else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" * 4 if args.xla else ""),
     ]
     for (model, (d, f, t)), cfg in configs.items():
         try:
@@ -133,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             f"| {model} | ({d}, {f}, {t}) | {num(measured / 2**30, 2)} | {num(predicted / 2**30, 2)} | "
             f"{num(mem.total / 2**30, 1)} | {num(roof.step_seconds * 1e3, 0)} | {roof.bound} |"
+            + (xla_cells(cfg) if args.xla else "")
         )
         print(rows[-1], flush=True)
     print("\n".join(rows))

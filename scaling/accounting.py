@@ -165,6 +165,39 @@ def gathered_params_per_device(m: ModelConfig, mesh: MeshShape) -> int:
     return total
 
 
+LAYER_WEIGHTS = ("blocks.attn.q_dnh", "blocks.attn.k_dkh", "blocks.attn.v_dkh", "blocks.attn.o_nhd",
+                 "blocks.mlp.gate_df", "blocks.mlp.up_df", "blocks.mlp.down_fd")
+
+
+def head_weight_name(m: ModelConfig) -> str:
+    """The parameter the output head multiplies by: its own [D, V], or the tied embedding table."""
+    return "embed.table_vd" if m.tie_embeddings else "head_dv"
+
+
+def weight_elems_per_device(m: ModelConfig, mesh: MeshShape, names: Sequence[str], *, gathered: bool) -> int:
+    """Elements of the named parameters on one device: as stored (sharded by the rule set's
+    params mapping), or, `gathered`, as the matmuls read them, after FSDP's all-gather over the
+    mesh axes that also split the batch (only the other splits, Megatron's `tensor`, remain).
+    For tensors derived from a parameter elementwise (its cast to the compute dtype), the same:
+    an elementwise op keeps its operand's sharding."""
+    shapes = param_shapes(m)
+    batch_axes = set(mesh.axes_of(A.BATCH, params=False)) if gathered else set()
+    total = 0
+    for name in names:
+        shape, logical = shapes[name]
+        dims = mesh.dim_axes(logical, mesh.rule_set.params)
+        total += math.prod(-(-s // math.prod(mesh.sizes[a] for a in axes if a not in batch_axes))
+                           for s, axes in zip(shape, dims))
+    return total
+
+
+def is_fsdp(m: ModelConfig, mesh: MeshShape, names: Sequence[str] = LAYER_WEIGHTS) -> bool:
+    """Are these parameters split over a mesh axis that also splits the batch (so all-gathered
+    before use [HSM-TR])?"""
+    return weight_elems_per_device(m, mesh, names, gathered=True) != weight_elems_per_device(m, mesh, names,
+                                                                                           gathered=False)
+
+
 def divisibility_errors(m: ModelConfig, mesh: MeshShape) -> list[str]:
     """Parameters whose sharded dims the mesh cannot divide (scaling.sharding.params.spec_for)."""
     errors = []
@@ -222,18 +255,23 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: RematPolicyN
                               *, causal: bool = True) -> float:
     """Extra forward FLOPs that rematerialisation spends per token (hardware, not model, FLOPs).
 
-    full: the whole layer forward again. dots / selective: the attention core (its inputs,
+    full: the layer forward again but the down projection: JAX's rematerialisation re-runs
+    only the forward ops whose outputs the backward reads (jax.checkpoint's partial evaluation
+    drops the rest as dead code), and the down projection's output only feeds the residual add
+    that makes the layer output, which no backward op reads (its backward needs its input h
+    and the weight). XLA's cost analysis agrees (tests/test_accounting_xla.py); [K22]'s full
+    recomputation, in PyTorch, re-runs it. dots / selective: the attention core (its inputs,
     the projections, are saved; [K22] selective recomputation). names/offload: the core, plus
     any projection whose tag is not kept (its output is needed by the backward pass).
     """
     from scaling import layers as T  # tags only
 
-    per_layer_dense = 2 * layer_matmul_params(m)
+    recomputed_dense = 2 * (layer_matmul_params(m) - m.mlp_dim * m.hidden_size)  # all but the down projection
     core = attention_flops_per_token(m, seq_len, causal=causal)
     if policy == RematPolicyName.none:
         return 0.0
     if policy == RematPolicyName.full:
-        return float(per_layer_dense * m.num_layers + core)
+        return float(recomputed_dense * m.num_layers + core)
     if policy in (RematPolicyName.dots, RematPolicyName.selective):
         return float(core)
     d, n, k, h, f = m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.mlp_dim
@@ -242,6 +280,19 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, policy: RematPolicyN
     kept = set(names)
     dense = sum(2 * c for tag, c in cost.items() if tag not in kept) * m.num_layers
     return float(dense + core)
+
+
+def recomputes_out_proj(policy: RematPolicyName, names: Sequence[str] = ()) -> bool:
+    """Does the backward re-run the attention output projection? (Its output, added to the
+    layer input, is the MLP's input, which the MLP's backward reads.) full saves nothing;
+    dots / selective / none keep it; names / offload keep it only when tagged."""
+    from scaling import layers as T  # tags only
+
+    if policy == RematPolicyName.full:
+        return True
+    if policy in (RematPolicyName.names, RematPolicyName.offload):
+        return T.OUT_PROJ not in names
+    return False
 
 
 # ------------------------------------------------------------------------ activations
@@ -256,6 +307,11 @@ class Residual:
     nbytes: int  # bytes per element
     tp_axis: str | None = None  # the logical activation axis a tensor-parallel mesh splits
     per_token: bool = True
+    # A weight-shaped tensor (not per token): "layer" (one layer's matmul weights, LAYER_WEIGHTS)
+    # or "head" (the output head's weight). `activation_bytes` splits it like the parameters
+    # (a saved residual: the cast of each device's shard) or as the matmuls read it (all-gathered
+    # over FSDP's axes, `weight_elems_per_device`), not by `tp_axis`.
+    weights: str = ""
 
     def bytes(self, tokens: int, tp_split: int = 1) -> float:
         n = self.elems * self.nbytes * (tokens if self.per_token else 1)
@@ -283,7 +339,8 @@ def layer_residuals(m: ModelConfig, seq_len: int, policy: RematPolicyName, names
       - none keeps everything: each RMSNorm's f32 input and normalised value plus its output
         in c, rsqrt stats, post-RoPE q and k, v, the attention probabilities (f32 and their
         cast to c) or, for a flash core, its output and log-sum-exp, the core output, six
-        [F] tensors of the SwiGLU, and (when c != p) the c-cast of the layer's weights.
+        [F] tensors of the SwiGLU, and (when c != p) the c-cast of the layer's weights (each
+        device's shard: sharded like the parameters).
     """
     from scaling import layers as T
 
@@ -333,7 +390,12 @@ def layer_residuals(m: ModelConfig, seq_len: int, policy: RematPolicyName, names
         ]
     out += [Residual(f"SwiGLU [F] #{i}", f, c, A.ACT_MLP) for i in range(6)]
     if c != p:
-        out.append(Residual("weights cast to compute dtype", layer_matmul_params(m), c, per_token=False))
+        # Each device casts its own shard (an elementwise op keeps its operand's sharding): the
+        # saved cast is sharded like the parameters, 1/(fsdp x tensor) of the layer under the
+        # default rules, not the whole layer (XLA's shardings of the saved residuals and the
+        # forward scan's outputs in the compiled step: tests/test_accounting_xla.py).
+        out.append(Residual("weights cast to compute dtype", layer_matmul_params(m), c, per_token=False,
+                            weights="layer"))
     return out
 
 
@@ -344,10 +406,11 @@ def host_residuals(m: ModelConfig, policy: RematPolicyName, names: Sequence[str]
     return [r for r in layer_residuals(m, 0, RematPolicyName.names, names, c=c) if r.name != "layer input x"]
 
 
-def head_residuals(m: ModelConfig, *, c: int, p: int = 4, chunk_tokens: float = 0) -> list[Residual]:
+def head_residuals(m: ModelConfig, *, c: int, p: int = 4, chunk_tokens: float = 0,
+                   fsdp: bool = False) -> list[Residual]:
     """What is live while the loss and the output head are differentiated, beyond the saved
     layer stack: the final RMSNorm's residuals (as in a layer), token ids and targets, the
-    head weight's c-cast when c != p, and the loss's own buffers:
+    head weight as the head's backward reads it, and the loss's own buffers:
       - one-pass loss (train.loss_chunk = 0): the f32 logits [B, T, V] and their f32 gradient
         (softmax - one-hot; scaling.train.cross_entropy computes in f32). Two [B, T, V] f32
         buffers, not three: XLA keeps either the logits or exp(logits) for the backward, never
@@ -359,6 +422,12 @@ def head_residuals(m: ModelConfig, *, c: int, p: int = 4, chunk_tokens: float = 
         fills, and the larger of (one chunk's f32 logits + their c gradient + the f32 dW
         [D, V] accumulator) and (the accumulation dW + x^T·dlogits: three [D, V] f32
         buffers, the chunk's logits dead by then); XLA:CPU's live ranges at the peak.
+    The head weight as the head's matmuls read it, [D, V/tensor] per device (`weights="head"`:
+    all-gathered over FSDP's axes, split over `tensor` like the logits): its c-cast when c != p
+    (live at the head phase's peak in an H200 compile, bf16, one device); when c == p, the
+    all-gather's output under FSDP, else the parameter itself (state, not counted here).
+    XLA:CPU instead converts the cast back to f32 for the one-pass loss's f32 backward matmuls
+    (under FSDP: all-gathers the f32 weight again), a [D, V] f32 buffer in place of the c-cast.
     """
     d, v = m.hidden_size, m.vocab_size
     out = [
@@ -381,8 +450,27 @@ def head_residuals(m: ModelConfig, *, c: int, p: int = 4, chunk_tokens: float = 
             Residual("logits gradient (f32)", v, F32, A.ACT_VOCAB),
         ]
     if c != p:
-        out.append(Residual("head weight cast", d * v, c, per_token=False))
+        out.append(Residual("head weight cast", d * v, c, per_token=False, weights="head"))
+    elif fsdp:
+        out.append(Residual("head weight all-gathered", d * v, p, per_token=False, weights="head"))
     return out
+
+
+def layer_weights_in_use(m: ModelConfig, *, c: int, p: int = 4, fsdp: bool = False) -> list[Residual]:
+    """One layer's weights as its matmuls read them, live while that layer is differentiated:
+    its slice of the stacked [L, ...] parameters, all-gathered over FSDP's axes [HSM-TR] (ZeRO-3
+    gathers one layer's parameters at a time and frees them after use: Rajbhandari et al. 2020,
+    "ZeRO", sec. 5.3, parameter partitioning) and split over `tensor` only, in the compute dtype:
+      - c != p: the c-cast (the f32 all-gather output it is cast from is dead by the layer's peak);
+      - c == p under FSDP: the all-gather's output;
+      - c == p without FSDP: nothing new, the matmuls read the stacked parameter in place (an H200
+        compile keeps no slice; XLA:CPU copies the slice out, a buffer the GPU does not keep).
+    XLA:CPU's live ranges at the layer backward's peak (8 devices, fsdp=8, f32 and bf16) hold
+    all of them but the down projection's, whose backward runs first."""
+    if c == p and not fsdp:
+        return []
+    return [Residual("layer weights as the matmuls read them", layer_matmul_params(m), c, per_token=False,
+                     weights="layer")]
 
 
 def backward_temporaries(m: ModelConfig, *, c: int) -> list[Residual]:
@@ -400,8 +488,9 @@ class ActivationBytes:
       1. loss and output head: the f32 logits and their gradient (`head`), with every layer's
          saved residuals (`layers`) still waiting;
       2. the layer backward (a reverse scan): one layer at a time has its complete residual
-         set live (sliced from the stack or recomputed) plus the backward's temporaries
-         (`working_layer`); the head's buffers are dead by then.
+         set live (sliced from the stack or recomputed), its weights as the matmuls read them
+         (all-gathered under FSDP) and the backward's temporaries (`working_layer`); the head's
+         buffers are dead by then.
     So the activation peak is `layers + max(head, working_layer)`: the largest transient, not
     the sum of all of them (checked on CPU by varying the vocabulary: XLA's peak follows the
     larger phase and does not grow with the smaller, tests/test_accounting.py).
@@ -409,8 +498,8 @@ class ActivationBytes:
 
     per_layer: float  # saved per layer (device memory)
     layers: float  # all L layers: the saved stack
-    head: float  # transient, phase 1: final norm, f32 logits + gradient, head weight cast
-    working_layer: float  # transient, phase 2: one layer's complete residual set + backward temporaries
+    head: float  # transient, phase 1: final norm, f32 logits + gradient, head weight (FSDP: gathered)
+    working_layer: float  # transient, phase 2: one layer's complete residual set, its weights, backward temporaries
     host: float = 0.0  # offloaded to host memory (not in HBM)
 
     @property
@@ -426,22 +515,38 @@ def activation_bytes(m: ModelConfig, seq_len: int, batch: int, policy: RematPoli
 
     Batch splits over the rule set's batch axes; tensors whose axis the rule set maps to
     `tensor` split over it; [B, T, D] tensors are replicated over `tensor` (Megatron without
-    sequence parallelism [K22]). The saved stack is `layer_residuals` x L; the layer under
-    differentiation holds `layer_residuals(policy=none)` (every residual the backward reads,
-    whichever policy saved or recomputed it) plus `backward_temporaries`; the head phase holds
-    `head_residuals`. See ActivationBytes for how they combine.
+    sequence parallelism [K22]). Weight-shaped tensors (`Residual.weights`) split like the
+    parameters where saved (the `none` policy's weight casts) and as the matmuls read them,
+    all-gathered over FSDP's axes, where in use (`weight_elems_per_device`). The saved stack is
+    `layer_residuals` x L; the layer under differentiation holds the activations of
+    `layer_residuals(policy=none)` (every residual the backward reads, whichever policy saved
+    or recomputed it), its weights as the matmuls read them (`layer_weights_in_use`) and
+    `backward_temporaries`; the head phase holds `head_residuals`. See ActivationBytes for how
+    they combine.
     """
     tokens = batch * seq_len / mesh.split(A.BATCH)
+    weight_names = {"layer": LAYER_WEIGHTS, "head": (head_weight_name(m),)}
 
-    def total(rs):
-        return sum(r.bytes(tokens, mesh.split(r.tp_axis) if r.tp_axis else 1) for r in rs)
+    def total(rs, gathered=False):
+        out = 0.0
+        for r in rs:
+            if r.weights:  # the full tensor's elems, scaled to what one device holds
+                names_ = weight_names[r.weights]
+                full = weight_elems_per_device(m, MeshShape(), names_, gathered=False)
+                out += r.bytes(tokens) * weight_elems_per_device(m, mesh, names_, gathered=gathered) / full
+            else:
+                out += r.bytes(tokens, mesh.split(r.tp_axis) if r.tp_axis else 1)
+        return out
 
     per_layer = total(layer_residuals(m, seq_len, policy, names, c=c, p=p, flash=flash))
-    working = total(layer_residuals(m, seq_len, RematPolicyName.none, c=c, p=p, flash=flash))
+    working = total([r for r in layer_residuals(m, seq_len, RematPolicyName.none, c=c, p=p, flash=flash)
+                     if not r.weights])
+    working += total(layer_weights_in_use(m, c=c, p=p, fsdp=is_fsdp(m, mesh)), gathered=True)
     working += total(backward_temporaries(m, c=c))
     host = total(host_residuals(m, policy, names, c=c)) * m.num_layers
     chunk_tokens = tokens * loss_chunk / seq_len
-    head = total(head_residuals(m, c=c, p=p, chunk_tokens=chunk_tokens))
+    head_fsdp = is_fsdp(m, mesh, (head_weight_name(m),))
+    head = total(head_residuals(m, c=c, p=p, chunk_tokens=chunk_tokens, fsdp=head_fsdp), gathered=True)
     return ActivationBytes(per_layer, per_layer * m.num_layers, head, working, host)
 
 
@@ -584,9 +689,13 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
     them all: it is priced as one stage per axis, innermost first, each on what the stages
     before it left ((N-1)/N of the array in all, not (n-1)/n of it per axis). Tensor parallel (Megatron):
     2 AllReduces of [B, T, D] per layer forward (after the out and down projections) and 2
-    backward (grads of the q/k/v and gate/up inputs) [HSM-TR, K22]; `full` remat re-runs the
-    forward ones. With grad accumulation (scaling/train.py scans over micro-batches, each
-    with its own forward and backward) every collective happens once per micro-batch.
+    backward (grads of the q/k/v and gate/up inputs) [HSM-TR, K22]; a policy that recomputes the
+    out projection (`full`; `names`/`offload` without out_proj) re-runs its AllReduce, once:
+    JAX recomputes only what the backward reads, and the down projection's output (summed into
+    the layer output) is read by nothing (`recompute_flops_per_token`; XLA:CPU's compiled step,
+    tests/test_accounting_xla.py). With grad accumulation (scaling/train.py scans over
+    micro-batches, each with its own forward and backward) every collective happens once per
+    micro-batch.
     Weights move in the parameter dtype (the cast to the compute dtype happens after the
     gather in the model code), grads in the parameter dtype.
     """
@@ -641,7 +750,7 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
     if t > 1 and "tensor" in rules.activations.get(A.ACT_MLP, ()):
         micro = cfg.train.batch_size // accum
         act = micro * cfg.train.seq_len / mesh.split(A.BATCH) * m.hidden_size * c
-        count = m.num_layers * (4 + (2 if policy == RematPolicyName.full else 0))
+        count = m.num_layers * (4 + (1 if recomputes_out_proj(policy, cfg.remat.names) else 0))
         bw = axis_bandwidth("tensor", mesh, hw)
         out.append(Collective("tensor", "all-reduce", f"[B,T,D] activations x{count}", act * count * accum,
                               collective_seconds("all-reduce", act, t, bw) * count * accum))
