@@ -404,7 +404,16 @@ def make_dataset(cfg: Config, *, process_index: int = 0, process_count: int = 1,
     # Eval walks the held-out split in order, always from its start (same batches each eval).
     eval_tokens = store.split("eval")
     ev = None
-    if (len(eval_tokens) - 1) // t.seq_len >= 1:
+    windows = max(len(eval_tokens) - 1, 0) // t.seq_len
+    if t.eval_every and windows < t.batch_size:
+        # One eval batch would wrap around the split and count some windows twice.
+        where = f"data.path={d.path!r}" if d.path is not None else "the default corpus"
+        raise DataError(
+            f"{where}: the held-out split (data.eval_fraction={d.eval_fraction} of {len(store.tokens):,} tokens) "
+            f"holds {windows} windows of train.seq_len={t.seq_len} + 1, fewer than one eval batch of "
+            f"train.batch_size={t.batch_size}; raise data.eval_fraction, or set train.eval_every=0 to train without eval"
+        )
+    if windows >= 1:
         ev = Batches(eval_tokens, t.seq_len, t.batch_size, 0, process_index, process_count, shuffle=False)
     tok_path = store.tokenizer_path if store.tokenizer_path.exists() else None
     return Dataset(train, ev, tok_path, store.eos_id)

@@ -171,3 +171,21 @@ def test_directory_corpus_skips_hidden_folders_and_its_own_cache(tmp_path):
     second = build_token_store(cfg, log=lambda *_: None)
     assert first.directory == second.directory and len(list(cache.iterdir())) == 1
     assert text_files(root, cache) == [root / "a.txt", root / "sub" / "b.md"]
+
+
+def test_held_out_split_smaller_than_one_batch_is_refused(tmp_path):
+    """12 held-out windows against a batch of 16: one eval batch wrapped around the split and
+    counted windows 0-3 twice in the eval loss. Refused now, naming the fields; without eval
+    (train.eval_every=0) the same data trains."""
+    from scaling.config import ConfigError
+
+    # 4,000 tokens at eval_fraction 0.05: an eval split of 200 tokens = 12 windows of 16 + 1.
+    np.save(tmp_path / "t.npy", np.arange(4000, dtype=np.uint16) % 1024)
+    small = ["--train.batch_size=16"]
+    with pytest.raises(ConfigError, match=r"holds 12 windows of train.seq_len=16 \+ 1, fewer than one eval batch of "
+                                          r"train.batch_size=16; raise data.eval_fraction, or set train.eval_every=0"):
+        make_dataset(_tokens_cfg(tmp_path / "t.npy", *small), log=lambda m: None)
+    assert make_dataset(_tokens_cfg(tmp_path / "t.npy", *small, "--train.eval_every=0"), log=lambda m: None).train
+    data = make_dataset(_tokens_cfg(tmp_path / "t.npy", "--train.batch_size=12"), log=lambda m: None)
+    rows = data.eval.batch(0)[:, 0]  # each window's first token is its position: 12 distinct windows
+    assert len(set(rows.tolist())) == 12

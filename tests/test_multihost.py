@@ -92,6 +92,10 @@ def test_two_processes_match_one(tmp_path, devices):
     assert len(multi) == STEPS, f"expected {STEPS} records from process 0 alone, got {len(multi)}"
 
     np.testing.assert_allclose(multi, single, rtol=1e-5, atol=0)
+    # tokens/s counts the global batch (8 rows x 32 tokens), not process 0's rows alone.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rated = [r for r in records if r.get("step_time")]
+    assert rated and all(r["tokens_per_sec"] * r["step_time"] == pytest.approx(8 * 32, rel=1e-9) for r in rated)
 
 
 def single_process_losses() -> np.ndarray:
