@@ -36,7 +36,6 @@ import datetime
 import functools
 import importlib
 import json
-import math
 import os
 import re
 import statistics
@@ -48,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scaling import strict_json
 from scaling.kernels import BlockSizes, attention_reference, flash_attention
 from scaling.kernels import flash_attention_mgpu as mgpu
 from scaling.kernels import flash_attention_mgpu_bwd as mgpu_bwd
@@ -290,22 +290,10 @@ def write_out(name: str, payload: dict, markdown: str | None = None):
     if not out_dir:
         return
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(strict_json(payload), f, indent=1, default=str, allow_nan=False)
+        json.dump(strict_json.strict(payload), f, indent=1, default=str, allow_nan=False)
     if markdown is not None:
         with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
             f.write(markdown + "\n")
-
-
-def strict_json(obj):
-    """obj with every non-finite float as None (a NaN error of a broken kernel is what the check is
-    for): JSON's grammar has no NaN or Infinity."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    return obj
 
 
 CHECK_CASES = 8  # len(check_suite's all_cases)

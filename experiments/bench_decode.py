@@ -55,7 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaling import decode  # noqa: E402
+from scaling import decode, strict_json  # noqa: E402
 from scaling.config import DType, ModelConfig, load_config  # noqa: E402
 from scaling.model import build_model  # noqa: E402
 
@@ -658,20 +658,9 @@ def require_gpu() -> str | None:
     return None
 
 
-def strict_json(obj):
-    """obj with every non-finite float as None: JSON's own grammar has no NaN or Infinity."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    return obj
-
-
 def write_results(out: str, tag: str, table: str, versions: dict, bw: dict, rows: list[dict]) -> None:
     Path(out, f"{tag}.md").write_text(table)
-    Path(out, f"{tag}.json").write_text(json.dumps(strict_json({"versions": versions, "bandwidth": bw, "rows": rows}),
+    Path(out, f"{tag}.json").write_text(json.dumps(strict_json.strict({"versions": versions, "bandwidth": bw, "rows": rows}),
                                                    indent=1, default=str, allow_nan=False))
 
 

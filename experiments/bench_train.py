@@ -52,6 +52,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from anywhere
 
+from scaling import strict_json  # noqa: E402  (standard library only: the parent stays free of JAX)
+
 DEFAULT_CONFIGS = "1b:2048:8,350m:4096:8"
 # First configuration: every remat policy on the best layout, the chunked loss, the other
 # attention kernels (XLA's at `dots`: without remat it keeps every layer's f32 [B, K, G, T, S]
@@ -680,19 +682,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "bench_train.md"), "w") as f:
         f.write(report)
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:
-        json.dump(strict_json({"meta": meta, "results": results}), f, indent=1, allow_nan=False)
+        json.dump(strict_json.strict({"meta": meta, "results": results}), f, indent=1, allow_nan=False)
     return 0
-
-
-def strict_json(obj):
-    """obj with every non-finite float (a diverged loss: NaN) as None: JSON has no NaN or Infinity."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    return obj
 
 
 def _jax_version() -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from scaling import scaling_laws as sl
+from scaling import strict_json
 
 # Chinchilla's nine IsoFLOP budgets [Hoffmann et al. 2022, Fig. 3], for --isoflop-budgets chinchilla.
 CHINCHILLA_BUDGETS = (6e18, 1e19, 3e19, 6e19, 1e20, 3e20, 6e20, 1e21, 3e21)
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compute_optimal": predictions,
         "reference": {"hoffmann_2022": sl.HOFFMANN_2022, "besiroglu_2024": sl.BESIROGLU_2024},
     }
-    (out_dir / "fit.json").write_text(json.dumps(_strict(report), indent=2, allow_nan=False) + "\n")
+    (out_dir / "fit.json").write_text(strict_json.dumps(report, indent=2) + "\n")
     plots: list[Path] = []
     if not args.no_plots:
         ref = REFERENCES[args.reference]
@@ -213,18 +214,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["_out_dir"] = str(out_dir)
     report["_plots"] = [str(p) for p in plots]
     return report
-
-
-def _strict(x: Any) -> Any:
-    """The report as strict JSON: a non-finite float (a bootstrap bound that ran off to infinity)
-    is null, which every JSON reader takes (NaN / Infinity are not JSON)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _strict(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_strict(v) for v in x]
-    return x
 
 
 def _summary(report: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from scaling import accounting, attention, hardware, remat
+from scaling import accounting, attention, hardware, remat, strict_json
 from scaling.checkpoint import Checkpointer
 from scaling.config import AttentionImpl, Config, ConfigError, NonFinitePolicy, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
@@ -501,8 +501,7 @@ class MetricsLogger:
             return
         # Strict JSON: a non-finite value (a skipped step's loss under nonfinite=skip) is null;
         # nonfinite_steps says how many there were.
-        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self.file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self.file.write(strict_json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in record.items():

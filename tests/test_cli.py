@@ -51,3 +51,14 @@ def test_output_into_a_closed_pipe_ends_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_strict_json_turns_non_finite_floats_into_null():
+    import json
+    import math
+
+    from scaling import strict_json
+
+    obj = {"a": [1.0, math.nan, (math.inf, -math.inf)], "b": {"c": 2, "d": "x"}, "e": None}
+    text = strict_json.dumps(obj)
+    assert json.loads(text) == {"a": [1.0, None, [None, None]], "b": {"c": 2, "d": "x"}, "e": None}
