@@ -16,19 +16,7 @@ import scaling.train as T
 from scaling.config import load_config
 from scaling.data import Batches, make_dataset
 
-TINY = "configs/models/tiny.yaml"
-SMALL = [  # a one-layer model on synthetic tokens: compiles in seconds
-    "--data.source=synthetic",
-    "--model.num_layers=1",
-    "--model.hidden_size=64",
-    "--model.mlp_dim=128",
-    "--model.vocab_size=256",
-    "--model.compute_dtype=float32",
-    "--train.batch_size=4",
-    "--train.seq_len=16",
-    "--logging.progress=false",
-    "--logging.tensorboard=false",
-]
+from test_probe_train import SMALL, TINY  # the one-layer synthetic config the loop tests share
 
 
 def _nll64(logits, targets) -> float:
