@@ -285,6 +285,19 @@ def check_suite(seed=None, cases="all") -> list[dict]:
     return out
 
 
+def failed_checks(checks: list[dict]) -> list[str]:
+    """The check cases that failed outright (an exception, or NaN in the output or gradients), one
+    line each; the relative errors are reported, not judged (they depend on the dtype)."""
+    bad = []
+    for i, rec in enumerate(checks):
+        shape = ", ".join(f"{k}={rec[k]}" for k in ("B", "T", "S", "H", "KV", "D", "causal", "segments", "dtype") if k in rec)
+        if rec.get("error"):
+            bad.append(f"check {i} ({shape}): {rec['error']}")
+        elif rec.get("nan"):
+            bad.append(f"check {i} ({shape}): NaN in the output or gradients")
+    return bad
+
+
 def write_out(name: str, payload: dict, markdown: str | None = None):
     out_dir = os.environ.get("OUT")
     if not out_dir:
@@ -440,6 +453,9 @@ def main(argv=None) -> int:
                                       block_sizes={d: dataclasses.asdict(bs) for d, bs in per_dim.items()} or (
                                           dataclasses.asdict(block_sizes) if block_sizes else "table")),
               header() + "\n\n" + table)
+    if bad := failed_checks(checks):  # the timings are written, but the run is not a pass
+        print("error: --check failed:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -144,3 +144,12 @@ def test_written_json_is_strict_and_notes_stay_in_their_cell(tmp_path, monkeypat
     header, _, row = (tmp_path / "t.md").read_text().splitlines()
     assert header.count("|") == row.replace("\\|", "").count("|") == 15
     assert row.endswith("| ValueError: a \\| b more |")
+
+
+def test_failed_checks_make_the_run_fail():
+    """--check recorded an exception or NaN gradients and the script still exited 0."""
+    ok = dict(B=1, T=8, S=8, H=2, KV=1, D=64, causal=True, segments=False, dtype="bfloat16", err_out=1e-3, nan=False)
+    assert bench.failed_checks([ok]) == []
+    bad = bench.failed_checks([ok, {**ok, "nan": True}, {**ok, "error": "ValueError: boom"}])
+    assert len(bad) == 2 and bad[0].startswith("check 1 (") and "NaN" in bad[0]
+    assert bad[1].startswith("check 2 (") and bad[1].endswith("ValueError: boom")
