@@ -15,7 +15,7 @@ import pytest
 
 from scaling import attention, decode
 from scaling.config import AttentionImpl
-from scaling.kernels import attention_reference, flash_attention
+from scaling.kernels import BlockSizes, attention_reference, flash_attention
 from scaling.kernels import sample as ks
 from scaling.kernels.decode_attention import (
     DecodeBlockSizes,
@@ -254,3 +254,10 @@ def test_flash_attention_refuses_a_causal_flag_that_is_not_a_bool():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match=r"causal must be True or False, got 'no'"):  # was: ran causal
         flash_attention(q, k, v, causal="no", interpret=True)
+
+
+def test_flash_attention_refuses_more_warps_than_a_cuda_block_holds():
+    """num_warps 64 (2,048 threads) passed the check, whose message said 1..16."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"block_sizes.num_warps_fwd=64 must be a power of two in 1..32"):
+        flash_attention(q, k, v, causal=True, interpret=True, block_sizes=BlockSizes(num_warps_fwd=64))

@@ -770,8 +770,9 @@ def _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes):
                 raise ValueError(f"block_sizes.{name}={size} must be a power of two >= {MIN_TILE}")
         for f in dataclasses.fields(block_sizes):
             value = getattr(block_sizes, f.name)
-            if f.name.startswith("num_warps") and not _is_pow2(value):
-                raise ValueError(f"block_sizes.{f.name}={value} must be a power of two (1..16)")
+            if f.name.startswith("num_warps") and not (_is_pow2(value) and value <= 32):
+                # (32 warps = 1,024 threads, a CUDA block's limit)
+                raise ValueError(f"block_sizes.{f.name}={value} must be a power of two in 1..32")
             if f.name.startswith("num_stages") and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"block_sizes.{f.name}={value} must be an int >= 1")
         if not isinstance(block_sizes.fused_dq, bool):
