@@ -803,11 +803,13 @@ def render(rows, versions, bw, args) -> str:
             lines.append(f"| {r['model']} | {impl} | {r['batch']} | {r['prompt']} | skipped: {skip} |" + " |" * 10)
             continue
         he, hs = r.get("hf_eager_tok_s"), r.get("hf_static_tok_s")
+        # transformers runs greedy only: a sampled row's ratio says so
+        vs = "" if r.get("sampling", "greedy") == "greedy" else " (HF greedy)"
         lines.append(
             f"| {r['model']} | {impl} ({r.get('layers', '?')}) | {r['batch']} | {r['prompt']} | {r['step_ms']:.3f} | {r['tok_s']:,.0f} | "
             f"{r['roofline_tok_s']:,.0f} | {r['bytes_per_step'] / 1e9:.2f} | {r['achieved_Bps'] / 1e12:.2f} | "
             f"{100 * r['frac']:.1f}% | {r['prefill_ms']:.1f} | {r['e2e_tok_s']:,.0f} | {f'{he:,.1f}' if he else '-'} | "
-            f"{f'{hs:,.1f}' if hs else '-'} | {f'{r['e2e_tok_s'] / hs:.1f}x' if hs else '-'} |"
+            f"{f'{hs:,.1f}' if hs else '-'} | {f'{r['e2e_tok_s'] / hs:.1f}x{vs}' if hs else '-'} |"
         )
     return "\n".join(lines) + "\n"
 

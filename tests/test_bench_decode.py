@@ -182,6 +182,10 @@ def test_render_columns_units_and_ratio(tmp_path):
     assert cells(rows[2]) == ["1b", "pallas (pallas)", "2", "128", "2.000", "1,000", "2,500", "3.20", "1.60", "40.0%",
                               "12.3", "900", "50.0", "300.0", "3.0x"]  # 900 / 300: ours three times theirs
     assert cells(rows[3])[4] == "skipped: ValueError: a \\| b second line" and cells(rows[3])[5:] == [""] * 10
+    # transformers ran greedy: a sampled row's ratio is labelled as against HF's greedy run
+    sampled = dict(ok, sampling="temperature=0.8/top_p=0.95", e2e_tok_s=600.0)
+    row = [l for l in bd.render([sampled], {}, {"jax_copy": 4e12}, args).splitlines() if l.startswith("| 1b")][0]
+    assert cells(row)[1] == "pallas, temperature=0.8/top_p=0.95 (pallas)" and cells(row)[-1] == "2.0x (HF greedy)"
     bd.write_results(str(tmp_path), "t", table, {}, {"jax_copy": float("inf")}, [dict(ok, frac=float("nan"))])
     data = json.loads((tmp_path / "t.json").read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert data["bandwidth"]["jax_copy"] is None and data["rows"][0]["frac"] is None
