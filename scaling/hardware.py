@@ -21,7 +21,7 @@ rounds to 96 GB and 2.8e12). GPU HBM sizes are GiB-scale stacks (80 GiB on H100)
 usable amount after the CUDA context is a little less: see `usable_fraction`. The H200's
 "141 GB" is GiB-scale too: it was 141e9 B (131 GiB), below the 128.5 GiB a measured H200 step
 peaked at (docs/benchmarks.md) after `usable_fraction`; nvidia-smi on an H200 reports 143,771 MiB
-(140.4 GiB), as an H100 reports 81,559 MiB against its nominal 80 GiB.
+(140.4 GiB; docs/results/nvidia_smi_h200.csv, 2026-11-29).
 
 `by_device_kind` maps the strings JAX reports (`jax.Device.device_kind`, the CUDA device name
 on GPUs) to entries: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA H200",
