@@ -548,6 +548,23 @@ def _evaluate(eval_step, params, setup: Setup, data: Dataset) -> float | None:
     return float(jnp.mean(jnp.stack(losses)))
 
 
+def _untraced_profile_window(window: tuple[int, ...], start_step: int, total: int) -> str | None:
+    """Why profile.steps [start, stop) will not be traced by this run, or None when it will be.
+
+    The trace starts only at the window's first step, so a run resumed past it, or one that
+    ends before it, would otherwise skip the trace without a word."""
+    first, stop = window
+    if start_step >= total:
+        return None  # nothing to train, so nothing to trace either (said elsewhere)
+    if first < start_step:
+        return (f"profile: no trace: profile.steps=[{first}, {stop}) starts before step {start_step}, where this "
+                f"run resumes (choose a window from step {start_step})")
+    if first >= total:
+        return (f"profile: no trace: profile.steps=[{first}, {stop}) starts at or after the last step "
+                f"(train.steps={total})")
+    return None
+
+
 def _summarize_profile(profile_dir: Path, steps: int, write) -> None:
     """Device time per step by category (scaling.profile_summary) -> <profile_dir>/summary.md."""
     from scaling import profile_summary
@@ -628,6 +645,10 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     peak = hw.bf16_flops * setup.mesh.size if hw else None  # the devices this run uses (all of them by default)
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
 
+    if cfg.profile.steps and is_main:
+        note = _untraced_profile_window(cfg.profile.steps, start_step, total)
+        if note:
+            log(note)
     logger = MetricsLogger(run_dir_path, cfg.logging.tensorboard, enabled=is_main, start_step=start_step, log=log)
     bar = None
     if cfg.logging.progress and is_main and start_step < total:

@@ -304,6 +304,26 @@ def test_a_profile_window_past_the_last_step_is_stopped_and_summarized(tmp_path)
     assert (tmp_path / "run" / "profile" / "summary.md").exists()
 
 
+def test_a_profile_window_the_run_never_reaches_is_reported_not_skipped_silently(tmp_path):
+    base = SMALL + ["--train.eval_every=0", "--checkpoint.every=2", "--checkpoint.async_save=false"]
+    run = tmp_path / "run"
+    T.train(load_config(TINY, base + ["--train.steps=2"]), str(run), log=lambda m: None, devices=jax.devices()[:1])
+    # Resumed at step 2, past the window's first step 1: no trace, and the log says why.
+    lines: list[str] = []
+    T.train(load_config(TINY, base + ["--train.steps=4", "--profile.steps=[1,3]"]), str(run),
+            log=lines.append, devices=jax.devices()[:1])
+    assert any(line.startswith("profile: no trace: profile.steps=[1, 3) starts before step 2") for line in lines), lines
+    assert not (run / "profile").exists()
+    # A window that starts at or after train.steps.
+    lines.clear()
+    T.train(load_config(TINY, SMALL + ["--train.steps=2", "--train.eval_every=0", "--checkpoint.enabled=false",
+                                       "--profile.steps=[5,8]"]),
+            str(tmp_path / "short"), log=lines.append, devices=jax.devices()[:1])
+    assert any("profile: no trace: profile.steps=[5, 8) starts at or after the last step (train.steps=2)" in line
+               for line in lines), lines
+    assert not (tmp_path / "short" / "profile").exists()
+
+
 def test_mfu_is_model_flops_over_the_peak_of_the_devices_the_run_uses(tmp_path, monkeypatch):
     # A pretend accelerator of 1e12 FLOP/s; the run uses 1 of the 8 simulated devices.
     import dataclasses
