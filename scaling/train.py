@@ -494,7 +494,11 @@ class MetricsLogger:
 
             # purge_step hides events at or after it that an earlier start wrote: like the records
             # dropped above, also on a start from step 0 (a run stopped before its first checkpoint).
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            # tensorboardX names a file by the second it opens it and opens it with "wb": a start
+            # in the same second as the last one would erase that one's events. The nanosecond
+            # suffix keeps the names apart and in the order TensorBoard reads them (by name).
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1,
+                                    filename_suffix=f".{time.time_ns()}")
 
     def log(self, record: dict) -> None:
         if not self.enabled:

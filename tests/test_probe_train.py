@@ -377,13 +377,31 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_a_restart_from_scratch
     args = SMALL + ["--logging.tensorboard=true", "--train.log_every=1", "--train.eval_every=0", "--checkpoint.enabled=false"]
     run = tmp_path / "run"
     T.train(load_config(TINY, args + ["--train.steps=4"]), str(run), log=lambda m: None, devices=jax.devices()[:1])
-    _time.sleep(1.1)  # event files are named by the second they are opened in
     T.train(load_config(TINY, args + ["--train.steps=2", "--train.seed=5"]), str(run), log=lambda m: None,
             devices=jax.devices()[:1])
     recs = _records(run)
     assert [r["step"] for r in recs] == [1, 2]
     shown = _tensorboard_scalars(run / "tensorboard")
     assert sorted(shown) == [1, 2]
+    for r in recs:
+        assert shown[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-6)
+
+
+def test_a_restart_in_the_same_second_keeps_the_earlier_starts_tensorboard_events(tmp_path, monkeypatch):
+    # tensorboardX names event files by the second and opens them with "wb": a resume within
+    # the same second used to truncate the first start's file, and TensorBoard lost steps 1-2.
+    from tensorboardX import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: 1_800_000_000.0))
+    args = SMALL + ["--logging.tensorboard=true", "--train.log_every=1", "--train.eval_every=0",
+                    "--checkpoint.every=2", "--checkpoint.async_save=false"]
+    run = tmp_path / "run"
+    T.train(load_config(TINY, args + ["--train.steps=2"]), str(run), log=lambda m: None, devices=jax.devices()[:1])
+    T.train(load_config(TINY, args + ["--train.steps=4"]), str(run), log=lambda m: None, devices=jax.devices()[:1])
+    recs = _records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    shown = _tensorboard_scalars(run / "tensorboard")
+    assert sorted(shown) == [1, 2, 3, 4]
     for r in recs:
         assert shown[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-6)
 
