@@ -746,6 +746,9 @@ class Sampling:
 # stays inside f32 for |logits| < 3e8, and its distribution is the argmax's for any two logits
 # more than ~1e-28 apart: what every smaller temperature gives, without +-inf ties.
 MIN_TEMPERATURE = 1e-30
+# The largest temperature a step divides by (f32's largest finite): every larger one draws
+# uniformly over the kept tokens just the same, as logits / T rounds to 0 either way.
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
 
 
 def _chosen_logprob(logits_bv, tok_b):
@@ -1242,7 +1245,9 @@ class Decoder:
         params = jax.device_put({
             # (at least MIN_TEMPERATURE: below it logits / T leaves f32's range for ordinary logits,
             # and the sampler kernel, which divides as it is, drew among tokens tied at +inf)
-            "temperature": np.float32(max(temperature, MIN_TEMPERATURE) if temperature > 0 else 1.0),
+            # (at most f32's largest: above it the cast gave inf, and an inf logit / inf is NaN)
+            "temperature": np.float32(min(max(temperature, MIN_TEMPERATURE), MAX_TEMPERATURE) if temperature > 0
+                                      else 1.0),
             "top_p": np.float32(top_p if top_p is not None else 1.0),
             "stop_ids": stop_ids,
             "max_new": np.int32(max_new_tokens),

@@ -188,3 +188,17 @@ def test_sample_kernel_top_p_over_chunks_with_temperature(temperature):
                                      temperature, top_p, use_top_p=True, chunk=16, splits=1, max_candidates=cap)
             np.testing.assert_array_equal(np.asarray(tok), want)
             np.testing.assert_allclose(np.asarray(lp), _log_softmax64(logits)[want], atol=1e-5, rtol=0)
+
+
+def test_a_temperature_beyond_float32_draws_uniformly_without_overflow(decoder):
+    """T above f32's range was cast to inf (with a numpy overflow warning). It is the uniform
+    limit: each new token is the argmax of its documented key's Gumbel noise alone."""
+    import warnings
+
+    seed, new = 3, 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = decoder.generate([[1, 2, 3]], new, temperature=1e39, seed=seed).tokens
+    want = [int(np.argmax(np.asarray(jax.random.gumbel(_row_key(seed, 0, n), (CFG.vocab_size,), jnp.float32))))
+            for n in range(new)]
+    assert got == want
