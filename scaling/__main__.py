@@ -60,11 +60,36 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_shardings(argv: list[str]) -> int:
-    from scaling.sharding.report import sharding_report
+    import jax
+
+    from scaling.sharding import MeshError
+    from scaling.sharding.report import abstract_layout, sharding_report
     from scaling.train import make_setup
 
-    _, cfg = _config_args(argv, "shardings")  # (an unknown mesh.rules is a ConfigError: exit 2)
-    print(sharding_report(make_setup(cfg)))
+    def flags(p):
+        p.add_argument("--devices", type=int, default=None, metavar="N",
+                       help="lay the params out over N devices that need not be here (an abstract mesh): "
+                            "a multi-host or larger mesh, e.g. --devices 64 --mesh.fsdp=64; "
+                            "default: this machine's devices")
+
+    args, cfg = _config_args(argv, "shardings", flags)  # (an unknown mesh.rules is a ConfigError: exit 2)
+    if args.devices is not None and args.devices < 1:
+        print(f"error: --devices must be an int >= 1, got {args.devices}", file=sys.stderr)
+        return 2
+    if args.devices is not None:
+        print(sharding_report(abstract_layout(cfg, args.devices)))
+        return 0
+    # A multi-host config's mesh spans every host's devices, which this process does not see.
+    multi_host = cfg.mesh.num_processes is not None or bool(os.environ.get("JAX_NUM_PROCESSES"))
+    try:
+        setup = make_setup(cfg)
+    except MeshError as e:
+        if multi_host:
+            raise MeshError(f"{e}; for a multi-host mesh pass the whole job's device count as --devices N") from e
+        raise
+    if multi_host:
+        print(f"(over this machine's {len(jax.devices())} devices; --devices N lays out the whole job's mesh)")
+    print(sharding_report(setup))
     return 0
 
 

@@ -217,3 +217,52 @@ def test_report_bytes_match_an_independent_count(rules, mesh, devices):
         np.testing.assert_allclose(float(mib), full / shards / 2**20, atol=0.005)
     assert lines[-1] == (f"params: {total / 2**20:,.2f} MiB total, {per_device / 2**20:,.2f} MiB per device; "
                          f"with AdamW state (x3): {3 * per_device / 2**20:,.2f} MiB per device")
+
+
+# ------------------------------------------------------------------ shardings --devices N
+
+
+def test_shardings_over_absent_devices_matches_the_real_mesh_and_the_bytes_by_hand(capsys, monkeypatch):
+    """`shardings --devices N` lays a mesh out over N devices that need not exist (a multi-host
+    job, a bigger machine). Over the 8 simulated devices it must print what the real mesh prints;
+    over 32 its per-device bytes are the shapes divided by hand."""
+    from scaling.__main__ import main
+
+    for v in ENV:
+        monkeypatch.delenv(v, raising=False)
+    base = ["--config", TINY, "--mesh.fsdp=4", "--mesh.tensor=2"]
+    assert main(["shardings", *base]) == 0
+    real = capsys.readouterr().out
+    assert main(["shardings", *base, "--devices", "8"]) == 0
+    assert capsys.readouterr().out == real
+
+    assert main(["shardings", "--config", TINY, "--mesh.fsdp=16", "--mesh.data=2", "--devices", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mesh {'data': 2, 'fsdp': 16, 'tensor': 1}")
+    cfg = load_config(TINY, [])
+    m = cfg.model
+    d, h = m.hidden_size, m.hidden_size // m.num_heads
+    row = next(line for line in out.splitlines() if line.startswith("blocks.attn.q_dnh"))
+    # [layers, d, heads, head_dim] in f32, the embed dim split 16 ways (fsdp), data replicates
+    assert float(row.split()[-1]) == pytest.approx(round(m.num_layers * d * m.num_heads * h * 4 / 16 / 2**20, 2))
+    total = float(re.search(r"params: ([\d,.]+) MiB total", out).group(1).replace(",", ""))
+    from scaling import accounting
+
+    assert total == pytest.approx(round(accounting.param_count(m) * 4 / 2**20, 2))
+
+
+def test_shardings_of_a_multi_host_config_points_to_devices(capsys, monkeypatch):
+    from scaling.__main__ import main
+
+    for v in ENV:
+        monkeypatch.delenv(v, raising=False)
+    assert main(["shardings", "--config", TINY, "--mesh.fsdp=16", "--mesh.num_processes=2"]) == 2
+    err = capsys.readouterr().err
+    assert "has 16 devices but 8 are available" in err and "pass the whole job's device count as --devices N" in err
+    assert main(["shardings", "--config", TINY, "--mesh.fsdp=-1", "--mesh.num_processes=2"]) == 0
+    assert capsys.readouterr().out.startswith("(over this machine's 8 devices; --devices N lays out")
+    assert main(["shardings", "--config", TINY, "--devices", "0"]) == 2
+    assert "--devices must be an int >= 1, got 0" in capsys.readouterr().err
+    # the abstract mesh applies the same divisibility rules
+    assert main(["shardings", "--config", TINY, "--mesh.tensor=64", "--mesh.fsdp=1", "--devices", "64"]) == 2
+    assert "cannot divide" in capsys.readouterr().err

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import AbstractMesh
 
 
 def _per_device_bytes(shape, dtype, sharding) -> int:
     shard = sharding.shard_shape(tuple(shape))
     return int(math.prod(shard) * np.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractLayout:
+    """What sharding_report reads from a Setup, for a mesh whose devices need not exist here."""
+
+    cfg: Any
+    mesh: AbstractMesh
+    abstract_params: dict
+    state_shardings: dict
+
+
+def abstract_layout(cfg, num_devices: int) -> AbstractLayout:
+    """The params' shardings on cfg's mesh resolved over `num_devices` devices, as an AbstractMesh:
+    a 64-GPU or multi-host layout checked and printed on a laptop (same rules, same errors)."""
+    from flax import nnx
+
+    from scaling.model import build_model
+    from scaling.sharding.axes import MESH_AXES
+    from scaling.sharding.mesh import resolve_mesh_shape
+    from scaling.sharding.params import logical_axes, param_shardings
+    from scaling.sharding.rules import get_rule_set
+
+    mesh = AbstractMesh(resolve_mesh_shape(cfg.mesh, num_devices), MESH_AXES)
+    model = nnx.eval_shape(lambda: build_model(cfg.model, attention=cfg.attention, remat_cfg=cfg.remat, seed=0))
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    shardings = param_shardings(logical_axes(model), params, mesh, get_rule_set(cfg.mesh.rules))
+    return AbstractLayout(cfg, mesh, params, {"params": shardings})
 
 
 def sharding_report(setup) -> str:
