@@ -409,24 +409,53 @@ class _Preemption:
     the OS's default action for both signals, so a second one terminates the process
     immediately, even while the main thread is inside a compile or a device call where a
     Python-level handler would not run (exit status 128 + signum in a shell).
+
+    Several processes must stop at the same step: a save is collective, so a process that
+    saved at step 10 while another ran step 11 left both hung and no checkpoint. There SIGTERM
+    is left to JAX's preemption notifier (installed by jax.distributed.initialize), which tells
+    every process and picks one step for all (`reached`, called after every step); a SIGINT is
+    handed to it as a SIGTERM.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested: str | None = None
+        self._received: str | None = None  # (multi-host: a SIGINT this process handed on)
         self._old = {}
+        from jax._src import distributed as _distributed  # (no public accessor for the manager)
+
+        # The notifier exists only with jax.distributed and jax_enable_preemption_service (default on).
+        self.synced = jax.process_count() > 1 and _distributed.global_state.preemption_sync_manager is not None
 
     def _handler(self, signum, frame):
         name = signal.Signals(signum).name
-        self.requested = name
         for sig in self._old:
             signal.signal(sig, signal.SIG_DFL)
+        if self.synced:
+            self._received = name
+            os.kill(os.getpid(), signal.SIGTERM)  # -> JAX's notifier (SIGTERM is its signal)
+            os.write(2, f"\n{name}: every process finishes the step they agree on, saves a checkpoint and exits; "
+                        f"send SIGINT again to exit now without one\n".encode())
+            return
+        self.requested = name
         # os.write: print() is not safe here (the main thread may be inside a print).
         os.write(2, f"\n{name}: finishing this step, then saving a checkpoint; send it again to exit now without one\n".encode())
 
+    def reached(self, step: int) -> bool:
+        """Whether to save and exit after `step`: this process's signal, or, across processes,
+        the step JAX's preemption sync picked (every process gets True at the same step)."""
+        if self.synced:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                here = f"{self._received} here, " if self._received else ""
+                self.requested = f"{here}SIGTERM to one of the processes (JAX's preemption sync)"
+        return self.requested is not None
+
     def __enter__(self):
-        for sig in self.SIGNALS:
+        # Multi-host: SIGTERM stays with JAX's notifier (a Python handler would replace it).
+        for sig in (signal.SIGINT,) if self.synced else self.SIGNALS:
             try:
                 self._old[sig] = signal.signal(sig, self._handler)
             except ValueError:  # not the main thread (e.g. inside some test runners)
@@ -782,7 +811,7 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                 if ckpt is not None and (ckpt.should_save(step) or last):
                     check_nonfinite()
                     save(step, force=last)
-                if pre.requested and not last:
+                if pre.reached(step) and not last:
                     check_nonfinite()
                     save(step, force=True)
                     if ckpt is not None:

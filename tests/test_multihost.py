@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -98,7 +99,7 @@ def test_two_processes_match_one(tmp_path, devices):
     assert rated and all(r["tokens_per_sec"] * r["step_time"] == pytest.approx(8 * 32, rel=1e-9) for r in rated)
 
 
-def single_process_losses() -> np.ndarray:
+def single_process_losses(steps: int = STEPS) -> np.ndarray:
     """The same config on this process's 8 devices: train()'s init, batches and step."""
     import jax
 
@@ -106,13 +107,13 @@ def single_process_losses() -> np.ndarray:
     from scaling.sharding import use_sharding
     from scaling.train import global_batch, init_state, make_setup, make_train_step
 
-    setup = make_setup(load_config(ROOT / CONFIG, OVERRIDES))
+    setup = make_setup(load_config(ROOT / CONFIG, OVERRIDES + [f"--train.steps={steps}"]))
     assert dict(setup.mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1} and jax.device_count() == 8
     state, data, losses = init_state(setup), make_dataset(setup.cfg), []
     with use_sharding(setup.mesh, setup.rules):
         batch = global_batch(setup, next(data.train))
         step = make_train_step(setup).lower(state, batch).compile(compiler_options={"xla_backend_optimization_level": 0})
-        for i in range(STEPS):
+        for i in range(steps):
             if i:
                 batch = global_batch(setup, next(data.train))
             state, metrics = step(state, batch)
@@ -126,3 +127,72 @@ def test_process_id_is_checked():
     with pytest.raises(ValueError, match=r"process_id .* must be in \[0, 2\)"):
         maybe_initialize(MeshConfig(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2))
     assert maybe_initialize(MeshConfig()) is False
+
+
+def _launch(tmp_path: Path, run_dir: Path, port: int, args: list[str], tag: str) -> list:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+    }
+    procs = []
+    for pid in range(2):
+        cmd = [
+            sys.executable, "-m", "scaling", "train", "--config", CONFIG, *args, "--run_dir", str(run_dir),
+            f"--mesh.coordinator_address=127.0.0.1:{port}", "--mesh.num_processes=2", f"--mesh.process_id={pid}",
+        ]  # fmt: skip
+        log = open(tmp_path / f"{tag}{pid}.log", "w")
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def _wait(procs: list, deadline: float) -> list:
+    try:
+        for p, _ in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    return [p.returncode for p, _ in procs]
+
+
+def test_a_sigterm_to_one_process_stops_all_at_one_step_and_the_run_resumes_exactly(tmp_path, devices):
+    """A scheduler's SIGTERM reaching one process first: each process used to act on its own
+    signal, so the signalled one entered the (collective) checkpoint save alone while the other
+    ran the next step: both hung, then crashed, and no checkpoint was written. Now every process
+    saves at one step (JAX's preemption sync) and exits 0, and the resumed pair logs the losses
+    of an uninterrupted 8-device run."""
+    steps = 12
+    args = [*OVERRIDES, f"--train.steps={steps}", "--checkpoint.enabled=true", "--checkpoint.every=1000",
+            "--checkpoint.async_save=false"]
+    run_dir = tmp_path / "run"
+    procs = _launch(tmp_path, run_dir, free_port(), args, "first")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if any(p.poll() is not None for p, _ in procs):
+            break
+        time.sleep(0.1)
+    procs[1][0].send_signal(signal.SIGTERM)  # process 1 only
+    reference = single_process_losses(steps)  # meanwhile, in this process
+    rcs = _wait(procs, time.monotonic() + TIMEOUT_S)
+    logs = [(tmp_path / f"first{pid}.log").read_text() for pid in range(2)]
+    assert rcs == [0, 0], f"exit codes {rcs}:\n" + "\n".join(log[-3000:] for log in logs)
+    saved = sorted(int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit())
+    assert len(saved) == 1 and 3 <= saved[0] < steps, saved
+    assert f"saved checkpoint at step {saved[0]} in {run_dir}; exiting" in logs[0], logs[0][-2000:]
+
+    procs = _launch(tmp_path, run_dir, free_port(), args, "resumed")
+    rcs = _wait(procs, time.monotonic() + TIMEOUT_S)
+    logs = [(tmp_path / f"resumed{pid}.log").read_text() for pid in range(2)]
+    assert rcs == [0, 0], f"exit codes {rcs}:\n" + "\n".join(log[-3000:] for log in logs)
+    assert f"resuming from checkpoint step {saved[0]}" in logs[0]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
+    np.testing.assert_allclose(read_losses(run_dir), reference, rtol=1e-5, atol=0)
