@@ -236,8 +236,9 @@ class Checkpointer:
         """Restore into `abstract_state`'s shapes, dtypes and shardings (any mesh).
 
         Without `step`, the latest complete checkpoint; one that fails to read is reported,
-        moved to `<run_dir>/checkpoints.unreadable/` and the one before it is tried. A
-        shape mismatch with the config raises CheckpointMismatchError naming the leaves.
+        moved to `<run_dir>/checkpoints.unreadable/` and the one before it is tried. An
+        explicit `step` that fails to read raises CheckpointError naming it (nothing is moved).
+        A shape mismatch with the config raises CheckpointMismatchError naming the leaves.
         """
         log = log or print
         if step is not None and step not in complete_steps(self.directory):
@@ -253,7 +254,7 @@ class Checkpointer:
                     raise CheckpointError("no readable metadata for the `state` item")
             except Exception as e:  # noqa: BLE001 - unreadable: report, fall back
                 if step is not None:
-                    raise
+                    raise self._unreadable_step(s, e) from e
                 failed.append(s)
                 log(f"checkpoint: step {s} is unreadable ({_one_line(e)}); moved it to {self._move_aside(s)}")
                 continue
@@ -262,7 +263,7 @@ class Checkpointer:
                 restored = self.manager.restore(s, args=args)
             except Exception as e:  # noqa: BLE001
                 if step is not None:
-                    raise
+                    raise self._unreadable_step(s, e) from e
                 failed.append(s)
                 log(f"checkpoint: step {s} is unreadable ({_one_line(e)}); moved it to {self._move_aside(s)}")
                 continue
@@ -273,6 +274,11 @@ class Checkpointer:
                 f"moved to {self.run_dir / BROKEN_DIR}; start again to train from scratch"
             )
         return None
+
+    def _unreadable_step(self, step: int, e: Exception) -> CheckpointError:
+        # An explicitly asked-for step is not moved aside: the caller chose it.
+        return CheckpointError(f"step {step}: the checkpoint {self.directory / str(step)} is unreadable "
+                               f"({_one_line(e)}); complete steps: {complete_steps(self.directory)}")
 
     def _move_aside(self, step: int) -> Path:
         dest = self.run_dir / BROKEN_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 import sys
 import sysconfig
@@ -350,7 +351,12 @@ class Batches:
         return {"next_index": self.next_index}
 
     def restore(self, state: dict) -> None:
-        self.next_index = int(state["next_index"])
+        """Continue at `state["next_index"]` (a checkpoint's meta `loader`)."""
+        index = state.get("next_index") if isinstance(state, dict) else None
+        # (int() would truncate 3.7 to 3, and a negative index failed deep inside numpy's RNG)
+        if not isinstance(index, numbers.Integral) or isinstance(index, bool) or index < 0:
+            raise DataError(f"loader state {state!r}: next_index must be an integer >= 0 (the index of the next batch)")
+        self.next_index = int(index)
 
 
 @dataclasses.dataclass
