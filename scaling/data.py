@@ -300,6 +300,10 @@ class Batches:
     Batch i holds windows perm_e[j] for the flat indices j in [i*B, (i+1)*B) over the
     concatenation of per-epoch permutations perm_e (seeded by (seed, e)). This process
     yields only rows [p*B/P, (p+1)*B/P) of each global batch.
+
+    Iteration goes by flat index (`next_row`), so a run resumed with another batch size
+    carries on with the window after the last one it trained on: batch i of the resumed run
+    starts at next_row, not at i*B_new (which skipped or repeated windows).
     """
 
     tokens: np.ndarray
@@ -309,7 +313,8 @@ class Batches:
     process_index: int = 0
     process_count: int = 1
     shuffle: bool = True
-    next_index: int = 0  # the loader's entire state
+    next_index: int = 0  # batches yielded so far
+    next_row: int = 0  # flat index of the next batch's first window: the loader's position
 
     def __post_init__(self):
         self.num_windows = (len(self.tokens) - 1) // self.seq_len
@@ -330,8 +335,12 @@ class Batches:
 
     def batch(self, index: int) -> np.ndarray:
         """This process's rows of global batch `index`: int32 [B/P, seq_len + 1]."""
+        return self._rows_from(index * self.global_batch)
+
+    def _rows_from(self, first: int) -> np.ndarray:
+        """This process's rows of the global batch whose first window has flat index `first`."""
         rows = self.global_batch // self.process_count
-        start = index * self.global_batch + self.process_index * rows
+        start = first + self.process_index * rows
         out = np.empty((rows, self.seq_len + 1), np.int32)
         for r in range(rows):
             epoch, j = divmod(start + r, self.num_windows)
@@ -343,20 +352,32 @@ class Batches:
         return self
 
     def __next__(self) -> np.ndarray:
-        b = self.batch(self.next_index)
+        b = self._next_rows()
         self.next_index += 1
+        self.next_row += self.global_batch
         return b
 
+    def _next_rows(self) -> np.ndarray:
+        return self._rows_from(self.next_row)
+
     def state(self) -> dict:
-        return {"next_index": self.next_index}
+        return {"next_index": self.next_index, "next_row": self.next_row}
 
     def restore(self, state: dict) -> None:
-        """Continue at `state["next_index"]` (a checkpoint's meta `loader`)."""
+        """Continue where `state` (a checkpoint's meta `loader`) left off: at its next_row, or, in
+        a checkpoint from before next_row was kept, at next_index batches of this batch size."""
         index = state.get("next_index") if isinstance(state, dict) else None
         # (int() would truncate 3.7 to 3, and a negative index failed deep inside numpy's RNG)
-        if not isinstance(index, numbers.Integral) or isinstance(index, bool) or index < 0:
+        if not _count(index):
             raise DataError(f"loader state {state!r}: next_index must be an integer >= 0 (the index of the next batch)")
-        self.next_index = int(index)
+        row = state.get("next_row", int(index) * self.global_batch)
+        if not _count(row):
+            raise DataError(f"loader state {state!r}: next_row must be an integer >= 0 (the next window's flat index)")
+        self.next_index, self.next_row = int(index), int(row)
+
+
+def _count(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
 
 @dataclasses.dataclass
@@ -368,6 +389,10 @@ class SyntheticBatches(Batches):
     def __post_init__(self):
         if self.global_batch % self.process_count:
             raise DataError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
+
+    def _next_rows(self) -> np.ndarray:
+        # (by batch index: each batch is its own draw, whatever the batch size before it)
+        return self.batch(self.next_index)
 
     def batch(self, index: int) -> np.ndarray:
         rows = self.global_batch // self.process_count

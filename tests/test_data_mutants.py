@@ -92,10 +92,34 @@ def test_resume_at_every_step_continues_the_uninterrupted_sequence(process_count
                 next(loader)  # its permutation cache now holds another epoch
             loader.restore(state)
             parts.append([next(loader) for _ in range(k, total)])
-            assert loader.state() == {"next_index": total}
+            assert loader.state() == {"next_index": total, "next_row": total * gb}
         for i, step in enumerate(range(k, total)):
             got = np.concatenate([part[i] for part in parts])
             np.testing.assert_array_equal(got, reference_batch(TOKENS, S, gb, SEED, step), err_msg=f"resumed at {k}, batch {step}")
+
+
+@pytest.mark.parametrize("old_b, new_b", [(4, 6), (6, 4), (3, 3)])
+def test_a_resume_with_another_batch_size_continues_after_the_last_window_trained_on(old_b, new_b):
+    """The state was a batch index alone: a run resumed with batch size B_new started at window
+    next_index * B_new and skipped (or repeated) windows. It carries on at the flat position
+    after the last window of the old run now, batches of B_new from there."""
+    windows = reference_windows(TOKENS, S)
+    old = D.Batches(TOKENS, S, old_b, SEED)
+    for _ in range(3):
+        next(old)
+    new = D.Batches(TOKENS, S, new_b, SEED)
+    new.restore(json.loads(json.dumps(old.state())))
+    first = 3 * old_b
+    order = reference_order(len(windows), SEED, first + 2 * new_b)
+    for i in range(2):
+        want = np.stack([windows[w] for w in order[first + i * new_b : first + (i + 1) * new_b]])
+        np.testing.assert_array_equal(next(new), want, err_msg=f"batch {i} after the resume")
+    # A checkpoint from before next_row was kept: next_index batches of the current size.
+    legacy = D.Batches(TOKENS, S, new_b, SEED)
+    legacy.restore({"next_index": 3})
+    np.testing.assert_array_equal(next(legacy), reference_batch(TOKENS, S, new_b, SEED, 3))
+    with pytest.raises(D.DataError, match=r"next_row must be an integer >= 0"):
+        legacy.restore({"next_index": 3, "next_row": -2})
 
 
 def test_a_bad_loader_state_is_refused_naming_it():
