@@ -29,6 +29,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 STDERR_TAIL_CHARS = 4000  # the error text recorded for a failed point
+SUBMITIT_CLUSTERS = ("slurm", "local", "debug")  # what --cluster accepts (submitit's executors)
+
+
+class ExecutorError(RuntimeError):
+    """An executor cannot start (a missing package, an unknown cluster or option); the
+    message names the flag or spec key."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +178,7 @@ def visible_gpus() -> list[str]:
     """GPU ids this machine lets us use, without importing JAX (which would claim memory)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [g for g in env.split(",") if g.strip() and g.strip() != "-1"]
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
     if shutil.which("nvidia-smi") is None:
         return []
     try:
@@ -280,11 +286,24 @@ class SubmititExecutor:
     """
 
     def __init__(self, workers: int = 1, folder: str | Path = "submitit", cluster: str | None = None, options: Mapping[str, Any] | None = None, **_: Any):
-        import submitit
+        try:
+            import submitit
+        except ImportError:
+            raise ExecutorError("--executor submitit needs the `submitit` package (pip install submitit); or use --executor local") from None
 
         self.slots = max(1, workers)
-        self.executor = submitit.AutoExecutor(folder=str(Path(folder) / "%j"), cluster=cluster)
-        self.executor.update_parameters(**{"timeout_min": 60, **dict(options or {})})
+        if cluster is not None and cluster not in SUBMITIT_CLUSTERS:
+            raise ExecutorError(f"--cluster: unknown cluster {cluster!r}; allowed: {', '.join(SUBMITIT_CLUSTERS)}")
+        try:
+            cluster = cluster or submitit.AutoExecutor.which()
+            self.executor = submitit.AutoExecutor(folder=str(job_folder(folder, cluster)), cluster=cluster)
+        except (ValueError, RuntimeError) as e:  # e.g. slurm asked for where there is no srun
+            raise ExecutorError(f"--cluster {cluster}: {e}") from None
+        options = {"timeout_min": 60, **dict(options or {})}
+        try:
+            self.executor.update_parameters(**options)
+        except (NameError, ValueError, TypeError, AssertionError) as e:  # submitit raises NameError for an unknown key
+            raise ExecutorError(f"spec key `submitit` (update_parameters options {sorted(options)}): {' '.join(str(e).split())}") from None
         self.handles: list[SubmititHandle] = []
 
     def submit(self, task: PointTask) -> SubmititHandle:
@@ -296,6 +315,13 @@ class SubmititExecutor:
         for h in self.handles:
             if not h.job.done():
                 h.cancel()
+
+
+def job_folder(folder: str | Path, cluster: str) -> Path:
+    """Where submitit writes a job's logs. SLURM expands `%j` (one folder per job); submitit's
+    local controller does not, and made a literal `%j` folder: there the files go flat (their
+    names start with the job id anyway)."""
+    return Path(folder) / "%j" if cluster == "slurm" else Path(folder)
 
 
 EXECUTORS: dict[str, Callable[..., Executor]] = {"local": LocalExecutor, "submitit": SubmititExecutor}

@@ -211,10 +211,25 @@ def _check_spec_keys(cls: type, data: Any, prefix: str = "") -> None:
         sub = _dataclass_of(hints[key])
         if sub is not None and value is not None:
             _check_spec_keys(sub, value, f"{prefix}{key}.")
+        if typing.get_origin(hints[key]) is dict and value is not None:  # (draccus: "'int' object has no attribute 'items'")
+            _check_mapping(hints[key], value, f"{prefix}{key}")
+        # draccus iterates a scalar: `budgets: 1e9` (YAML reads a string) said "budgets.1: 'e'"
+        if typing.get_origin(hints[key]) is tuple and value is not None and not isinstance(value, (list, tuple)):
+            raise SpecError(f"{prefix}{key}: must be a list, e.g. [{value}], got {type(value).__name__} {value!r}")
         enum_cls = hints[key] if isinstance(hints[key], type) and issubclass(hints[key], StrEnum) else None
         allowed = [m.value for m in enum_cls] if enum_cls is not None else []
         if enum_cls is not None and value is not None and str(value) not in allowed:
             raise SpecError(f"{prefix}{key}: unknown value {value!r}; allowed: {', '.join(allowed)}")
+
+
+def _check_mapping(tp: Any, value: Any, where: str) -> None:
+    """`value` must be a mapping; for a dict of dicts (point_overrides), each entry too."""
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where}: must be a mapping, got {value!r}")
+    if typing.get_origin(typing.get_args(tp)[1]) is dict:
+        for k, v in value.items():
+            if not isinstance(v, Mapping):
+                raise SpecError(f"{where}.{k}: must be a mapping of config deltas, got {v!r}")
 
 
 def _decode(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
@@ -253,6 +268,7 @@ def validate_spec(spec: SweepSpec) -> None:
     # Point ids are `C<budget>-L<depth>-s<seed>` / `D<tokens>-...` with 3 significant digits;
     # two points with one id would share a run dir (and a store row).
     require(len(set(spec.seeds)) == len(spec.seeds), "seeds", f"has duplicates: {list(spec.seeds)}")
+    require(all(s >= 0 for s in spec.seeds), "seeds", f"must be >= 0 (numpy and jax.random seeds), got {list(spec.seeds)}")
 
     def distinct_ids(key: str, kind: str, values: Sequence[float]) -> None:
         seen: dict[str, float] = {}
@@ -263,33 +279,39 @@ def validate_spec(spec: SweepSpec) -> None:
             seen[tag] = v
 
     if spec.grid is not None:
-        require(len(spec.grid.tokens) > 0 and all(t > 0 for t in spec.grid.tokens), "grid.tokens", f"must be positive token budgets, got {list(spec.grid.tokens)}")
+        require(len(spec.grid.tokens) > 0 and all(_positive(t) for t in spec.grid.tokens), "grid.tokens", f"must be positive finite token budgets, got {list(spec.grid.tokens)}")
         distinct_ids("grid.tokens", "D", spec.grid.tokens)
     if spec.isoflop is not None:
-        require(len(spec.isoflop.budgets) > 0 and all(c > 0 for c in spec.isoflop.budgets), "isoflop.budgets", f"must be positive FLOP budgets, got {list(spec.isoflop.budgets)}")
+        require(len(spec.isoflop.budgets) > 0 and all(_positive(c) for c in spec.isoflop.budgets), "isoflop.budgets", f"must be positive finite FLOP budgets, got {list(spec.isoflop.budgets)}")
         distinct_ids("isoflop.budgets", "C", spec.isoflop.budgets)
         require(spec.isoflop.min_steps >= 1, "isoflop.min_steps", f"must be >= 1, got {spec.isoflop.min_steps}")
     f = spec.family
     for name in ("aspect", "head_dim", "kv_ratio", "mlp_multiple"):
         require(getattr(f, name) > 0, f"family.{name}", f"must be positive, got {getattr(f, name)}")
-    require(f.mlp_ratio > 0, "family.mlp_ratio", f"must be positive, got {f.mlp_ratio}")
+    require(_positive(f.mlp_ratio), "family.mlp_ratio", f"must be positive and finite, got {f.mlp_ratio}")
     for name in ("learning_rate", "batch_size"):
         rule = getattr(spec.hparams, name)
         if rule is not None:
-            require(rule.base > 0 and rule.ref > 0, f"hparams.{name}", f"base and ref must be positive, got base={rule.base}, ref={rule.ref}")
+            require(_positive(rule.base) and _positive(rule.ref), f"hparams.{name}", f"base and ref must be positive and finite, got base={rule.base}, ref={rule.ref}")
+            require(math.isfinite(rule.exponent), f"hparams.{name}.exponent", f"must be finite, got {rule.exponent}")
             require(rule.multiple_of >= 1, f"hparams.{name}.multiple_of", f"must be >= 1, got {rule.multiple_of}")
             for bound in ("min", "max"):
                 v = getattr(rule, bound)
-                require(v is None or v > 0, f"hparams.{name}.{bound}", f"must be positive (or unset), got {v}")
+                require(v is None or _positive(v), f"hparams.{name}.{bound}", f"must be positive and finite (or unset), got {v}")
             require(rule.min is None or rule.max is None or rule.min <= rule.max, f"hparams.{name}",
                     f"min must be <= max, got min={rule.min}, max={rule.max}")
     wf = spec.hparams.warmup_fraction
     require(wf is None or 0 <= wf < 1, "hparams.warmup_fraction", f"must be in [0, 1), got {wf}")
+    require(spec.hparams.warmup_min >= 0, "hparams.warmup_min", f"must be >= 0 steps, got {spec.hparams.warmup_min}")
+    # (without a fraction the base config's warmup_steps is kept: the minimum would do nothing)
+    require(wf is not None or spec.hparams.warmup_min == 0, "hparams.warmup_min",
+            "only applies with hparams.warmup_fraction (warmup = max(warmup_min, fraction * steps)); set both or neither")
     e = spec.estimate
     require(0 < e.mfu <= 1, "estimate.mfu", f"must be a fraction of peak in (0, 1], got {e.mfu}")
     for name in ("startup_s", "step_overhead_s"):
-        require(getattr(e, name) >= 0, f"estimate.{name}", f"must be >= 0 seconds, got {getattr(e, name)}")
-    require(e.tokens_per_sec is None or e.tokens_per_sec > 0, "estimate.tokens_per_sec", f"must be positive, got {e.tokens_per_sec}")
+        v = getattr(e, name)
+        require(math.isfinite(v) and v >= 0, f"estimate.{name}", f"must be >= 0 seconds (and finite), got {v}")
+    require(e.tokens_per_sec is None or _positive(e.tokens_per_sec), "estimate.tokens_per_sec", f"must be positive and finite, got {e.tokens_per_sec}")
     from scaling.hardware import get_hardware  # (imports jax; no backend, no device memory)
 
     try:
@@ -298,6 +320,10 @@ def validate_spec(spec: SweepSpec) -> None:
         require(False, "estimate.hardware", str(err))
     for pattern, delta in spec.point_overrides.items():
         require(isinstance(delta, Mapping), f"point_overrides.{pattern}", f"must be a mapping of config deltas, got {delta!r}")
+
+
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
 
 
 def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[SweepSpec, Path]:
@@ -312,7 +338,7 @@ def load_spec(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[S
         raise SpecError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    data = _deep_merge(data, parse_overrides(overrides))
+    data = _deep_merge(data, parse_overrides(overrides, SweepSpec))
     try:
         return spec_from_dict(data), path.resolve().parent
     except SpecError as e:
@@ -371,7 +397,10 @@ def _point_config(spec: SweepSpec, base: dict, depth: int, seed: int, pid: str, 
 
 
 def base_config_dict(spec: SweepSpec, spec_dir: Path) -> dict:
-    data = _read_yaml(spec_dir / spec.base.config) if spec.base.config else {}
+    try:
+        data = _read_yaml(spec_dir / spec.base.config) if spec.base.config else {}
+    except ConfigError as e:  # (said "config file not found: <path>", not which spec key)
+        raise SpecError(f"base.config: {e}") from None
     return _deep_merge(data, spec.base.overrides)
 
 
@@ -382,11 +411,15 @@ def generate_points(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], list[
     point then reports the C it actually uses (D rounded to whole steps).
     """
     base = base_config_dict(spec, spec_dir)
-    probe = config_from_dict(_deep_merge(base, {"model": spec.family.model(spec.depths[0])}))
+    first_model = spec.family.model(spec.depths[0])  # (its SpecError names family.*)
+    try:
+        probe = config_from_dict(_deep_merge(base, {"model": first_model}))
+    except ConfigError as e:  # the base config or base.overrides, before any point's settings
+        raise SpecError(f"base (base.config + base.overrides): {e}") from None
     seq_len = probe.train.seq_len
     hp = spec.hparams
     budgets = spec.isoflop.budgets if spec.isoflop is not None else spec.grid.tokens  # type: ignore[union-attr]
-    points, dropped = [], []
+    points, dropped, ids = [], [], []
     for target in budgets:
         for depth in spec.depths:
             model_cfg = config_from_dict(_deep_merge(base, {"model": spec.family.model(depth)})).model
@@ -399,6 +432,7 @@ def generate_points(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], list[
             for seed in spec.seeds:
                 kind = "C" if spec.isoflop is not None else "D"
                 pid = f"{kind}{_fmt(target)}-L{depth}-s{seed}"
+                ids.append(pid)
                 min_steps = spec.isoflop.min_steps if spec.isoflop is not None else 1
                 if steps < min_steps:
                     dropped.append(f"{pid}: {steps} steps of {batch}x{seq_len} tokens < min_steps={min_steps} (N={n:,})")
@@ -416,7 +450,17 @@ def generate_points(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], list[
                 d = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
                 emb = cfg.model.vocab_size * cfg.model.hidden_size
                 points.append(Point(pid, depth, seed, cfg, n, n - emb, d, fpt, d * fpt, float(target), error))
+    _check_override_globs(spec, ids)
     return points, dropped
+
+
+def _check_override_globs(spec: SweepSpec, ids: Sequence[str]) -> None:
+    """A point_overrides glob that matches no point id (dropped ones included) is a typo:
+    it used to change nothing, silently."""
+    for pattern in spec.point_overrides:
+        if not any(fnmatch.fnmatchcase(pid, pattern) for pid in ids):
+            shown = ", ".join(ids[:8]) + (", ..." if len(ids) > 8 else "")
+            raise SpecError(f"point_overrides.{pattern}: matches no point of this sweep; point ids: {shown}")
 
 
 # ------------------------------------------------------------------------ the store
@@ -587,10 +631,12 @@ def trained_with_another_config(p: Point, row: Mapping[str, Any] | None, run_dir
     return row["status"] == "done" or bool(row["last_step"]) or (run_dir is not None and (run_dir / "checkpoints").exists())
 
 
-def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_rows: Mapping[str, dict] | None = None) -> str:
+def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_rows: Mapping[str, dict] | None = None,
+                  retry_failed: bool = True) -> str:
     """The --dry-run listing. `store_rows` (id -> row of an existing store) give each point's
     status; the predicted time counts only the points a run would train: not those done,
-    not invalid ones, and not those the runner refuses (trained with another config)."""
+    not invalid ones, not those the runner refuses (trained with another config), and not
+    failed ones under --no-retry-failed (`retry_failed=False`)."""
     rows = store_rows or {}
     head = f"{'point':<20} {'L':>3} {'d':>5} {'N':>12} {'D':>13} {'D/N':>7} {'steps':>7} {'batch':>5} {'lr':>8} {'C target':>9} {'C used':>9} {'time':>8}  status"
     lines = [head, "-" * len(head)]
@@ -603,6 +649,8 @@ def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_r
         if trained_with_another_config(p, row, Path(row["run_dir"]) if row and row.get("run_dir") else None):
             changed.append(p.id)
             status += "; trained with another config: the run refuses it"
+        elif status == "failed" and not retry_failed and not p.error:
+            status += "; left alone (--no-retry-failed)"
         elif status != "done" and not p.error:
             times.append(t)
         target = f"{p.target:.3g}" if p.id.startswith("C") else "-"
@@ -710,7 +758,7 @@ def run_sweep(
     """Run every unfinished point; return the store's rows. Failed points do not stop the others."""
     from tqdm.auto import tqdm
 
-    from scaling.executors import EXECUTORS, PointTask
+    from scaling.executors import PointTask
 
     log = log or (lambda msg: print(msg, flush=True))
     points, dropped = generate_points(spec, spec_dir)
@@ -719,6 +767,7 @@ def run_sweep(
         log(f"dropped {note}")
     out = out.resolve()
     with runner_lock(out):
+        ex = _make_executor(executor, workers, out / "submitit", cluster, spec.submitit)  # before any write: a bad option stops here
         (out / "sweep.yaml").write_text(yaml.safe_dump(_plain(spec), sort_keys=False))
         store = ResultStore(out / "results.sqlite")
         changed = []
@@ -752,7 +801,6 @@ def run_sweep(
         if todo:
             log(f"sweep {spec.name}: {len(points)} point{'s' * (len(points) != 1)}, {done_before} already finished, running {len(todo)} in {out}")
             prepare_data(todo, log)
-        ex = EXECUTORS[executor](workers=workers, folder=out / "submitit", cluster=cluster, options=spec.submitit)
         queue = list(todo)
         running: dict[str, Any] = {}
         bar = tqdm(total=len(points), initial=done_before, desc=spec.name, unit="point", dynamic_ncols=True, file=sys.stderr)
@@ -802,6 +850,9 @@ def run_sweep(
                         time.sleep(0.2)
                     if outcome is not None:
                         store.finish(pid, outcome)
+        except BaseException:  # a runner error: stop the points (they checkpoint) rather than orphan them
+            ex.shutdown()
+            raise
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -809,6 +860,17 @@ def run_sweep(
         rows = store.rows()
         store.close()
     return rows
+
+
+def _make_executor(name: str, workers: int, folder: Path, cluster: str | None, options: Mapping[str, Any]):
+    from scaling.executors import EXECUTORS, ExecutorError
+
+    if name not in EXECUTORS:
+        raise SweepError(f"--executor: unknown executor {name!r}; allowed: {', '.join(sorted(EXECUTORS))}")
+    try:
+        return EXECUTORS[name](workers=workers, folder=folder, cluster=cluster, options=options)
+    except ExecutorError as e:
+        raise SweepError(str(e)) from None
 
 
 def _plain(x: Any) -> Any:
@@ -835,7 +897,7 @@ def summary_table(rows: Sequence[dict]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    from scaling.executors import EXECUTORS
+    from scaling.executors import EXECUTORS, SUBMITIT_CLUSTERS
 
     p = argparse.ArgumentParser(prog="python -m scaling sweep", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--config", required=True, help="sweep spec YAML (configs/sweeps/NAME.yaml)")
@@ -843,7 +905,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--dry-run", action="store_true", help="list the points with N, D, C and predicted time; run nothing")
     p.add_argument("--workers", type=int, default=1, help="points at once (GPU machines: one GPU each, shared beyond the count)")
     p.add_argument("--executor", choices=sorted(EXECUTORS), default="local")
-    p.add_argument("--cluster", default=None, help="submitit cluster: slurm, local, debug (default: slurm if sbatch exists)")
+    p.add_argument("--cluster", choices=SUBMITIT_CLUSTERS, default=None, help="--executor submitit only: where the jobs run (default: slurm if sbatch exists)")
     p.add_argument("--only", action="append", default=[], help="run only points whose id matches this glob (repeatable)")
     p.add_argument("--no-retry-failed", dest="retry_failed", action="store_false", help="leave failed points alone on a re-run")
     p.add_argument("--tokens-per-sec", type=float, default=None, help="dry run: measured throughput per point (else the spec's MFU assumption)")
@@ -855,6 +917,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"unrecognised arguments {bad}; spec overrides look like --section.key=value")
     if args.workers < 1:
         p.error(f"--workers must be >= 1 (points at once), got {args.workers}")
+    if args.cluster is not None and args.executor != "submitit":  # (it was ignored, silently)
+        p.error(f"--cluster {args.cluster} applies to --executor submitit only (got --executor {args.executor})")
     return args, rest
 
 
@@ -878,7 +942,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             store = ResultStore(out / "results.sqlite")
             rows = {r["id"]: r for r in store.rows()}
             store.close()
-        print(dry_run_table(points, throughput(spec.estimate), args.workers, rows))
+        print(dry_run_table(points, throughput(spec.estimate), args.workers, rows, args.retry_failed))
         for note in dropped:
             print(f"dropped {note}")
         return 0
