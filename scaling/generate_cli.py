@@ -10,7 +10,6 @@ Generation stops at the tokenizer's end-of-sequence token unless --no-stop.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,13 +31,21 @@ class _HFTokenizer:
 
 
 def _hf_stop_ids(d: Path) -> list[int]:
+    """eos_token_id of generation_config.json and config.json (an id or a list): transformers'
+    generate stops at any of them. HFFormatError (a ValueError) naming the file if unreadable."""
+    from scaling.interop.hf import HFFormatError, _read_json
+
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         f = d / name
         if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                ids += eos if isinstance(eos, list) else [eos]
+            eos = _read_json(f).get("eos_token_id")
+            if eos is None:
+                continue
+            more = eos if isinstance(eos, list) else [eos]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in more):
+                raise HFFormatError(f"{f}: eos_token_id={eos!r}; allowed: a token id or a list of them")
+            ids += more
     return sorted(set(ids))
 
 

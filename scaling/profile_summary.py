@@ -31,12 +31,12 @@ How the trace is laid out (jax 0.11, XLA's profiler, read from its exporter):
 Categories, in this order of precedence: collectives (NCCL kernels, all-reduce/all-gather/
 reduce-scatter/all-to-all/collective-permute ops), copy/dynamic-update-slice (memcpy, memset, copy,
 transpose and dynamic-update-slice kernels), attention (cuDNN / flash / Pallas attention
-kernels), matmul (cuBLAS / cutlass / Triton gemm fusions, dots), optimizer update (what lies
-outside autodiff: op names without `jvp(` / `transpose(`, i.e. AdamW, clipping, the gradient
-norm, the non-finite guard), elementwise/reduction fusions (by fusion name), other (control
-flow, other modules). Idle is the part of the profiled window (first to last kernel of the
-main module) in which no kernel runs. With several devices (or CPU threads) kernel and category
-times are summed over them, so they can exceed the window.
+kernels), matmul (cuBLAS / cutlass / Triton gemm fusions, dots, convolutions), optimizer
+update (what lies outside autodiff: op names without `jvp(` / `transpose(`, i.e. AdamW,
+clipping, the gradient norm, the non-finite guard), elementwise/reduction fusions (by fusion
+name), other (control flow, other modules). Idle is the part of the profiled window (first to
+last kernel of the main module) in which no kernel runs. With several devices (or CPU threads)
+kernel and category times are summed over them, so they can exceed the window.
 
 Bad input (a missing or unreadable trace, a trace without kernels, --steps < 1, --top < 0, a
 missing --hlo file, an unknown --module) ends with a message naming it and exit status 2;
@@ -70,7 +70,9 @@ FORWARD, BACKWARD, OUTSIDE, UNKNOWN = "forward", "backward", "outside autodiff",
 
 _DEVICE_PROCESS = re.compile(r"^/device:(GPU|TPU)", re.I)
 _ATTENTION_RE = re.compile(r"cudnn|fmha|sdpa|flash|attention|\bmha", re.I)
-_MATMUL_RE = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|gemv|wgmma|\bdot\b|^dot[._]|_dot[._]|_dot$", re.I)
+# (convolution: XLA's opcode for convolutions and, on TPU, for many dots; names like
+# `convolution.3` had been "other" without --hlo, though the opcode counts as matmul)
+_MATMUL_RE = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|gemv|wgmma|convolution|\bdot\b|^dot[._]|_dot[._]|_dot$", re.I)
 _COPY_RE = re.compile(r"memcpy|memset|dynamic[-_]update[-_]slice|^(wrapped_)?copy|^(wrapped_)?transpose|copy[-_]start|copy[-_]done", re.I)
 _COLLECTIVE_RE = re.compile(r"nccl|all-reduce|all_reduce|allreduce|all-gather|all_gather|allgather|reduce-scatter|reduce_scatter|"
                             r"reducescatter|all-to-all|all_to_all|alltoall|collective-permute|collective_permute|sendrecv", re.I)

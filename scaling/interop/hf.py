@@ -41,7 +41,8 @@ from flax import nnx
 from scaling.config import AttentionConfig, DType, ModelConfig
 from scaling.model import Transformer
 
-_TO_DTYPE = {np.dtype(np.float32): DType.float32, np.dtype(ml_dtypes.bfloat16): DType.bfloat16, np.dtype(np.float16): DType.float16}
+# The dtypes weights are held and saved in (ModelConfig's param_dtype, less "auto").
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class HFFormatError(ValueError):
@@ -77,6 +78,8 @@ def _read_json(path: Path) -> dict:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HFFormatError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:  # (a directory of that name, no permission)
+        raise HFFormatError(f"{path}: cannot read it ({e.strerror or e})") from None
     if not isinstance(value, dict):
         raise HFFormatError(f"{path} holds a JSON {type(value).__name__}, not an object")
     return value
@@ -112,6 +115,20 @@ def _read_all_tensors(path: Path) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------- config
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _require(ok: bool, key: str, value, allowed: str) -> None:
+    """HFFormatError naming the config.json key, its value and what it may be."""
+    if not ok:
+        raise HFFormatError(f"config.json: {key}={value!r}; allowed: {allowed}")
+
+
 def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig:
     """A Llama-family config.json -> ModelConfig (rejects what our model does not compute)."""
     arch = hf.get("architectures") or []
@@ -133,31 +150,51 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
     n = hf["num_attention_heads"]
     d = hf["hidden_size"]
     kv = hf.get("num_key_value_heads") or n
-    if not isinstance(kv, int) or n % kv:
+    _require(_is_int(kv) and kv > 0, "num_key_value_heads", kv, "a positive int, or null (= num_attention_heads)")
+    if n % kv:
         raise HFFormatError(f"num_attention_heads={n} is not a multiple of num_key_value_heads={kv!r}")
     head_dim = hf.get("head_dim")
+    # (RoPE rotates pairs of a head's dims)
+    _require(head_dim is None or (_is_int(head_dim) and head_dim > 0 and head_dim % 2 == 0), "head_dim", head_dim,
+             "a positive even int, or null (= hidden_size / num_attention_heads)")
     if head_dim is None and d % n:
         raise HFFormatError(f"hidden_size={d} is not a multiple of num_attention_heads={n}, and no head_dim is given")
     if head_dim is not None and head_dim == d // n and d % n == 0:
         head_dim = None  # the default; keep the config minimal
     # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
+    for key in ("rope_parameters", "rope_scaling"):
+        _require(isinstance(hf.get(key) or {}, dict), key, hf.get(key), "an object, or null")
     rope = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     rope = {**legacy, **rope}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling: dict[str, Any] = {}
+    max_len = hf.get("max_position_embeddings", 2048)  # (transformers' LlamaConfig default)
+    _require(_is_int(max_len) and max_len > 0, "max_position_embeddings", max_len, "a positive int")
     if rope_type == "llama3":
         if "factor" not in rope:
             raise HFFormatError(f"rope_type='llama3' without its factor: {rope}")
-        scaling = dict(
-            rope_scaling_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_len=int(rope.get("original_max_position_embeddings", 8192)),
-        )
+        # Missing low/high factors take the constants of Meta's reference (apply_scaling in
+        # llama-models: 1 and 4); a missing original length is max_position_embeddings, as in
+        # transformers' _compute_llama3_parameters.
+        where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+        original = rope.get("original_max_position_embeddings", max_len)
+        _require(_is_number(factor) and factor >= 1, f"{where}.factor", factor, "a number >= 1 (llama3 divides the long "
+                 "wavelengths' frequencies by it)")
+        _require(_is_number(low) and _is_number(high) and 0 < low < high, f"{where}.low_freq_factor/high_freq_factor",
+                 (low, high), "numbers with 0 < low < high (the ramp between divides by high - low)")
+        _require(_is_int(original) and original > 0, f"{where}.original_max_position_embeddings", original,
+                 "a positive int")
+        scaling = dict(rope_scaling_factor=float(factor), rope_low_freq_factor=float(low),
+                       rope_high_freq_factor=float(high), rope_original_max_len=original)
     elif rope_type not in ("default", None):
         raise HFFormatError(f"rope_type={rope_type!r} is not supported (default and llama3 are)")
+    for key, value in (("rope_theta", theta), ("rms_norm_eps", hf.get("rms_norm_eps", 1e-6))):
+        _require(_is_number(value) and value > 0, key, value, "a positive finite number")
+    tie = hf.get("tie_word_embeddings", False)
+    _require(isinstance(tie, bool), "tie_word_embeddings", tie, "true or false")
     if param_dtype is None:
         # (transformers 5 writes dtype, 4.x torch_dtype; either may be there as null)
         param_dtype = {"bfloat16": DType.bfloat16, "float16": DType.float16}.get(
@@ -171,11 +208,11 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
         num_kv_heads=kv,
         head_dim=head_dim,
         mlp_dim=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        max_seq_len=max_len,
         rope_theta=float(theta),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)),
+        tie_embeddings=tie,
+        init_std=float(hf.get("initializer_range") or 0.02),  # (only a new model's init reads it)
         param_dtype=param_dtype,
         **scaling,
     )
@@ -325,11 +362,18 @@ def load(path: str | os.PathLike, *, param_dtype: DType | str | None = None,
 
     param_dtype: the dtype to hold the weights in; None keeps the checkpoint's config dtype.
     """
+    if param_dtype is not None:
+        name = getattr(param_dtype, "value", param_dtype)  # (a DType or its name)
+        if name not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype={param_dtype!r}; allowed: {', '.join(PARAM_DTYPES)}, or None (config.json's)")
+        param_dtype = DType(name)
     path = Path(path)
+    if not path.is_dir():
+        raise HFFormatError(f"{path}: no such directory")
     if not (path / "config.json").exists():
         raise HFFormatError(f"{path} has no config.json")
     hf = _read_json(path / "config.json")
-    cfg = config_from_hf(hf, param_dtype=DType(param_dtype) if param_dtype is not None else None)
+    cfg = config_from_hf(hf, param_dtype=param_dtype)
     tensors = _read_all_tensors(path)
     params = params_from_hf(cfg, tensors)
     return cfg, from_params(cfg, params, attention=attention)
@@ -499,7 +543,3 @@ def save_tokenizer(tokenizer, path: str | os.PathLike, *, model_max_length: int 
     generation = {"eos_token_id": eos, "pad_token_id": eos}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return path
-
-
-def bytes_of(tensors: dict[str, np.ndarray]) -> int:
-    return int(sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors.values()))
