@@ -882,3 +882,17 @@ def test_base_config_errors_name_the_spec_key(override, match):
     spec, spec_dir = load_spec(TINY, [override])
     with pytest.raises(SpecError, match=match):
         generate_points(spec, spec_dir)
+
+
+def test_exit_status_judges_the_points_only_selects(tmp_path, fake_train, capsys):
+    """A run with --only that finished its points exits 0, though other points are pending or
+    failed in the store (it exited 1 because of rows it was not asked to train)."""
+    out = tmp_path / "out"
+    fake_train({"C3e9-L1-s0": "fail"})
+    base = ["--config", str(TINY), "--out", str(out), SYNTHETIC]
+    assert main([*base, "--only", "C3e9-L1-s0"]) == 1  # the point asked for failed
+    assert main([*base, "--only", "C1.5e9-*"]) == 0  # its points are done; C3e9-L1-s0 failed, C3e9-L2-s0 pending
+    rows = _rows(out)
+    assert rows["C3e9-L1-s0"]["status"] == "failed" and rows["C1.5e9-L1-s0"]["status"] == "done"
+    assert main(base) == 1  # the whole spec: one failed point
+    capsys.readouterr()
