@@ -141,6 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               stop_tokens=() if args.no_stop else stop, max_len=args.max_len)
+    if args.max_len is not None:
+        # A row stops when its cache is full: say so, rather than end short without a word.
+        for i, ids in enumerate(prompts):
+            room = args.max_len - len(ids) + 1  # (the last new token is not fed back: it needs no slot)
+            if 0 < room < args.max_new_tokens:
+                which = f"prompt {i + 1} ({len(ids)} tokens)" if len(prompts) > 1 else f"the prompt ({len(ids)} tokens)"
+                print(f"note: --max-len {args.max_len} leaves room for {room} new tokens after {which}, "
+                      f"fewer than --max-new-tokens {args.max_new_tokens}", file=sys.stderr)
     try:
         if len(prompts) == 1:
             t0 = time.perf_counter()

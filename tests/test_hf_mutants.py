@@ -354,6 +354,10 @@ def test_cli_streams_whole_characters_and_stops(tmp_path, capsys):
     assert main(base + ["--prompt", "a", "--max-len", "3"]) == 0
     out = capsys.readouterr()
     assert out.out == "aé!\n" and "[3 tokens" in out.err
+    # ... and says so (the text had ended short without a word)
+    assert "note: --max-len 3 leaves room for 3 new tokens after the prompt (1 tokens), fewer than --max-new-tokens 10" in out.err
+    assert main(base + ["--prompt", "a", "--max-len", "16"]) == 0
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_cli_seed_picks_the_sampled_tokens(tmp_path, capsys):
