@@ -171,7 +171,7 @@ def attention_core(impl: AttentionImpl, *, bwd_workspace_mb: int | None = None) 
         raise ValueError(f"attention impl {impl!r} must be one of {[i.value for i in AttentionImpl]}")
     if bwd_workspace_mb is not None and (isinstance(bwd_workspace_mb, bool) or not isinstance(bwd_workspace_mb, int)
                                          or bwd_workspace_mb < 0):
-        raise ValueError(f"bwd_workspace_mb must be None or an int >= 0, got {bwd_workspace_mb!r}")
+        raise ValueError(f"attention.bwd_workspace_mb must be None or an int >= 0, got {bwd_workspace_mb!r}")
     core = auto_attention if impl == AttentionImpl.auto else ATTENTION_CORES[impl]
     if bwd_workspace_mb is not None and impl in (AttentionImpl.auto, AttentionImpl.pallas):
         core = functools.partial(core, bwd_workspace_mb=bwd_workspace_mb)

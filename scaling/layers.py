@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaling.config import ModelConfig
+from scaling.config import ConfigError, ModelConfig
 from scaling.sharding import axes as A
 from scaling.sharding import constrain
 
@@ -74,8 +74,31 @@ class Embed(nnx.Module):
 # ------------------------------------------------------------------------------ RoPE
 
 
+def check_rope(cfg: ModelConfig) -> None:
+    """The RoPE settings this module can compute with, checked here too: a ModelConfig built in
+    Python skips the config file's validation (an odd head dim failed deep in jnp.split; low >=
+    high, or a factor below 1, gave frequencies that are not Llama 3's, without a word)."""
+    head_dim = cfg.resolved_head_dim
+    if head_dim < 2 or head_dim % 2:
+        derived = ("" if cfg.head_dim is not None else
+                   f" (model.hidden_size={cfg.hidden_size} // model.num_heads={cfg.num_heads}; set model.head_dim)")
+        raise ConfigError(f"model.head_dim: RoPE rotates pairs of dimensions and needs an even head_dim >= 2, "
+                          f"got {head_dim}{derived}")
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    if factor == 0:
+        return
+    if not (math.isfinite(factor) and factor >= 1):
+        raise ConfigError(f"model.rope_scaling_factor: must be 0 (off) or a finite factor >= 1, got {factor}")
+    if not (0 < low < high and math.isfinite(high)):
+        raise ConfigError(f"model.rope_low_freq_factor/rope_high_freq_factor: need 0 < low < high with rope scaling on, "
+                          f"got {low}, {high}")
+    if not cfg.rope_original_max_len > 0:
+        raise ConfigError(f"model.rope_original_max_len: must be positive with rope scaling on, got {cfg.rope_original_max_len}")
+
+
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     """Inverse frequencies theta^(-2i/H) (Su et al. 2021), with Llama 3's scaling if set."""
+    check_rope(cfg)
     head_dim = cfg.resolved_head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if cfg.rope_scaling_factor:

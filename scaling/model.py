@@ -77,6 +77,10 @@ class Transformer(nnx.Module):
         b, t = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        elif jnp.ndim(positions_bt) != 2 or jnp.shape(positions_bt)[1] != t or jnp.shape(positions_bt)[0] not in (1, b):
+            # A [T] or [B, 1] array broadcast silently (or failed deep in RoPE): [B, 1] gave every
+            # token the same position.
+            raise ValueError(f"positions_bt must have shape [B, T]={(b, t)} (or [1, T]), got {jnp.shape(positions_bt)}")
         inv_freq = layers.rope_frequencies(cfg)
         core = attention_core(self.attention_cfg.impl, bwd_workspace_mb=self.attention_cfg.bwd_workspace_mb)
         x_btd = self.embed(tokens_bt, self.compute_dtype)

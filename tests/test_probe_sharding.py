@@ -176,10 +176,11 @@ def test_param_names_must_cover_every_dimension(devices):
     (["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"],
      r"k_dkh: dimension 2 \(kv_heads\) has size 2, which mesh axis tensor of size 4 cannot divide; "
      r"make mesh\.tensor one of 1, 2, or model\.num_kv_heads=2 a multiple of 4"),
-    # pure FSDP spreads D over fsdp x tensor; divisors of 100 up to 8 devices: 1, 2, 4, 5
+    # pure FSDP spreads D over fsdp x tensor; divisors of 100 that divide the 8 devices: 1, 2, 4
+    # (5 was suggested too, but fsdp x tensor = 5 is no mesh of 8 devices)
     (["mesh.rules=fsdp", "mesh.fsdp=4", "mesh.tensor=2", "model.hidden_size=100", "model.num_heads=2", "model.num_kv_heads=2"],
      r"dimension 1 \(embed\) has size 100, which mesh axis fsdpxtensor of size 8 cannot divide; "
-     r"make mesh\.fsdp x mesh\.tensor one of 1, 2, 4, 5, or model\.hidden_size=100 a multiple of 8"),
+     r"make mesh\.fsdp x mesh\.tensor one of 1, 2, 4, or model\.hidden_size=100 a multiple of 8"),
 ])
 def test_indivisible_error_names_the_fields_and_the_sizes_that_work(overrides, message, devices):
     from scaling.train import make_setup

@@ -60,7 +60,8 @@ def spec_for(path: str, shape: tuple[int, ...], names: tuple, mapping: Mapping, 
         if size % n:
             mesh_fields = " x ".join(f"mesh.{a}" for a in axes_t)
             field = _MODEL_FIELD.get(name)
-            allowed = ", ".join(str(d) for d in range(1, min(size, mesh.size) + 1) if size % d == 0)
+            # A mesh axis must also divide the device count (the other axes take the rest).
+            allowed = ", ".join(str(d) for d in range(1, min(size, mesh.size) + 1) if size % d == 0 and mesh.size % d == 0)
             raise ShardingError(
                 f"parameter {path}: dimension {dim} ({name}) has size {size}, which mesh axis "
                 f"{'x'.join(axes_t)} of size {n} cannot divide; make {mesh_fields} one of {allowed}, "
