@@ -119,8 +119,9 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotate pairs (i, i + H/2): the half-split layout of GPT-NeoX and HF Llama.
 
-    Meta's original checkpoints pair adjacent dims (2i, 2i+1) instead; scaling.interop
-    converts between the two by permuting the q/k projection rows.
+    Meta's original checkpoints pair adjacent dims (2i, 2i+1) instead; HF's conversion script
+    permutes their q/k rows into this layout, so scaling.interop reads HF directories as they are
+    (it does not read Meta's original format).
     """
     angles_bth = positions_bt[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
     cos = jnp.cos(angles_bth)[:, :, None, :]
