@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 from scaling.config import AttentionImpl, Config, DType, ModelConfig, RematPolicyName
@@ -106,6 +107,15 @@ class MeshShape:
     fsdp: int = 1
     tensor: int = 1
     rules: str = "default"
+
+    def __post_init__(self):
+        # A size of 0 divided by zero later, a negative one priced negative FLOPs, a float
+        # fractional devices: none of them describes a mesh.
+        for axis in ("data", "fsdp", "tensor"):
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                raise ValueError(f"MeshShape.{axis} must be an integer >= 1, got {size!r}")
+        get_rule_set(self.rules)  # an unknown rule set names the allowed ones
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -608,6 +618,14 @@ class MemoryBytes:
         return max(self.phases.values())
 
 
+def micro_batch(batch: int, grad_accum: int) -> int:
+    """Sequences per micro-batch. (A grad_accum that did not divide the batch was floored
+    silently: batch 8 over 3 micro-batches priced 2 sequences each, 6 in all.)"""
+    if grad_accum < 1 or batch % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum} must be >= 1 and divide train.batch_size={batch}")
+    return batch // grad_accum
+
+
 def training_memory(cfg: Config, mesh: MeshShape, *, accelerator: bool = True, hw: Hardware | None = None,
                     policy: RematPolicyName | None = None, grad_accum: int | None = None,
                     batch_size: int | None = None) -> MemoryBytes:
@@ -627,7 +645,7 @@ def training_memory(cfg: Config, mesh: MeshShape, *, accelerator: bool = True, h
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
     batch = cfg.train.batch_size if batch_size is None else batch_size
     n_dev = params_per_device(m, mesh)
-    micro = batch // accum
+    micro = micro_batch(batch, accum)
     act = activation_bytes(m, cfg.train.seq_len, micro, policy, cfg.remat.names, c=c, p=p,
                            flash=is_flash(cfg.attention.impl, hw), mesh=mesh, loss_chunk=cfg.train.loss_chunk)
     shapes = param_shapes(m)
@@ -669,9 +687,14 @@ def axis_bandwidth(axis: str, mesh: MeshShape, hw: Hardware) -> float:
     return hw.ring_bandwidth if inner <= hw.devices_per_node else hw.dcn_bandwidth
 
 
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
 def collective_seconds(kind: str, nbytes: float, n: int, bw: float) -> float:
     """Ring collective over n devices: AllGather / ReduceScatter move (n-1)/n of the array
     through each device, AllReduce twice that [HSM-S]."""
+    if kind not in COLLECTIVE_KINDS:  # ("allreduce" was priced as an all-gather, half the time)
+        raise ValueError(f"collective kind {kind!r} is not one of: {', '.join(COLLECTIVE_KINDS)}")
     if n <= 1:
         return 0.0
     factor = 2.0 if kind == "all-reduce" else 1.0
@@ -679,7 +702,8 @@ def collective_seconds(kind: str, nbytes: float, n: int, bw: float) -> float:
 
 
 def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: bool = True,
-                   policy: RematPolicyName | None = None, grad_accum: int | None = None) -> list[Collective]:
+                   policy: RematPolicyName | None = None, grad_accum: int | None = None,
+                   batch_size: int | None = None) -> list[Collective]:
     """Collectives per training step, per mesh axis.
 
     FSDP (params over an axis that also splits the batch): AllGather each layer's weights
@@ -704,6 +728,7 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
     c = dtype_bytes(m.compute_dtype, accelerator=accelerator)
     policy = cfg.remat.policy if policy is None else policy
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
+    micro = micro_batch(cfg.train.batch_size if batch_size is None else batch_size, accum)
     rules = mesh.rule_set
     out: list[Collective] = []
     order = A.MESH_AXES  # jax.make_mesh puts the last axis on the nearest devices
@@ -748,7 +773,6 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
                                   collective_seconds("all-reduce", r, n, bw) * accum))
     t = mesh.sizes["tensor"]
     if t > 1 and "tensor" in rules.activations.get(A.ACT_MLP, ()):
-        micro = cfg.train.batch_size // accum
         act = micro * cfg.train.seq_len / mesh.split(A.BATCH) * m.hidden_size * c
         count = m.num_layers * (4 + (1 if recomputes_out_proj(policy, cfg.remat.names) else 0))
         bw = axis_bandwidth("tensor", mesh, hw)
@@ -915,13 +939,13 @@ class StepTime:
     each layer's residuals to come back, and the copy engines share HBM with the kernels.
     """
 
-    matmul_flops: float  # per device per step: bf16 dense matmuls incl. recomputation (and an XLA core's)
+    matmul_flops: float  # per device per step: c-input (bf16) matmuls incl. recomputation (and an XLA core's)
     attention_flops: float  # flash core: 3 x causal forward + recomputed forwards
     traffic: dict[str, float]  # HBM bytes per device per step of the memory-bound kernels, by source
     rates: Rates
     comm_seconds: float = 0.0
     host_bytes: float = 0.0  # device <-> host per step (both directions)
-    f32_matmul_flops: float = 0.0  # matmuls with f32 inputs (the one-pass loss's head backward)
+    f32_matmul_flops: float = 0.0  # matmuls with f32 inputs (the one-pass loss's head backward; all, f32 compute)
     serial_comm_seconds: float = 0.0  # collectives on the critical path (tensor parallelism)
 
     @property
@@ -958,7 +982,8 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
     """Calibrated step time of one optimizer step, per device.
 
     time = bf16 matmul FLOPs (model + remat recompute) / achievable matmul rate
-         + f32 matmul FLOPs (the one-pass loss's head backward) / achievable f32 matmul rate
+         + f32 matmul FLOPs (the one-pass loss's head backward; every matmul under f32 compute)
+           / achievable f32 matmul rate
          + flash attention FLOPs (3 x causal forward + recomputed forwards) / achievable attention rate
          + memory-bound HBM traffic / achievable copy bandwidth
          + tensor-parallel all-reduces (StepTime says why these add and the others overlap)
@@ -1019,8 +1044,15 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
     chunk = cfg.train.loss_chunk
     f32_matmul = 0.0
     if not chunk and c < F32:
-        f32_matmul = 2 * 2 * m.hidden_size * m.vocab_size / mesh.split(A.ACT_VOCAB) * tokens
+        # `tokens` is already this device's share of the step's work (its batch shard / tensor
+        # split), as for every other matmul; dividing by the vocab split again had priced a
+        # tensor-parallel device 1/tp of its f32 head backward.
+        f32_matmul = 2 * 2 * m.hidden_size * m.vocab_size * tokens
         matmul -= f32_matmul
+    elif c == F32:
+        # f32 compute: every matmul has f32 inputs (TF32 on the GPU), so all run at the f32
+        # rate; they had been priced at the bf16 rate (2.3x faster on an H200: 631 vs 277).
+        matmul, f32_matmul = 0.0, matmul
 
     # Memory-bound traffic.
     mem = training_memory(cfg, mesh, hw=hw, policy=policy, grad_accum=accum, batch_size=batch, accelerator=accelerator)
@@ -1048,8 +1080,8 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         # The casts work on the weights as the matmuls use them: after FSDP's all-gather
         # (training_comms: weights move in the parameter dtype), so on the gathered sizes.
         gathered = gathered_params_per_device(m, mesh)
-        layer_w = layer_matmul_params(m) * layers * gathered / param_count(m)
-        other_w = gathered - layer_w  # embedding and head (as the matmuls see them)
+        layer_w = weight_elems_per_device(m, mesh, LAYER_WEIGHTS, gathered=True)  # (was pro rata of all params)
+        other_w = gathered - layer_w  # embedding, head, norm scales (as the matmuls see them)
         casts = (2 if recomputes else 1) * layer_w + other_w
         traffic["weight casts f32 -> c"] = (p + c) * casts * accum
         traffic["weight gradients c -> f32"] = (p + c) * gathered * accum
@@ -1059,7 +1091,10 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
     # FSDP gathers / reduce-scatters and the data-parallel all-reduce can run ahead of, or
     # behind, the compute that needs them (async collectives on their own stream); Megatron's
     # all-reduces sit between a layer's matmuls (the next one needs the sum), so they add up.
-    collectives = training_comms(cfg, mesh, hw, policy=policy, grad_accum=accum) if hw and dev > 1 else []
+    # (The same batch and compute dtype as the rest of the step: the tensor all-reduces had
+    # been priced on cfg's batch and bf16 whatever `batch_size` and `accelerator` said.)
+    collectives = (training_comms(cfg, mesh, hw, accelerator=accelerator, policy=policy, grad_accum=accum,
+                                  batch_size=batch) if hw and dev > 1 else [])
     overlapped = sum(x.seconds for x in collectives if x.axis != "tensor")
     serial = sum(x.seconds for x in collectives if x.axis == "tensor")
     host = 2 * mem.activations.host * accum  # offloaded in the forward, fetched back in the backward
