@@ -88,13 +88,17 @@ def model_source(model: str) -> Path:
     return path if path.exists() else Path(model)
 
 
+COMPUTE_DTYPES = ("bfloat16", "float32")
+_compute_dtype = "bfloat16"  # --compute-dtype (main sets it, and passes it on to the children)
+
+
 def make_config(model: str, policy: str, batch: int, seq: int, steps: int = 10):
     from scaling.config import load_config
 
     src = model_source(model)
     seq = min(seq, load_config(src).model.max_seq_len)
     overrides = [
-        "--model.compute_dtype=bfloat16", f"--train.batch_size={batch}", f"--train.seq_len={seq}",
+        f"--model.compute_dtype={_compute_dtype}", f"--train.batch_size={batch}", f"--train.seq_len={seq}",
         f"--train.steps={steps + 1}", f"--remat.policy={policy}", "--mesh.data=1", "--mesh.fsdp=1", "--mesh.tensor=1",
         "--data.source=synthetic", "--checkpoint.enabled=false",
     ]
@@ -192,10 +196,11 @@ def calibrate(args) -> None:
         core = attention_core(cfg.attention.impl)
         ks = jax.random.split(jax.random.key(2), 4)
         bsz = cfg.train.batch_size
-        q = jax.random.normal(ks[0], (bsz, t, nh, hd), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (bsz, t, kh, hd), jnp.bfloat16)
-        vv = jax.random.normal(ks[2], (bsz, t, kh, hd), jnp.bfloat16)
-        do = jax.random.normal(ks[3], (bsz, t, nh, hd), jnp.bfloat16)
+        cdt = jnp.dtype(_compute_dtype)  # the core as the model runs it
+        q = jax.random.normal(ks[0], (bsz, t, nh, hd), cdt)
+        k = jax.random.normal(ks[1], (bsz, t, kh, hd), cdt)
+        vv = jax.random.normal(ks[2], (bsz, t, kh, hd), cdt)
+        do = jax.random.normal(ks[3], (bsz, t, nh, hd), cdt)
 
         @jax.jit
         def run(q, k, vv, do):
@@ -702,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="1b", help="preset under configs/models/ (default 1b)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=4, help="the batch every policy is measured at")
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="bfloat16",
+                   help="model.compute_dtype (float32: every matmul at the f32/TF32 rate in the prediction)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per policy (after one warm-up)")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--max-batch", type=int, default=256, help="cap of the largest-batch search")
@@ -722,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-k", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     check_args(p, args)
+    global _compute_dtype
+    _compute_dtype = args.compute_dtype
     if args.child == "calibrate":
         calibrate(args)
         return 0
@@ -738,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(_ENV)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", args.mem_fraction)
     base = [sys.executable, __file__, "--model", args.model, "--seq", str(args.seq), "--batch", str(args.batch),
+            "--compute-dtype", args.compute_dtype,
             "--steps", str(args.steps), "--max-batch", str(args.max_batch)]
     if args.capacity_gib:
         base += ["--capacity-gib", str(args.capacity_gib)]

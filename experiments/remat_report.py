@@ -45,12 +45,16 @@ def err(pred, meas) -> str:
 
 
 
+_DTYPE_NAME = {"bfloat16": "bf16", "float32": "f32 (TF32 matmuls, priced at the f32 rate)"}
+
+
 def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: float) -> str:
     seq = next((r["seq"] for r in rows if "seq" in r), args.seq)
     unit, ub = byte_unit(rows)
     dev = cal["device"] if cal else "?"
     lines = [
-        f"# bench_remat: `{args.model}`, bf16 compute, batch {args.batch} x {seq}, one {dev}",
+        f"# bench_remat: `{args.model}`, {_DTYPE_NAME.get(getattr(args, 'compute_dtype', 'bfloat16'), '?')} compute, "
+        f"batch {args.batch} x {seq}, one {dev}",
         "",
         f"{time.strftime('%Y-%m-%d')}, jax {cal['jax'] if cal else '?'}; `python experiments/bench_remat.py "
         + " ".join(sys.argv[1:]) + f"`; {wall:.0f} s.",

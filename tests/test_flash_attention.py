@@ -209,3 +209,23 @@ def test_validation_errors(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), interpret=True, **args)
+
+
+@pytest.mark.parametrize("setting, want", [("tensorfloat32", "DEFAULT"), (None, "DEFAULT"), ("highest", "HIGHEST"),
+                                           ("float32", "HIGHEST")])
+def test_f32_dots_follow_the_default_matmul_precision(setting, want):
+    """The kernel's f32 dots take jax's default matmul precision, as XLA's f32 dots do: TF32
+    (DEFAULT) unless "highest"/"float32" is asked for. They were always HIGHEST, full f32 on the
+    FMA units: 1.8 TFLOP/s on an H200, the 1b's f32 step 6.95x slower (docs/benchmarks.md)."""
+    import re
+
+    q = jnp.ones((1, 64, 2, 64), jnp.float32)
+    kv = jnp.ones((1, 64, 1, 64), jnp.float32)
+    with jax.default_matmul_precision(setting):
+        text = str(jax.make_jaxpr(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=True))(q, kv, kv))
+    assert set(re.findall(r"precision=\(?Precision\.([A-Z]+)", text)) == {want}
+    bf = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    bkv = jnp.ones((1, 64, 1, 64), jnp.bfloat16)
+    with jax.default_matmul_precision(setting):  # 16-bit inputs: the tensor cores' own precision always
+        text = str(jax.make_jaxpr(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=True))(bf, bkv, bkv))
+    assert set(re.findall(r"precision=\(?Precision\.([A-Z]+)", text)) == {"DEFAULT"}

@@ -22,8 +22,12 @@ are set to a large finite negative value, not -inf, so the running max never com
 inf - inf. A row with no visible key (only possible with segment ids) outputs 0 and stores
 lse = +inf, which makes every recomputed probability, and so every gradient, exactly 0.
 
-f32 inputs use full-f32 dots (not tf32); bf16 / f16 inputs round P and dS to the input
-dtype before their matmuls, as every flash kernel does.
+f32 inputs take the precision every other f32 matmul of the model takes: jax's
+`jax_default_matmul_precision` ("highest" / "float32": full-f32 dots; unset: TF32 tensor cores
+on the GPU, as XLA's own f32 dots). Full f32 ran on the FMA units at ~1.8 TFLOP/s on an H200,
+which made the 1b's f32 train step 3.4x slower than XLA's TF32 attention (docs/benchmarks.md).
+bf16 / f16 inputs round P and dS to the input dtype before their matmuls, as every flash
+kernel does.
 
 Lengths that are not multiples of the tiles are zero-padded in the wrapper. Non-causal calls
 mask the padded keys (and skip tiles that hold only padding); causal calls need no extra mask
@@ -243,9 +247,16 @@ def _make_plan(q, k, *, causal, segmented, sm_scale, blocks: BlockSizes, interpr
 # Pieces shared by the kernels.
 
 
+def f32_dot_precision() -> lax.Precision:
+    """The kernels' precision for f32 operands: full f32 only where jax's default matmul
+    precision asks for it (then XLA's f32 dots are full f32 too), else TF32 like theirs."""
+    asked = str(jax.config.jax_default_matmul_precision or "default").lower()
+    return lax.Precision.HIGHEST if asked in ("highest", "float32") else lax.Precision.DEFAULT
+
+
 def _dot(a, b, contract: tuple[int, int]):
-    """a, b 2-D; contract one dim of each; f32 result. f32 inputs use full f32 (not tf32)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    """a, b 2-D; contract one dim of each; f32 result; f32 operands at f32_dot_precision()."""
+    precision = f32_dot_precision() if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     dims = (((contract[0],), (contract[1],)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
