@@ -1,0 +1,98 @@
+"""The collectives XLA compiles into a sharded train step, by kind and dtype, beside the accounting's.
+
+    PYTHONPATH=. python3 experiments/hlo_collectives.py --model 1b --mesh fsdp=2 --mesh tensor=2   # 2 GPUs
+    PYTHONPATH=. XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
+        python3 experiments/hlo_collectives.py --model tiny --mesh fsdp=2                            # CPU
+
+For each mesh (over every visible device): compile the train step (no step runs), read the
+optimized HLO, and count each collective instruction's output bytes by opcode and element type,
+separately for the entry computation and for the computations a loop runs (the layers' scan:
+those run once per layer). Beside them, `accounting.training_comms`' collectives for the same
+config. It answers what the CPU's HLO could not settle for the GPU: in which dtype FSDP gathers
+the weights, and how the embedding's gather is partitioned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                    r"(?:-start)?\(")
+_ARRAY = re.compile(r"\b(f32|bf16|f16|s32|u32|pred)\[([0-9,]*)\]")
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def collectives(hlo: str) -> dict[tuple[str, str, str], list[int]]:
+    """(where, opcode, dtype) -> [count, bytes]; where is 'entry' or 'loop body' (the rest)."""
+    out: dict = collections.defaultdict(lambda: [0, 0])
+    where = "loop body"
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY"):
+            where = "entry"
+        elif line and not line[0].isspace() and "{" in line:
+            where = "loop body"
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        for dtype, dims in _ARRAY.findall(m.group(1))[:1]:  # the result (of a -start: the first)
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            rec = out[(where, m.group(2), dtype)]
+            rec[0] += 1
+            rec[1] += n * _BYTES[dtype]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="1b")
+    p.add_argument("--mesh", action="append", required=True, help="axis=size[,axis=size] over all devices (repeatable)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--remat", default="none")
+    args = p.parse_args(argv)
+
+    import jax
+
+    from scaling import accounting as acc
+    from scaling.config import load_config
+    from scaling.hardware import detect
+    from scaling.train import abstract_state, make_setup, make_train_step
+
+    n = jax.device_count()
+    print(f"# collectives in the compiled train step: `{args.model}`, {args.dtype}, batch {args.batch} x {args.seq}, "
+          f"remat {args.remat}, {n} x {jax.devices()[0].device_kind}, jax {jax.__version__}\n")
+    for spec in args.mesh:
+        sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+        for item in spec.split(","):
+            axis, size = item.split("=")
+            sizes[axis] = int(size)
+        overrides = [f"--mesh.{a}={s}" for a, s in sizes.items()] + [
+            f"--train.batch_size={args.batch}", f"--train.seq_len={args.seq}", f"--model.compute_dtype={args.dtype}",
+            f"--remat.policy={args.remat}", "--data.source=synthetic", "--checkpoint.enabled=false"]
+        cfg = load_config(f"configs/models/{args.model}.yaml", overrides)
+        setup = make_setup(cfg)
+        state = abstract_state(setup)
+        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jax.numpy.int32,
+                                     sharding=setup.batch_sharding)
+        hlo = make_train_step(setup).lower(state, batch).compile().as_text()
+        found = collectives(hlo)
+        print(f"## mesh {sizes}\n\n| where | collective | dtype | count | MiB (outputs) |\n|---|---|---|---|---|")
+        for (where, op, dtype), (count, nbytes) in sorted(found.items()):
+            print(f"| {where} | {op} | {dtype} | {count} | {nbytes / 2**20:,.1f} |")
+        hw = detect()
+        if hw:
+            print("\nPredicted (`accounting.training_comms`):\n\n| axis | collective | what | MiB | ms |\n|---|---|---|---|---|")
+            for c in acc.training_comms(cfg, acc.MeshShape(**sizes, rules=cfg.mesh.rules), hw):
+                print(f"| {c.axis} | {c.kind} | {c.what} | {c.bytes / 2**20:,.1f} | {c.seconds * 1e3:.2f} |")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
