@@ -1,0 +1,44 @@
+"""experiments/hlo_collectives.py: its HLO parser against hand-counted text, and a CPU run."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import hlo_collectives as H  # noqa: E402
+
+HLO = """HloModule jit_step
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %ag = bf16[16,8]{1,0} all-gather(bf16[8,8]{1,0} %x), dimensions={0}
+  %rs = bf16[4,8]{1,0} reduce-scatter(bf16[8,8]{1,0} %g), dimensions={0}
+  %ars = f32[2]{0} all-reduce-start(f32[2]{0} %s), to_apply=%add
+  ROOT %t = (s32[], f32[4,8]) tuple(%i, %y)
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[8,8] {
+  %g2 = f32[8,8]{1,0} all-gather(f32[4,8]{1,0} %a), dimensions={0}
+  %a2a = bf16[2,4]{1,0} all-to-all(bf16[2,4]{1,0} %e), dimensions={0}
+  %add.1 = f32[8,8]{1,0} add(f32[8,8]{1,0} %g2, f32[8,8]{1,0} %g2)
+  ROOT %g3 = f32[8,8]{1,0} all-gather(f32[4,8]{1,0} %b), dimensions={0}
+}
+"""
+
+
+def test_collectives_are_counted_by_place_kind_and_dtype():
+    got = H.collectives(HLO)
+    assert got == {
+        ("loop body", "all-gather", "bf16"): [1, 16 * 8 * 2],
+        ("loop body", "reduce-scatter", "bf16"): [1, 4 * 8 * 2],
+        ("loop body", "all-reduce", "f32"): [1, 2 * 4],  # an async -start counts as its collective
+        ("entry", "all-gather", "f32"): [2, 2 * 8 * 8 * 4],
+        ("entry", "all-to-all", "bf16"): [1, 2 * 4 * 2],
+    }
+
+
+def test_a_cpu_run_prints_the_meshes_collectives(capsys):
+    assert H.main(["--model", "tiny", "--seq", "64", "--batch", "8", "--mesh", "fsdp=8"]) == 0
+    out = capsys.readouterr().out
+    assert "## mesh {'data': 1, 'fsdp': 8, 'tensor': 1}" in out
+    assert "| loop body | all-gather |" in out
