@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -23,6 +22,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+
+from rope_reference import meta_llama3_inv_freq  # noqa: E402
 
 from scaling.interop import hf
 
@@ -53,26 +54,6 @@ def test_dtype_is_read_before_torch_dtype():
     assert cfg.param_dtype.value == "bfloat16"
 
 
-def _meta_apply_scaling(freqs, factor, low_freq_factor, high_freq_factor, old_context_len):
-    """Llama 3.1's frequency scaling as Meta's reference writes it, one frequency at a time."""
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    out, branches = [], set()
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_freq_wavelen:
-            out.append(freq)
-            branches.add("kept")
-        elif wavelen > low_freq_wavelen:
-            out.append(freq / factor)
-            branches.add("divided")
-        else:
-            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-            out.append((1 - smooth) * freq / factor + smooth * freq)
-            branches.add("ramp")
-    return np.array(out), branches
-
-
 @pytest.mark.parametrize("rope", [
     # Llama 3.1 8B's config.json (transformers 4.x layout)
     {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -89,10 +70,9 @@ def test_llama3_frequencies_follow_metas_reference(rope):
     r = {**rope.get("rope_scaling", {}), **rope.get("rope_parameters", {})}
     theta = rope.get("rope_theta", r.get("rope_theta"))
     head_dim = 128
-    base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    want, branches = _meta_apply_scaling(base, r["factor"], r["low_freq_factor"], r["high_freq_factor"],
-                                         r["original_max_position_embeddings"])
-    assert branches == {"kept", "divided", "ramp"}  # every branch of the formula is exercised
+    want, bands = meta_llama3_inv_freq(theta, head_dim, r["factor"], r["low_freq_factor"], r["high_freq_factor"],
+                                       r["original_max_position_embeddings"])
+    assert set(bands) == {"kept", "divided", "blended"}  # every branch of the formula is exercised
     np.testing.assert_allclose(np.asarray(rope_frequencies(cfg), np.float64), want, rtol=2e-6)
 
 

@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rope_reference import meta_llama3_inv_freq  # noqa: E402
+
 from scaling import attention, layers
 from scaling.attention import AUTO_PALLAS_MAX_LEN, attention_core
 from scaling.config import AttentionConfig, AttentionImpl, DType, ModelConfig
@@ -44,29 +46,6 @@ def tokens(b, t, vocab, seed=0):
 
 
 # ------------------------------------------------------------------------- Llama 3 RoPE scaling
-
-
-def meta_llama3_inv_freq(theta, head_dim, factor, low, high, original_len):
-    """Meta's `apply_scaling` (meta-llama/llama-models, models/llama3/reference_impl/model.py; the
-    same as transformers' `_compute_llama3_parameters`), in float64, one frequency at a time:
-    wavelengths shorter than original_len / high kept, longer than original_len / low divided by
-    factor, a linear blend in 1/wavelength between."""
-    base = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    low_wavelen, high_wavelen = original_len / low, original_len / high
-    out, bands = [], []
-    for freq in base:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            out.append(freq)
-            bands.append("kept")
-        elif wavelen > low_wavelen:
-            out.append(freq / factor)
-            bands.append("divided")
-        else:
-            smooth = (original_len / wavelen - low) / (high - low)
-            out.append((1 - smooth) * freq / factor + smooth * freq)
-            bands.append("blended")
-    return np.array(out), bands
 
 
 @pytest.mark.parametrize("theta,head_dim,factor,low,high,original_len", [

@@ -56,36 +56,12 @@ def read_losses(run_dir: Path) -> list[float]:
 
 
 def test_two_processes_match_one(tmp_path, devices):
-    port = free_port()
     run_dir = tmp_path / "multi"
-    env = {
-        **os.environ,
-        # 4 simulated devices per process (replaces conftest's 8).
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_DEFAULT_MATMUL_PRECISION": "highest",  # as conftest sets for this process
-    }
-    procs = []
+    procs = _launch(tmp_path, run_dir, free_port(), OVERRIDES, "proc")
     try:
-        for pid in range(2):
-            cmd = [
-                sys.executable, "-m", "scaling", "train", "--config", CONFIG, *OVERRIDES, "--run_dir", str(run_dir),
-                f"--mesh.coordinator_address=127.0.0.1:{port}", "--mesh.num_processes=2", f"--mesh.process_id={pid}",
-            ]  # fmt: skip
-            log = open(tmp_path / f"proc{pid}.log", "w")
-            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         single = single_process_losses()  # meanwhile, the reference in this process
-        deadline = time.monotonic() + TIMEOUT_S
-        for p, _ in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
     finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
+        _wait(procs, time.monotonic() + TIMEOUT_S)
     logs = {pid: (tmp_path / f"proc{pid}.log").read_text() for pid in range(2)}
     for pid, (p, _) in enumerate(procs):
         assert p.returncode == 0, f"process {pid} exited with {p.returncode}:\n{logs[pid][-3000:]}"
@@ -180,8 +156,10 @@ def test_a_sigterm_to_one_process_stops_all_at_one_step_and_the_run_resumes_exac
             break
         time.sleep(0.1)
     procs[1][0].send_signal(signal.SIGTERM)  # process 1 only
-    reference = single_process_losses(steps)  # meanwhile, in this process
-    rcs = _wait(procs, time.monotonic() + TIMEOUT_S)
+    try:
+        reference = single_process_losses(steps)  # meanwhile, in this process
+    finally:
+        rcs = _wait(procs, time.monotonic() + TIMEOUT_S)
     logs = [(tmp_path / f"first{pid}.log").read_text() for pid in range(2)]
     assert rcs == [0, 0], f"exit codes {rcs}:\n" + "\n".join(log[-3000:] for log in logs)
     saved = sorted(int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit())
