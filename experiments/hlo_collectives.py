@@ -20,9 +20,21 @@ import re
 import sys
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-                    r"(?:-start)?\(")
+                    r"(-start)?\(")
 _ARRAY = re.compile(r"\b(f32|bf16|f16|s32|u32|pred)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def detail(hlo: str) -> list[tuple[str, str, str]]:
+    """(computation, opcode, result shape) of every collective, in the HLO's order."""
+    out, comp = [], "?"
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and "{" in line:
+            comp = line.split("(")[0].replace("ENTRY", "").strip().lstrip("%")
+        m = _INSTR.match(line)
+        if m:
+            out.append((comp, m.group(2), m.group(1).strip()))
+    return out
 
 
 def collectives(hlo: str) -> dict[tuple[str, str, str], list[int]]:
@@ -37,13 +49,18 @@ def collectives(hlo: str) -> dict[tuple[str, str, str], list[int]]:
         m = _INSTR.match(line)
         if not m:
             continue
-        for dtype, dims in _ARRAY.findall(m.group(1))[:1]:  # the result (of a -start: the first)
+        results = _ARRAY.findall(m.group(1))
+        if m.group(3) and len(results) > 1:
+            results = results[len(results) // 2:]  # an async -start's tuple: (operands, outputs)
+        # A combined collective's tuple result holds several arrays: all of them count (once).
+        for dtype, dims in results:
             n = 1
             for d in filter(None, dims.split(",")):
                 n *= int(d)
             rec = out[(where, m.group(2), dtype)]
-            rec[0] += 1
             rec[1] += n * _BYTES[dtype]
+        if results:
+            out[(where, m.group(2), results[0][0])][0] += 1
     return out
 
 
@@ -55,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--remat", default="none")
+    p.add_argument("--detail", action="store_true", help="also list every collective with its computation and shape")
     args = p.parse_args(argv)
 
     import jax
@@ -85,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## mesh {sizes}\n\n| where | collective | dtype | count | MiB (outputs) |\n|---|---|---|---|---|")
         for (where, op, dtype), (count, nbytes) in sorted(found.items()):
             print(f"| {where} | {op} | {dtype} | {count} | {nbytes / 2**20:,.1f} |")
+        if args.detail:
+            print("\n| computation | collective | result |\n|---|---|---|")
+            for comp, op, shape in detail(hlo):
+                print(f"| {comp} | {op} | `{shape}` |")
         hw = detect()
         if hw:
             print("\nPredicted (`accounting.training_comms`):\n\n| axis | collective | what | MiB | ms |\n|---|---|---|---|---|")

@@ -14,6 +14,8 @@ HLO = """HloModule jit_step
   %ag = bf16[16,8]{1,0} all-gather(bf16[8,8]{1,0} %x), dimensions={0}
   %rs = bf16[4,8]{1,0} reduce-scatter(bf16[8,8]{1,0} %g), dimensions={0}
   %ars = f32[2]{0} all-reduce-start(f32[2]{0} %s), to_apply=%add
+  %agc = (bf16[4]{0}, bf16[6]{0}) all-gather(bf16[2]{0} %u, bf16[3]{0} %w), dimensions={0}
+  %ags = ((bf16[3]{0}), bf16[6]{0}) all-gather-start(bf16[3]{0} %w), dimensions={0}
   ROOT %t = (s32[], f32[4,8]) tuple(%i, %y)
 }
 
@@ -29,7 +31,8 @@ ENTRY %main (a: f32[8,8]) -> f32[8,8] {
 def test_collectives_are_counted_by_place_kind_and_dtype():
     got = H.collectives(HLO)
     assert got == {
-        ("loop body", "all-gather", "bf16"): [1, 16 * 8 * 2],
+        # one plain gather, one combined (both outputs count), one async (its outputs only)
+        ("loop body", "all-gather", "bf16"): [3, 16 * 8 * 2 + (4 + 6) * 2 + 6 * 2],
         ("loop body", "reduce-scatter", "bf16"): [1, 4 * 8 * 2],
         ("loop body", "all-reduce", "f32"): [1, 2 * 4],  # an async -start counts as its collective
         ("entry", "all-gather", "f32"): [2, 2 * 8 * 8 * 4],
