@@ -77,9 +77,12 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
     f = acc.flops_per_token(m, t.seq_len)
     fi = acc.flops_per_token(m, t.seq_len, training=False)
     mem, act, roof, st = c.memory, c.memory.activations, c.roofline, c.time
-    # FSDP moves the weights in the parameter dtype (training_comms), so its threshold does too
-    # (it had assumed bf16 weights beside a table of f32 gathers: half the f32 threshold).
-    crit = acc.critical_tokens_per_device(hw, bytes_per_param=acc.dtype_bytes(m.param_dtype))
+    # FSDP's threshold in the dtype the gathers carry on a GPU: XLA:GPU casts each weight to the
+    # compute dtype before gathering it (1b on 2 H200s: every gather bf16 with f32 params;
+    # docs/benchmarks.md, "Multi-GPU scaling"). training_comms still prices them in the parameter
+    # dtype, about 2x high on GPUs: the next fix.
+    crit = acc.critical_tokens_per_device(hw, bytes_per_param=min(acc.dtype_bytes(m.param_dtype),
+                                                                  acc.dtype_bytes(m.compute_dtype)))
     # A device holds its batch shard's tokens: tensor parallelism splits the weights, not the batch.
     tokens_dev = t.batch_size * t.seq_len / mesh.split("batch") / t.grad_accum
     lines = [
