@@ -220,3 +220,21 @@ def test_largest_cell_when_nothing_fits():
     assert rs.largest_cell(s) == "0"
     s = rs.summarize_search(ev[:-2] + ev[-1:], 256)  # 1 with autotuning off only
     assert rs.largest_cell(s) == "0 (1: autotune-off probe only)"
+
+
+def test_compute_dtype_reaches_the_config_and_the_f32_prediction(monkeypatch, capsys):
+    """--compute-dtype float32: the children's config computes in f32, and the calibrated
+    prediction prices its matmuls at the measured f32 rate (halving that rate doubles them)."""
+    import types
+
+    monkeypatch.setattr(br, "_compute_dtype", "float32")
+    assert br.make_config("tiny", "none", 2, 128).model.compute_dtype.value == "float32"
+    args = types.SimpleNamespace(model="tiny", seq=128, steps=2, max_batch=8)
+    cal = {"device": "NVIDIA H100 80GB HBM3", "backend": "gpu", "matmul": 5e14, "attention": 2e14, "copy": 3e12,
+           "host": 5e10, "f32_matmul": 2e14}
+    fast = br.predictions(args, "none", 2, cal, None)
+    slow = br.predictions(args, "none", 2, {**cal, "f32_matmul": 1e14}, None)
+    assert slow["matmul_s"] == pytest.approx(2 * fast["matmul_s"], rel=1e-9)
+    with pytest.raises(SystemExit) as e:
+        br.main(["--compute-dtype", "fp8"])
+    assert e.value.code == 2 and "--compute-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
