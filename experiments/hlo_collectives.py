@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import re
 import sys
 
@@ -64,6 +65,88 @@ def collectives(hlo: str) -> dict[tuple[str, str, str], list[int]]:
     return out
 
 
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+)")
+_REF = re.compile(r"%([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_LIST_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """name -> its instruction lines, in the HLO's order (callees before their callers)."""
+    out: dict[str, list[str]] = {}
+    body: list[str] | None = None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            body = out.setdefault(_COMP.match(line).group(1), [])
+        elif body is not None and line.startswith(" "):
+            body.append(line)
+    return out
+
+
+def multiplicity(comps: dict[str, list[str]]) -> dict[str, int]:
+    """How often each computation runs per step: a while body its known trip count times its
+    caller's; anything else called (fusions, async wrappers, conditions) as often as its caller."""
+    entry = next(reversed(comps))  # ENTRY comes last
+    edges: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
+    callers = dict.fromkeys(comps, 0)
+    for name, lines in comps.items():
+        for line in lines:
+            trip = _TRIP.search(line) if " while(" in line else None
+            body = re.search(r"body=%([\w.\-]+)", line) if trip else None
+            for ref in set(_REF.findall(line.split("(", 1)[1] if "(" in line else "")):
+                if ref in comps and ref != name:
+                    edges[name].append((ref, int(trip.group(1)) if body and ref == body.group(1) else 1))
+                    callers[ref] += 1
+    mult = dict.fromkeys(comps, 0)
+    mult[entry] = 1
+    ready = [name for name, n in callers.items() if n == 0]  # Kahn's order: every caller before its callees
+    while ready:
+        name = ready.pop()
+        for ref, factor in edges[name]:
+            mult[ref] += mult[name] * factor
+            callers[ref] -= 1
+            if not callers[ref]:
+                ready.append(ref)
+    return mult
+
+
+def group_size(line: str, devices: int) -> int:
+    """Devices in one replica group of a collective (all of them when the groups are empty)."""
+    m = _MESH_GROUPS.search(line)  # mesh['data'=1,'fsdp'=2] {'fsdp'}: the named axes' sizes
+    if m:
+        sizes = {k.strip("'"): int(v) for k, v in (item.split("=") for item in m.group(1).split(","))}
+        return math.prod(sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip())
+    m = _IOTA_GROUPS.search(line)
+    if m:
+        return int(m.group(2))
+    m = _LIST_GROUPS.search(line)
+    return len(m.group(1).split(",")) if m else devices
+
+
+def step_totals(hlo: str, devices: int) -> dict[tuple[str, str], float]:
+    """(opcode, dtype) -> bytes per step of the arrays the collectives reduce or gather, in the
+    accounting's convention (`accounting.Collective.bytes`): an all-gather's output, a
+    reduce-scatter's input (its output times the group), an all-reduce's array, an all-to-all's
+    output; a loop body's collectives counted once per trip."""
+    comps = computations(hlo)
+    mult = multiplicity(comps)
+    out: dict[tuple[str, str], float] = collections.defaultdict(float)
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            results = _ARRAY.findall(m.group(1))
+            if m.group(3) and len(results) > 1:
+                results = results[len(results) // 2:]
+            scale = mult[name] * (group_size(line, devices) if m.group(2) == "reduce-scatter" else 1)
+            for dtype, dims in results:
+                out[(m.group(2), dtype)] += scale * math.prod(int(d) for d in filter(None, dims.split(","))) * _BYTES[dtype]
+    return dict(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="1b")
@@ -73,18 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--remat", default="none")
     p.add_argument("--detail", action="store_true", help="also list every collective with its computation and shape")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further config override, e.g. train.loss_chunk=512 or model.tie_embeddings=true (repeatable)")
     args = p.parse_args(argv)
 
     import jax
 
     from scaling import accounting as acc
     from scaling.config import load_config
-    from scaling.hardware import detect
+    from scaling.hardware import detect, get_hardware
     from scaling.train import abstract_state, make_setup, make_train_step
 
     n = jax.device_count()
     print(f"# collectives in the compiled train step: `{args.model}`, {args.dtype}, batch {args.batch} x {args.seq}, "
           f"remat {args.remat}, {n} x {jax.devices()[0].device_kind}, jax {jax.__version__}\n")
+    if args.set:
+        print(f"overrides: {' '.join(args.set)}\n")
     for spec in args.mesh:
         sizes = {"data": 1, "fsdp": 1, "tensor": 1}
         for item in spec.split(","):
@@ -92,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes[axis] = int(size)
         overrides = [f"--mesh.{a}={s}" for a, s in sizes.items()] + [
             f"--train.batch_size={args.batch}", f"--train.seq_len={args.seq}", f"--model.compute_dtype={args.dtype}",
-            f"--remat.policy={args.remat}", "--data.source=synthetic", "--checkpoint.enabled=false"]
+            f"--remat.policy={args.remat}", "--data.source=synthetic", "--checkpoint.enabled=false"] + [f"--{kv}" for kv in args.set]
         cfg = load_config(f"configs/models/{args.model}.yaml", overrides)
         setup = make_setup(cfg)
         state = abstract_state(setup)
@@ -107,11 +194,23 @@ def main(argv: list[str] | None = None) -> int:
             print("\n| computation | collective | result |\n|---|---|---|")
             for comp, op, shape in detail(hlo):
                 print(f"| {comp} | {op} | `{shape}` |")
-        hw = detect()
-        if hw:
-            print("\nPredicted (`accounting.training_comms`):\n\n| axis | collective | what | MiB | ms |\n|---|---|---|---|---|")
-            for c in acc.training_comms(cfg, acc.MeshShape(**sizes, rules=cfg.mesh.rules), hw):
-                print(f"| {c.axis} | {c.kind} | {c.what} | {c.bytes / 2**20:,.1f} | {c.seconds * 1e3:.2f} |")
+        hw = detect() or get_hardware("h100")  # the CPU: bytes only, no times worth reading
+        on_cpu = jax.default_backend() == "cpu"
+        predicted = acc.training_comms(cfg, acc.MeshShape(**sizes, rules=cfg.mesh.rules), hw, accelerator=not on_cpu)
+        print(f"\nPredicted (`accounting.training_comms`, accelerator={not on_cpu}):\n\n"
+              "| axis | collective | what | MiB | ms |\n|---|---|---|---|---|")
+        for c in predicted:
+            print(f"| {c.axis} | {c.kind} | {c.what} | {c.bytes / 2**20:,.1f} | {c.seconds * 1e3:.2f} |")
+        totals = step_totals(hlo, n)
+        print("\nPer step, XLA (loop bodies times their trip counts) against the accounting:\n\n"
+              "| collective | XLA MiB by dtype | XLA MiB | predicted MiB | predicted / XLA |\n|---|---|---|---|---|")
+        for kind in sorted({k for k, _ in totals} | {c.kind for c in predicted}):
+            by_dtype = {d: b for (k, d), b in sorted(totals.items()) if k == kind}
+            xla = sum(by_dtype.values())
+            pred = sum(c.bytes for c in predicted if c.kind == kind)
+            ratio = f"{pred / xla:.3f}" if xla else "-"
+            print(f"| {kind} | {', '.join(f'{d} {b / 2**20:,.1f}' for d, b in by_dtype.items()) or '-'} | "
+                  f"{xla / 2**20:,.1f} | {pred / 2**20:,.1f} | {ratio} |")
         print()
     return 0
 

@@ -21,6 +21,9 @@ Sources, cited as [tag] below:
   [K22]    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
            Models": per-layer activation bytes and selective recomputation.
   [PaLM]   Chowdhery et al. 2022, appendix B: MFU = model FLOPs (no recomputation) / peak.
+  [XLA-GPU] What XLA:GPU compiles into this repository's sharded train step, counted from the
+           optimized HLO (experiments/hlo_collectives.py, 2 H200s; docs/benchmarks.md,
+           "Multi-GPU scaling"): which arrays each collective carries, in which dtype, how often.
 
 Peak memory is the largest phase of the step (MemoryBytes), not a sum of every buffer: the
 loss/head transients and a layer's backward working set are live at different times.
@@ -676,6 +679,9 @@ class Collective:
     what: str
     bytes: float  # the full (unsharded over `axis`) array size, per device, per step
     seconds: float
+    # Carries activations the next op waits for (Megatron's all-reduces, the embedding's
+    # all-to-all), rather than weights or grads that async collectives move ahead or behind.
+    serial: bool = False
 
 
 def axis_bandwidth(axis: str, mesh: MeshShape, hw: Hardware) -> float:
@@ -687,12 +693,14 @@ def axis_bandwidth(axis: str, mesh: MeshShape, hw: Hardware) -> float:
     return hw.ring_bandwidth if inner <= hw.devices_per_node else hw.dcn_bandwidth
 
 
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, bw: float) -> float:
     """Ring collective over n devices: AllGather / ReduceScatter move (n-1)/n of the array
-    through each device, AllReduce twice that [HSM-S]."""
+    through each device, AllReduce twice that [HSM-S]. AllToAll of a device's `nbytes`: it
+    keeps 1/n and sends the rest, (n-1)/n, priced at the link rate of a switched GPU network
+    (the book's 1/4 of an AllGather is for a bidirectional TPU ring, [HSM-S])."""
     if kind not in COLLECTIVE_KINDS:  # ("allreduce" was priced as an all-gather, half the time)
         raise ValueError(f"collective kind {kind!r} is not one of: {', '.join(COLLECTIVE_KINDS)}")
     if n <= 1:
@@ -717,68 +725,121 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
     out projection (`full`; `names`/`offload` without out_proj) re-runs its AllReduce, once:
     JAX recomputes only what the backward reads, and the down projection's output (summed into
     the layer output) is read by nothing (`recompute_flops_per_token`; XLA:CPU's compiled step,
-    tests/test_accounting_xla.py). With grad accumulation (scaling/train.py scans over
-    micro-batches, each with its own forward and backward) every collective happens once per
-    micro-batch.
-    Weights move in the parameter dtype (the cast to the compute dtype happens after the
-    gather in the model code), grads in the parameter dtype.
+    tests/test_accounting_xla.py).
+
+    Outside the layers, as XLA:GPU partitions them [XLA-GPU]:
+      - the output head is gathered like a layer (forward, backward); with the chunked loss
+        (train.loss_chunk) once per chunk instead, forward and backward together;
+      - the embedding lookup over a table split along D by batch axes is an AllToAll of the
+        [B, T, D] activations, forward and backward, not a gather of the table (its gradient
+        needs no reduction there); a table split along the vocabulary by `tensor` is looked up
+        in pieces and the [B, T, D] result all-reduced; a tied table is also gathered and
+        reduced like the head;
+      - a vocabulary split by `tensor` all-reduces the head's f32 input gradient [B, T, D]
+        (the loss's [B, T] softmax statistics are D times smaller and left out).
+
+    Dtypes. On an accelerator [XLA-GPU]: each weight shard is cast to the compute dtype before
+    it is gathered; a matmul's weight gradient (the layers', the embedding's) leaves it in the
+    compute dtype and is reduced in it; the head's gradient comes from the loss's f32 backward
+    and the norm scales' from the f32 norm, and are reduced in f32, bf16 parameters or not. With accelerator=False (XLA:CPU, which computes
+    bf16 in f32, tests/test_accounting_xla.py) weights and gradients move in the parameter dtype.
+
+    Grad accumulation (scaling/train.py scans over micro-batches, each with its own forward
+    and backward): every collective happens once per micro-batch, except the data-parallel
+    AllReduces of the parameters outside every scan (the embedding, the one-pass loss's head,
+    the final norm, untied): XLA sums those gradients over the micro-batches first and
+    reduces them once [XLA-GPU].
     """
     m = cfg.model
     p = dtype_bytes(m.param_dtype)
     c = dtype_bytes(m.compute_dtype, accelerator=accelerator)
+    weight_b = min(p, c) if accelerator else p  # gathered weights
+    matmul_grad_b = min(p, c) if accelerator else p  # layers' and embedding's gradients
+    f32_grad_b = F32 if accelerator else p  # head's and norm scales' gradients (f32 even with bf16 params)
     policy = cfg.remat.policy if policy is None else policy
     accum = cfg.train.grad_accum if grad_accum is None else grad_accum
     micro = micro_batch(cfg.train.batch_size if batch_size is None else batch_size, accum)
+    chunk = cfg.train.loss_chunk
+    # One-pass loss: the head is gathered for the logits and again for their backward, except
+    # in f32, where XLA:GPU keeps the forward's gather (1b and 350m) [XLA-GPU].
+    head_gathers = cfg.train.seq_len // chunk if chunk else (1 if accelerator and c == F32 else 2)
     rules = mesh.rule_set
-    out: list[Collective] = []
     order = A.MESH_AXES  # jax.make_mesh puts the last axis on the nearest devices
     batch_axes = mesh.axes_of(A.BATCH, params=False)
-    # Per axis, the bytes of the arrays that pass through its stage of the collectives. A
-    # collective over several axes runs as one stage per axis, the innermost (fastest link)
-    # first on the whole array, each next on what is left: a reduce-scatter over the inner
-    # axis leaves 1/n of the array for the outer one (an all-gather is the mirror image), so
-    # the bytes add up to one ring over all the axes, (N-1)/N of the array, and the slow
-    # outer links carry the least.
-    gather: dict[str, float] = {a: 0.0 for a in batch_axes}
-    reduce: dict[str, float] = {a: 0.0 for a in batch_axes}
+    act_elems = micro * cfg.train.seq_len / mesh.split(A.BATCH) * m.hidden_size  # one [B, T, D] per device
+    # (axis, kind, what) -> bytes per step. A collective over several axes runs as one stage per
+    # axis, the innermost (fastest link) first on the whole array, each next on what is left:
+    # a reduce-scatter over the inner axis leaves 1/n of the array for the outer one (an
+    # all-gather is the mirror image), so the bytes add up to one ring over all the axes,
+    # (N-1)/N of the array, and the slow outer links carry the least.
+    total: dict[tuple[str, str, str], float] = {}
+
+    def add(axis: str, kind: str, what: str, nbytes: float) -> None:
+        total[(axis, kind, what)] = total.get((axis, kind, what), 0.0) + nbytes
+
     inner_first = sorted(batch_axes, key=order.index, reverse=True)
-    for shape, names in param_shapes(m).values():
+    for name, (shape, names) in param_shapes(m).items():
         dims = mesh.dim_axes(names, rules.params)
-        shard = math.prod(-(-s // math.prod(mesh.sizes[a] for a in axes)) for s, axes in zip(shape, dims)) * p
+        shard = math.prod(-(-s // math.prod(mesh.sizes[a] for a in axes)) for s, axes in zip(shape, dims))
         sharded_over = {a for axes in dims for a in axes}
-        # FSDP: the param is split over these batch axes: gather it, reduce-scatter its grad.
-        size = shard * math.prod(mesh.sizes[a] for a in batch_axes if a in sharded_over)
-        for a in (a for a in inner_first if a in sharded_over):
-            gather[a] += size
-            size /= mesh.sizes[a]
-        # Data parallel: replicated over these batch axes: all-reduce its (sharded) grad.
-        size = shard
-        for a in (a for a in inner_first if a not in sharded_over):
-            reduce[a] += size
-            size /= mesh.sizes[a]
-    for axis in batch_axes:
-        n = mesh.sizes[axis]
-        bw = axis_bandwidth(axis, mesh, hw)
-        if gather[axis]:
-            g = gather[axis]
-            for what in ("weights (forward)", "weights (backward re-gather)"):
-                out.append(Collective(axis, "all-gather", what, g * accum,
-                                      collective_seconds("all-gather", g, n, bw) * accum))
-            out.append(Collective(axis, "reduce-scatter", "grads", g * accum,
-                                  collective_seconds("reduce-scatter", g, n, bw) * accum))
-        if reduce[axis]:
-            r = reduce[axis]
-            what = "grads" if not gather[axis] else "grads of replicated params"
-            out.append(Collective(axis, "all-reduce", what, r * accum,
-                                  collective_seconds("all-reduce", r, n, bw) * accum))
+        table, head = name == "embed.table_vd", name == "head_dv" or (name == "embed.table_vd" and m.tie_embeddings)
+        # Data-parallel reductions XLA hoists out of the micro-batch loop: the gradients of the
+        # params outside every scan. Not the layers', the chunked loss's head (its chunk scan
+        # accumulates it), nor a tied table's (two uses summed) [XLA-GPU].
+        per_micro = name.startswith("blocks.") or (head and (chunk or m.tie_embeddings))
+        matmul = name.startswith("blocks.") and not name.endswith(".scale") or table
+        # (gathers per micro-batch, gradient bytes per element) for each way the param is used
+        uses = []
+        if head:
+            uses.append((head_gathers, f32_grad_b))
+        if table:
+            uses.append((0, matmul_grad_b))  # the lookup: no gather, its gradient summed over data axes
+        elif not head:
+            uses.append((2, matmul_grad_b if matmul else f32_grad_b))
+        for gathers, grad_b in uses:
+            # FSDP: the param is split over these batch axes: gather it, reduce-scatter its grad.
+            size = shard * math.prod(mesh.sizes[a] for a in batch_axes if a in sharded_over)
+            for a in (a for a in inner_first if a in sharded_over):
+                if gathers == 2:  # one-pass: forward, and again in the backward
+                    add(a, "all-gather", "weights (forward)", size * weight_b * accum)
+                    add(a, "all-gather", "weights (backward re-gather)", size * weight_b * accum)
+                elif gathers:
+                    add(a, "all-gather", f"head weight (per loss chunk) x{gathers}", size * weight_b * gathers * accum)
+                if gathers:
+                    add(a, "reduce-scatter", "grads", size * grad_b * accum)
+                size /= mesh.sizes[a]
+            # Data parallel: replicated over these batch axes: all-reduce its (sharded) grad.
+            size = shard
+            for a in (a for a in inner_first if a not in sharded_over):
+                add(a, "all-reduce", "grads", size * grad_b * (accum if per_micro else 1))
+                size /= mesh.sizes[a]
+        if table:
+            over = [a for a in inner_first if a in sharded_over]
+            if over:  # the lookup's [B, T, D] all-to-all, forward and backward, on its slowest axis
+                add("+".join(sorted(over, key=order.index)), "all-to-all", "embedding lookup [B,T,D] x2",
+                    2 * act_elems * c * accum)
     t = mesh.sizes["tensor"]
     if t > 1 and "tensor" in rules.activations.get(A.ACT_MLP, ()):
-        act = micro * cfg.train.seq_len / mesh.split(A.BATCH) * m.hidden_size * c
         count = m.num_layers * (4 + (1 if recomputes_out_proj(policy, cfg.remat.names) else 0))
-        bw = axis_bandwidth("tensor", mesh, hw)
-        out.append(Collective("tensor", "all-reduce", f"[B,T,D] activations x{count}", act * count * accum,
-                              collective_seconds("all-reduce", act, t, bw) * count * accum))
-    return out
+        add("tensor", "all-reduce", f"[B,T,D] activations x{count}", act_elems * c * count * accum)
+    vocab_axes = set(a for axes in mesh.dim_axes((A.VOCAB,), rules.params) for a in axes) - set(batch_axes)
+    for a in sorted(vocab_axes, key=order.index):
+        add(a, "all-reduce", "embedding lookup [B,T,D]", act_elems * c * accum)
+        add(a, "all-reduce", "head input grad [B,T,D] (f32)", act_elems * F32 * accum)
+
+    out: list[Collective] = []
+    for (axis, kind, what), nbytes in total.items():
+        if not nbytes:
+            continue
+        axes = axis.split("+")
+        n = math.prod(mesh.sizes[a] for a in axes)
+        bw = axis_bandwidth(axes[0], mesh, hw)  # the outermost: the slowest link it crosses
+        if kind == "all-reduce" and what == "grads" and any(k[0] == axis and k[1] == "all-gather" for k in total):
+            what = "grads of replicated params"
+        out.append(Collective(axis, kind, what, nbytes, collective_seconds(kind, nbytes, n, bw),
+                              serial="[B,T,D]" in what))
+    kinds = COLLECTIVE_KINDS
+    return sorted(out, key=lambda x: (order.index(x.axis.split("+")[-1]), kinds.index(x.kind)))
 
 
 # ------------------------------------------------------------------------- roofline
@@ -931,8 +992,10 @@ class StepTime:
     kernels on one stream: they run one after another, so their times add (the roofline's
     max() assumes a perfect overlap that a single stream cannot give). FSDP / data-parallel
     collectives run on their own streams and overlap with compute, so they only count when
-    longer than it; tensor-parallel all-reduces sit between a layer's matmuls and add up
-    (multi-device: not yet checked against a measurement). Remat offload's host transfers
+    longer than it; collectives of activations (tensor-parallel all-reduces between a layer's
+    matmuls, the embedding's all-to-all) sit on the critical path and add up. The collectives'
+    bytes are XLA:GPU's (tests/test_accounting_gpu_collectives.py); their times, at datasheet
+    link rates, are not yet checked against a measurement. Remat offload's host transfers
     add to the compute: on an H200 (1b, batch 4) the offload step measured 314.0 ms against
     331.8 ms predicted with the transfers after the compute and 211.0 ms with them
     overlapped (experiments/bench_remat.py, docs/benchmarks.md): the backward waits for
@@ -946,7 +1009,7 @@ class StepTime:
     comm_seconds: float = 0.0
     host_bytes: float = 0.0  # device <-> host per step (both directions)
     f32_matmul_flops: float = 0.0  # matmuls with f32 inputs (the one-pass loss's head backward; all, f32 compute)
-    serial_comm_seconds: float = 0.0  # collectives on the critical path (tensor parallelism)
+    serial_comm_seconds: float = 0.0  # collectives on the critical path (Collective.serial)
 
     @property
     def matmul_seconds(self) -> float:
@@ -1077,8 +1140,9 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         # Read the f32 logits for the log-sum-exp, again backward, write the f32 gradient.
         traffic["loss (f32 logits read twice, f32 gradient)"] = 3 * F32 * v_dev * shard_tokens
     if c != p:
-        # The casts work on the weights as the matmuls use them: after FSDP's all-gather
-        # (training_comms: weights move in the parameter dtype), so on the gathered sizes.
+        # Priced on the weights as the matmuls use them (the gathered sizes). XLA:GPU casts a
+        # shard before gathering it and converts a gradient after reducing it [XLA-GPU], so
+        # under FSDP this is an upper bound (n times the shard's traffic, a small term).
         gathered = gathered_params_per_device(m, mesh)
         layer_w = weight_elems_per_device(m, mesh, LAYER_WEIGHTS, gathered=True)  # (was pro rata of all params)
         other_w = gathered - layer_w  # embedding, head, norm scales (as the matmuls see them)
@@ -1095,7 +1159,7 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
     # been priced on cfg's batch and bf16 whatever `batch_size` and `accelerator` said.)
     collectives = (training_comms(cfg, mesh, hw, accelerator=accelerator, policy=policy, grad_accum=accum,
                                   batch_size=batch) if hw and dev > 1 else [])
-    overlapped = sum(x.seconds for x in collectives if x.axis != "tensor")
-    serial = sum(x.seconds for x in collectives if x.axis == "tensor")
+    overlapped = sum(x.seconds for x in collectives if not x.serial)
+    serial = sum(x.seconds for x in collectives if x.serial)
     host = 2 * mem.activations.host * accum  # offloaded in the forward, fetched back in the backward
     return StepTime(matmul, attention, traffic, rates, overlapped, host, f32_matmul, serial)

@@ -77,10 +77,8 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
     f = acc.flops_per_token(m, t.seq_len)
     fi = acc.flops_per_token(m, t.seq_len, training=False)
     mem, act, roof, st = c.memory, c.memory.activations, c.roofline, c.time
-    # FSDP's threshold in the dtype the gathers carry on a GPU: XLA:GPU casts each weight to the
-    # compute dtype before gathering it (1b on 2 H200s: every gather bf16 with f32 params;
-    # docs/benchmarks.md, "Multi-GPU scaling"). training_comms still prices them in the parameter
-    # dtype, about 2x high on GPUs: the next fix.
+    # FSDP's threshold in the dtype the gathers carry on a GPU: XLA:GPU casts each weight shard
+    # to the compute dtype before gathering it, as training_comms prices it [XLA-GPU].
     crit = acc.critical_tokens_per_device(hw, bytes_per_param=min(acc.dtype_bytes(m.param_dtype),
                                                                   acc.dtype_bytes(m.compute_dtype)))
     # A device holds its batch shard's tokens: tensor parallelism splits the weights, not the batch.

@@ -418,38 +418,53 @@ def _by(comms, axis, kind, what=None):
 
 
 def test_fsdp_comms_by_hand():
-    """fsdp=2 on an H100 node: every matrix has a D (embed) dim split over fsdp, gathered
-    forward and backward and its grad reduce-scattered; the 7 norm scales are replicated:
-    their grads all-reduced. f32 params (4 bytes), 450 GB/s NVLink."""
+    """fsdp=2 on an H100 node, f32 params, bf16 compute (as XLA:GPU moves them,
+    docs/benchmarks.md "Multi-GPU scaling"): the layer matrices and the head have a D (embed)
+    dim split over fsdp, gathered in bf16 forward and backward; the layers' grads
+    reduce-scattered in bf16, the head's in f32 (the loss's f32 backward); the embedding looked
+    up through an all-to-all of the [B, T, D] activations (forward and backward) instead of a
+    table gather; the 7 norm scales replicated: their f32 grads all-reduced. 450 GB/s NVLink."""
     hw = get_hardware("h100")
     comms = acc.training_comms(small_cfg(), acc.MeshShape(1, 2, 1), hw)
-    matrices = (SMALL_PARAMS - (2 * L + 1) * D) * 4
+    gathered = (L * LAYER_MATMUL + HEAD) * 2
+    grads = L * LAYER_MATMUL * 2 + HEAD * 4
     norms = (2 * L + 1) * D * 4
+    lookup = 2 * (2 // 2 * 16 * D) * 2  # forward + backward, this device's [B/2, T, D] in bf16
     gathers = _by(comms, "fsdp", "all-gather")
     assert [x.what for x in gathers] == ["weights (forward)", "weights (backward re-gather)"]
-    for x in gathers + _by(comms, "fsdp", "reduce-scatter"):
-        assert x.bytes == matrices and x.seconds == pytest.approx(0.5 * matrices / 450e9, rel=1e-12)
+    for x in gathers:
+        assert x.bytes == gathered and x.seconds == pytest.approx(0.5 * gathered / 450e9, rel=1e-12)
+    (rs,) = _by(comms, "fsdp", "reduce-scatter")
+    assert rs.bytes == grads and rs.seconds == pytest.approx(0.5 * grads / 450e9, rel=1e-12)
     (ar,) = _by(comms, "fsdp", "all-reduce")
     assert ar.bytes == norms and ar.seconds == pytest.approx(2 * 0.5 * norms / 450e9, rel=1e-12)
-    # Two micro-batches: each has its forward and backward, so every collective twice.
-    comms2 = acc.training_comms(small_cfg(), acc.MeshShape(1, 2, 1), hw, grad_accum=2)
-    assert sum(x.seconds for x in comms2) == pytest.approx(2 * sum(x.seconds for x in comms), rel=1e-12)
-    assert sum(x.bytes for x in comms2) == 2 * sum(x.bytes for x in comms)
+    (a2a,) = _by(comms, "fsdp", "all-to-all")
+    assert a2a.bytes == lookup and a2a.seconds == pytest.approx(0.5 * lookup / 450e9, rel=1e-12) and a2a.serial
+    assert not any(x.serial for x in gathers + [rs, ar])
+    # Two micro-batches of this batch: each has its forward and backward, so every collective
+    # twice, except the final norm's all-reduce, outside the layer scan: XLA reduces its summed
+    # grad once.
+    comms2 = acc.training_comms(small_cfg(batch=4), acc.MeshShape(1, 2, 1), hw, grad_accum=2)
+    assert sum(x.bytes for x in comms2) == 2 * sum(x.bytes for x in comms) - D * 4
+    # On the CPU (XLA:CPU computes bf16 in f32) weights and grads move in the parameter dtype.
+    cpu = acc.training_comms(small_cfg(), acc.MeshShape(1, 2, 1), hw, accelerator=False)
+    assert [x.bytes for x in _by(cpu, "fsdp", "all-gather")] == [(L * LAYER_MATMUL + HEAD) * 4] * 2
 
 
 def test_data_parallel_across_nodes_uses_the_network():
     """data=2 x fsdp=8 on H100 nodes of 8: fsdp rings stay in a node (450 GB/s), data crosses
-    nodes (50 GB/s NIC). data all-reduces the fsdp-sharded grads: each matrix / 8, plus the
-    norm scales' grads after the fsdp stage left 1/8 of them."""
+    nodes (50 GB/s NIC). data all-reduces the fsdp-sharded grads, each / 8: the layers' and the
+    embedding's in bf16, the head's and the norm scales' in f32 (the norms' after the fsdp
+    stage left 1/8 of them)."""
     hw = get_hardware("h100")
     comms = acc.training_comms(small_cfg(batch=16), acc.MeshShape(2, 8, 1), hw)
-    matrices = (SMALL_PARAMS - (2 * L + 1) * D) * 4
-    norms = (2 * L + 1) * D * 4
+    gathered = (L * LAYER_MATMUL + HEAD) * 2
     (ag, _), (rs,) = _by(comms, "fsdp", "all-gather"), _by(comms, "fsdp", "reduce-scatter")
-    assert ag.seconds == pytest.approx(7 / 8 * matrices / 450e9, rel=1e-12)
+    assert ag.seconds == pytest.approx(7 / 8 * gathered / 450e9, rel=1e-12)
     (ar,) = _by(comms, "data", "all-reduce")
-    assert ar.bytes == matrices / 8 + norms / 8
-    assert ar.seconds == pytest.approx(2 * 0.5 * (matrices / 8 + norms / 8) / 50e9, rel=1e-12)
+    reduced = ((L * LAYER_MATMUL + EMBED) * 2 + HEAD * 4 + (2 * L + 1) * D * 4) / 8
+    assert ar.bytes == reduced
+    assert ar.seconds == pytest.approx(2 * 0.5 * reduced / 50e9, rel=1e-12)
     assert acc.axis_bandwidth("fsdp", acc.MeshShape(2, 8, 1), hw) == 450e9
     assert acc.axis_bandwidth("data", acc.MeshShape(2, 8, 1), hw) == 50e9
     assert acc.axis_bandwidth("data", acc.MeshShape(2, 4, 1), hw) == 450e9  # 8 devices: one node
@@ -461,15 +476,20 @@ def test_tensor_parallel_allreduces_by_hand(policy, per_layer):
     re-runs the out projection's. bf16 on an accelerator: 2·16·64·2 = 4,096 bytes each."""
     hw = get_hardware("h100")
     cfg = small_cfg(f"--remat.policy={policy.value}")
-    (x,) = acc.training_comms(cfg, acc.MeshShape(1, 1, 2), hw)
+    x, lookup, head = acc.training_comms(cfg, acc.MeshShape(1, 1, 2), hw)
     count = per_layer * L
     act = 2 * 16 * D * 2
     assert (x.axis, x.kind, x.what) == ("tensor", "all-reduce", f"[B,T,D] activations x{count}")
     assert x.bytes == act * count
     assert x.seconds == pytest.approx(count * 2 * 0.5 * act / 450e9, rel=1e-12)
+    # The vocabulary is split over tensor: the embedding's lookup is summed over the pieces
+    # (bf16) and so is the head's input gradient (f32, the loss's backward) [XLA-GPU].
+    assert (lookup.what, lookup.bytes, head.what, head.bytes) == \
+        ("embedding lookup [B,T,D]", act, "head input grad [B,T,D] (f32)", 2 * act)
+    assert all(c.serial and c.axis == "tensor" and c.kind == "all-reduce" for c in (x, lookup, head))
     # The batch is split over fsdp first: each device all-reduces its half.
     fsdp = acc.training_comms(cfg, acc.MeshShape(1, 2, 2), hw)
-    assert _by(fsdp, "tensor", "all-reduce")[0].bytes == act * count / 2
+    assert _by(fsdp, "tensor", "all-reduce", x.what)[0].bytes == act * count / 2
 
 
 def test_training_time_prices_the_tensor_allreduces_on_its_own_batch_and_dtype():
@@ -477,13 +497,15 @@ def test_training_time_prices_the_tensor_allreduces_on_its_own_batch_and_dtype()
     bf16 whatever it was given (the rest of its step used the arguments)."""
     hw = get_hardware("h100")
     cfg = small_cfg()
-    one = 2 * 0.5 * 2 * 16 * D * 2 / 450e9 * 4 * L  # batch 2, bf16, 4 per layer
+    unit = 2 * 0.5 * 2 * 16 * D / 450e9  # an all-reduce of batch 2's [B, T, D], per byte of its dtype
+    # bf16: 4 per layer and the embedding's lookup, in bf16; the head's input gradient in f32.
+    one = unit * (2 * (4 * L + 1) + 4)
     assert acc.training_time(cfg, acc.MeshShape(1, 1, 2), hw).serial_comm_seconds == pytest.approx(one)
     batch8 = acc.training_time(cfg, acc.MeshShape(1, 1, 2), hw, batch_size=8)
     assert batch8.serial_comm_seconds == pytest.approx(4 * one)
     f32 = load_config(None, [*SMALL_OVERRIDES, "--train.batch_size=2", "--train.seq_len=16"])  # compute auto
     assert acc.training_time(f32, acc.MeshShape(1, 1, 2), hw, accelerator=False).serial_comm_seconds == \
-        pytest.approx(2 * one)
+        pytest.approx(unit * 4 * (4 * L + 2))
 
 
 # ------------------------------------------------------------------------- roofline

@@ -45,3 +45,43 @@ def test_a_cpu_run_prints_the_meshes_collectives(capsys):
     out = capsys.readouterr().out
     assert "## mesh {'data': 1, 'fsdp': 8, 'tensor': 1}" in out
     assert "| loop body | all-gather |" in out
+
+
+NESTED = """HloModule jit_step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%inner (p: (s32[], bf16[8])) -> (s32[], bf16[8]) {
+  %ag = bf16[8]{0} all-gather(bf16[4]{0} %x), replica_groups=[1,2]<=[2], dimensions={0}
+  %rs = bf16[4]{0} reduce-scatter(bf16[8]{0} %g), replica_groups=mesh['data'=1,'fsdp'=2] {'fsdp'}, to_apply=%add
+}
+
+%outer (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %w = (s32[], bf16[8]) while((s32[], bf16[8]) %t), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+  %ar = f32[2]{0} all-reduce(f32[2]{0} %y), replica_groups={{0,1}}, to_apply=%add
+}
+
+%cond (p: (s32[], f32[2])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %loop = (s32[], f32[2]) while((s32[], f32[2]) %t0), condition=%cond, body=%outer, backend_config={"known_trip_count":{"n":"2"}}
+  %rs2 = f32[2]{0} reduce-scatter(f32[8]{0} %h), replica_groups={}, to_apply=%add
+  ROOT %a2a = bf16[4]{0} all-to-all(bf16[4]{0} %e), dimensions={0}
+}
+"""
+
+
+def test_step_totals_multiply_loop_bodies_by_their_trips_and_reduce_scatters_by_their_group():
+    assert H.multiplicity(H.computations(NESTED)) == {"add": 6 + 2 + 1, "inner": 6, "outer": 2, "cond": 1 + 2,
+                                                     "main": 1}
+    assert H.step_totals(NESTED, devices=4) == {
+        ("all-gather", "bf16"): 6 * 8 * 2,  # inner runs 2 x 3 times
+        ("reduce-scatter", "bf16"): 6 * 4 * 2 * 2,  # its input: the output times the fsdp group of 2
+        ("all-reduce", "f32"): 2 * 2 * 4,
+        ("reduce-scatter", "f32"): 2 * 4 * 4,  # empty groups: all 4 devices
+        ("all-to-all", "bf16"): 4 * 2,
+    }

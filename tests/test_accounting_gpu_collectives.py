@@ -1,0 +1,69 @@
+"""accounting.training_comms against what XLA:GPU compiled on 2 H200s.
+
+docs/results/hlo_collectives_session47/ holds `experiments/hlo_collectives.py`'s output for 15
+configurations (1b and 350m; bf16 and f32 compute, bf16 params; remat none and full; the
+chunked loss, tied embeddings, grad accumulation; the default, `fsdp` and `dp` rule sets). Each
+file gives, per mesh and collective kind, the bytes per step XLA's optimized HLO moves (loop
+bodies times their trip counts). The accounting is recomputed here, on the CPU, for the same
+configuration and must give the same bytes: the recorded "predicted" column is not read.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from scaling import accounting as acc
+from scaling.config import load_config
+from scaling.hardware import get_hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "hlo_collectives_session47"
+HEADER = re.compile(r"^# collectives in the compiled train step: `(\w+)`, (\w+), batch (\d+) x (\d+), remat (\w+), "
+                    r"2 x NVIDIA H200")
+
+
+def recorded() -> list[tuple[str, list[str], dict[str, int], dict[str, float]]]:
+    """(file, overrides, mesh sizes, {kind: XLA MiB without integer arrays}) per recorded mesh."""
+    out = []
+    for path in sorted(RESULTS.glob("*.md")):
+        lines = path.read_text().splitlines()
+        model, dtype, batch, seq, remat = HEADER.match(lines[0]).groups()
+        sets = next((ln.split(": ", 1)[1].split() for ln in lines if ln.startswith("overrides: ")), [])
+        overrides = [f"--model.compute_dtype={dtype}", f"--train.batch_size={batch}", f"--train.seq_len={seq}",
+                     f"--remat.policy={remat}"] + [f"--{kv}" for kv in sets]
+        sizes, table = None, False
+        for ln in lines:
+            if ln.startswith("## mesh "):
+                sizes, xla = ast.literal_eval(ln[len("## mesh "):]), {}
+                out.append((f"{path.stem} {sizes}", [f"configs/models/{model}.yaml", *overrides], sizes, xla))
+            elif ln.startswith("| collective | XLA MiB by dtype"):
+                table = True
+            elif table and ln.startswith("| ") and not ln.startswith("|---"):
+                kind, by_dtype = [c.strip() for c in ln.strip("|").split("|")][:2]
+                floats = [(d, float(v.replace(",", ""))) for d, v in (x.split() for x in by_dtype.split(", ") if x != "-")]
+                xla[kind] = sum(v for d, v in floats if d in ("bf16", "f32"))  # s32: token ids, not priced
+            elif not ln.startswith("|"):
+                table = False
+    return out
+
+
+CASES = recorded()
+
+
+def test_the_recorded_runs_are_all_there():
+    assert len({c[0].split()[0] for c in CASES}) == 15 and len(CASES) == 32
+
+
+@pytest.mark.parametrize("name, args, sizes, xla", CASES, ids=[c[0] for c in CASES])
+def test_predicted_bytes_per_kind_are_xlas(name, args, sizes, xla):
+    cfg = load_config(args[0], args[1:] + [f"--mesh.{a}={s}" for a, s in sizes.items()])
+    comms = acc.training_comms(cfg, acc.MeshShape(**sizes, rules=cfg.mesh.rules), get_hardware("h200"))
+    predicted = {}
+    for x in comms:
+        predicted[x.kind] = predicted.get(x.kind, 0.0) + x.bytes / 2**20
+    for kind in set(xla) | set(predicted):
+        # XLA's files round to 0.1 MiB; the accounting leaves out the loss's [B, T] statistics
+        # and scalars (at most 0.1 MiB here).
+        assert predicted.get(kind, 0.0) == pytest.approx(xla.get(kind, 0.0), abs=0.15), (kind, predicted, xla)
