@@ -48,6 +48,35 @@ def test_missing_keys_read_as_transformers_defaults():
     assert hf.config_from_hf({**MINIMAL, "rope_theta": 500000.0, "rope_parameters": {"rope_type": "default"}}).rope_theta == 500000.0
 
 
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers_5():
+    """Both present: transformers 5 takes rope_scaling whole (`rope_scaling or rope_parameters`,
+    RotaryEmbeddingConfigMixin.convert_rope_params_to_dict), its theta falling back to the
+    top-level rope_theta; we merged the two with rope_parameters winning."""
+    both = {**MINIMAL, "rope_theta": 500000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64}}
+    cfg = hf.config_from_hf(both)
+    assert (cfg.rope_scaling_factor, cfg.rope_original_max_len, cfg.rope_theta) == (8.0, 64, 500000.0)
+    # rope_scaling null: rope_parameters, with its own theta
+    cfg = hf.config_from_hf({**both, "rope_scaling": None})
+    assert (cfg.rope_scaling_factor, cfg.rope_theta) == (0.0, 10000.0)
+    # the error names the dict that was read
+    bad = {**both, "rope_scaling": {**both["rope_scaling"], "factor": 0.5}}
+    with pytest.raises(hf.HFFormatError, match=r"rope_scaling\.factor=0.5"):
+        hf.config_from_hf(bad)
+
+
+def test_a_window_spanning_every_position_is_full_attention():
+    """sliding_window >= max_position_embeddings masks nothing the model can see (transformers
+    keeps keys q - window < k <= q): it loads as the config without it. It had been refused."""
+    plain = hf.config_from_hf({**MINIMAL, "max_position_embeddings": 512})
+    assert hf.config_from_hf({**MINIMAL, "max_position_embeddings": 512, "sliding_window": 512}) == plain
+    assert hf.config_from_hf({**MINIMAL, "max_position_embeddings": 512, "sliding_window": None}) == plain
+    with pytest.raises(hf.HFFormatError, match="sliding_window=511 < max_position_embeddings=512"):
+        hf.config_from_hf({**MINIMAL, "max_position_embeddings": 512, "sliding_window": 511})
+
+
 def test_dtype_is_read_before_torch_dtype():
     """transformers 5 reads `dtype` first (torch_dtype is its old name): bf16 here, not f16."""
     cfg = hf.config_from_hf({**MINIMAL, "dtype": "bfloat16", "torch_dtype": "float16"})
@@ -86,7 +115,10 @@ def test_llama3_missing_factors_and_length():
 
 
 @pytest.mark.parametrize("edit,msg", [
-    ({"sliding_window": 4096}, "sliding-window attention is not supported"),  # Mistral 7B v0.1
+    ({"sliding_window": 4096, "max_position_embeddings": 32768},  # Mistral 7B v0.1
+     "sliding_window=4096 < max_position_embeddings=32768: sliding-window attention is not supported"),
+    ({"sliding_window": 0}, r"sliding_window=0; allowed: a positive int, or null"),
+    ({"sliding_window": "4096"}, r"sliding_window='4096'; allowed: a positive int, or null"),
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma' is not a Llama-family"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act='gelu_pytorch_tanh': only silu"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear' is not supported"),
@@ -252,6 +284,17 @@ def test_long_lists_of_bad_tensors_are_counted(tmp_path):
         hf.load(_copy(tmp_path, "transposed", {"model.safetensors": transposed}))
     msg = str(e.value)
     assert msg.count("config.json gives") == 5 and msg.endswith("; and 5 more")
+
+
+def test_integer_weights_are_refused_not_cast(tmp_path):
+    """An int8 projection (a quantized checkpoint's codes) was cast to float and loaded as if
+    it were the weight; a bool norm too. Refused, naming the tensors and their dtypes."""
+    t = hf.read_safetensors(FIXTURES / "plain" / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    codes = {**t, q: np.clip(np.round(np.asarray(t[q], np.float32) * 100), -127, 127).astype(np.int8),
+             "model.norm.weight": np.ones_like(t["model.norm.weight"], dtype=bool)}
+    with pytest.raises(hf.HFFormatError, match=rf"not floating point .*: model.norm.weight \(bool\), {q} \(int8\)$"):
+        hf.load(_copy(tmp_path, "int8", {"model.safetensors": codes}))
 
 
 # --------------------------------------------------------------------------- the generate CLI

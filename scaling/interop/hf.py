@@ -140,8 +140,6 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
             raise HFFormatError(f"{flag}=true is not supported (our Llama has no biases)")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
-    if hf.get("sliding_window"):
-        raise HFFormatError("sliding-window attention is not supported")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if not isinstance(hf.get(k), int) or isinstance(hf.get(k), bool) or hf[k] < 1]
     if missing:
@@ -164,21 +162,30 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
     # transformers 5 nests RoPE settings in rope_parameters; 4.x uses rope_theta + rope_scaling.
     for key in ("rope_parameters", "rope_scaling"):
         _require(isinstance(hf.get(key) or {}, dict), key, hf.get(key), "an object, or null")
-    rope = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    rope = {**legacy, **rope}
+    # Both present: transformers 5 takes rope_scaling whole and ignores rope_parameters
+    # (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict: `rope_scaling or rope_parameters`).
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = dict(hf.get(where) or {})
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling: dict[str, Any] = {}
     max_len = hf.get("max_position_embeddings", 2048)  # (transformers' LlamaConfig default)
     _require(_is_int(max_len) and max_len > 0, "max_position_embeddings", max_len, "a positive int")
+    window = hf.get("sliding_window")
+    # A window that spans every position the model takes is full attention (transformers'
+    # mask keeps keys with q - window < k <= q): such configs load.
+    if window is not None:
+        _require(_is_int(window) and window > 0, "sliding_window", window, "a positive int, or null")
+        if window < max_len:
+            raise HFFormatError(f"sliding_window={window} < max_position_embeddings={max_len}: sliding-window "
+                                "attention is not supported (a window of at least max_position_embeddings is full "
+                                "attention, and loads)")
     if rope_type == "llama3":
         if "factor" not in rope:
             raise HFFormatError(f"rope_type='llama3' without its factor: {rope}")
         # Missing low/high factors take the constants of Meta's reference (apply_scaling in
         # llama-models: 1 and 4); a missing original length is max_position_embeddings, as in
         # transformers' _compute_llama3_parameters.
-        where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
         factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
         original = rope.get("original_max_position_embeddings", max_len)
         _require(_is_number(factor) and factor >= 1, f"{where}.factor", factor, "a number >= 1 (llama3 divides the long "
@@ -307,6 +314,12 @@ def check_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
     if wrong:
         raise HFFormatError("tensor shapes do not match config.json: " + "; ".join(wrong[:5])
                             + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""))
+    # Integer or bool weights (a quantized checkpoint) would be cast to floats as they are:
+    # a model of the raw codes, without their scales.
+    ints = [f"{name} ({np.asarray(tensors[name]).dtype})" for name in want if np.asarray(tensors[name]).dtype.kind in "iub"]
+    if ints:
+        raise HFFormatError(f"tensors that are not floating point (a quantized checkpoint? only float16, bfloat16 "
+                            f"and float32 weights load): {_names(ints)}")
     extra = sorted(name for name in tensors if name not in want and not _unused_ok(name, cfg))
     if extra:
         raise HFFormatError(f"tensors the model would not read (config.json: {cfg.num_layers} layers, no biases): "
