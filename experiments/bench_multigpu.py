@@ -10,6 +10,8 @@ device of the first run in --runs (the single device by default).
 MFU = flops_per_token x tokens/s / (devices x peak bf16 FLOP/s), with the FLOPs of
 scaling.accounting (dense matmuls + causal attention, training = 3 x forward; remat
 recompute is not counted, as in PaLM's MFU) and the peak of scaling.hardware.
+Beside each measured step: `accounting.training_time`'s prediction at the hardware table's
+rates, and the part of it that is collectives (overlapped with compute, and serial).
 
 `--batch-per-device auto` (the default) compiles the 1-device step at batches 1 and 2, reads
 XLA's memory analysis, extrapolates linearly to --memory-fraction of the device memory, and
@@ -89,6 +91,11 @@ class Result:
     tokens_per_sec: float
     mfu: float | None
     efficiency: float | None = None
+    # accounting.training_time at the hardware table's rates: the step, and its collectives'
+    # share (overlapped with compute: FSDP / data; serial: tensor all-reduces, the embedding's all-to-all)
+    predicted: float | None = None
+    comm_overlapped: float | None = None
+    comm_serial: float | None = None
 
 
 def make_config(n_devices: int, data: int, fsdp: int, batch_per_device: int, seq_len: int, tensor: int = 1):
@@ -182,23 +189,29 @@ def bench(label: str, n: int, data: int, fsdp: int, tensor: int, batch_per_devic
     flops = accounting.flops_per_token(cfg.model, seq_len).total
     mfu = flops * tokens_per_sec / (hw.bf16_flops * n) if hw else None
     mesh = "x".join(f"{k}={v}" for k, v in setup.mesh.shape.items() if v > 1) or "single"
+    st = accounting.training_time(cfg, accounting.MeshShape(data, fsdp, tensor, rules=cfg.mesh.rules), hw) if hw else None
     del state, batches, step
-    return Result(label, n, mesh, cfg.train.batch_size, seq_len, dt / ARGS.steps, tokens_per_sec, mfu)
+    return Result(label, n, mesh, cfg.train.batch_size, seq_len, dt / ARGS.steps, tokens_per_sec, mfu,
+                  predicted=st.seconds if st else None, comm_overlapped=st.comm_seconds if st else None,
+                  comm_serial=st.serial_comm_seconds if st else None)
 
 
 def table(results: list[Result], header: str) -> str:
     lines = [
         header,
         "",
-        "| run | devices | mesh | batch (seqs) | seq | step (ms) | tokens/s | tokens/s/device | MFU | scaling eff. |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | devices | mesh | batch (seqs) | seq | step (ms) | tokens/s | tokens/s/device | MFU | scaling eff. "
+        "| predicted ms | predicted / measured | comm ms: overlapped, serial |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
         eff = f"{r.efficiency:.1%}" if r.efficiency is not None else "-"
+        pred = (f"{r.predicted * 1e3:,.1f} | {r.predicted / r.step_time:.3f} | "
+                f"{r.comm_overlapped * 1e3:,.2f}, {r.comm_serial * 1e3:,.2f}") if r.predicted else "n/a | n/a | n/a"
         lines.append(
             f"| {r.label} | {r.devices} | {r.mesh} | {r.batch} | {r.seq_len} | {r.step_time * 1e3:,.1f} | "
-            f"{r.tokens_per_sec:,.0f} | {r.tokens_per_sec / r.devices:,.0f} | {mfu} | {eff} |"
+            f"{r.tokens_per_sec:,.0f} | {r.tokens_per_sec / r.devices:,.0f} | {mfu} | {eff} | {pred} |"
         )
     return "\n".join(lines)
 
