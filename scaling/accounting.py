@@ -943,6 +943,8 @@ class Rates:
     host: bytes/s one way between device and pinned host memory (remat offload; 0 = unknown).
     f32_matmul: FLOP/s of matmuls with f32 inputs (TF32 tensor cores on NVIDIA, XLA's default
     precision): the one-pass loss's output-head backward multiplies f32 logit gradients.
+    link: the per-device bandwidth at which `collective_seconds`' ring formula gives a
+    collective's measured time inside a node (0 = the hardware table's link_fraction of it).
     """
 
     matmul: float
@@ -951,6 +953,7 @@ class Rates:
     host: float = 0.0
     f32_matmul: float = 0.0  # f32-input matmuls (TF32 on NVIDIA GPUs); 0 = the bf16 rate
     source: str = ""
+    link: float = 0.0  # collectives' achieved in-node ring bandwidth, bytes/s per device; 0 = the table's
 
     @classmethod
     def of(cls, hw: Hardware) -> Rates:
@@ -958,7 +961,7 @@ class Rates:
         each was measured)."""
         return cls(hw.bf16_flops * hw.matmul_fraction, hw.bf16_flops * hw.attention_fraction,
                    hw.hbm_bandwidth * hw.hbm_fraction, hw.host_bandwidth, hw.bf16_flops * hw.f32_matmul_fraction,
-                   hw.calibration)
+                   hw.calibration, hw.ring_bandwidth * hw.link_fraction)
 
 
 def elementwise_bytes_per_token(m: ModelConfig, seq_len: int, *, c: int, flash: bool, tp: int = 1) -> dict[str, float]:
@@ -990,12 +993,13 @@ class StepTime:
 
     On one GPU the matmuls, the attention core and the memory-bound kernels are separate
     kernels on one stream: they run one after another, so their times add (the roofline's
-    max() assumes a perfect overlap that a single stream cannot give). FSDP / data-parallel
-    collectives run on their own streams and overlap with compute, so they only count when
-    longer than it; collectives of activations (tensor-parallel all-reduces between a layer's
-    matmuls, the embedding's all-to-all) sit on the critical path and add up. The collectives'
-    bytes are XLA:GPU's (tests/test_accounting_gpu_collectives.py); their times, at datasheet
-    link rates, are not yet checked against a measurement. Remat offload's host transfers
+    max() assumes a perfect overlap that a single stream cannot give). Every collective adds
+    up too: tensor-parallel all-reduces between a layer's matmuls and the embedding's
+    all-to-all by construction, FSDP's and data parallelism's as measured on 2 H200s (neither
+    scanned nor unrolled layers hid them). In a node they run at the measured link rate
+    (Rates.link). tests/test_accounting_gpu_collectives.py holds the bytes to XLA:GPU's and
+    the 2-H200 step times to the single device's prediction ratio. (`comm_seconds`, the
+    overlapped part, stays for a caller's own StepTime; training_time leaves it 0.) Remat offload's host transfers
     add to the compute: on an H200 (1b, batch 4) the offload step measured 314.0 ms against
     331.8 ms predicted with the transfers after the compute and 211.0 ms with them
     overlapped (experiments/bench_remat.py, docs/benchmarks.md): the backward waits for
@@ -1006,7 +1010,7 @@ class StepTime:
     attention_flops: float  # flash core: 3 x causal forward + recomputed forwards
     traffic: dict[str, float]  # HBM bytes per device per step of the memory-bound kernels, by source
     rates: Rates
-    comm_seconds: float = 0.0
+    comm_seconds: float = 0.0  # collectives that overlap the compute (none measured so: training_time gives 0)
     host_bytes: float = 0.0  # device <-> host per step (both directions)
     f32_matmul_flops: float = 0.0  # matmuls with f32 inputs (the one-pass loss's head backward; all, f32 compute)
     serial_comm_seconds: float = 0.0  # collectives on the critical path (Collective.serial)
@@ -1152,14 +1156,23 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
     traffic["optimizer (grad norm + fused AdamW)"] = 8 * p * n_dev
     if accum > 1:
         traffic["grad accumulation"] = 2 * p * n_dev * accum
-    # FSDP gathers / reduce-scatters and the data-parallel all-reduce can run ahead of, or
-    # behind, the compute that needs them (async collectives on their own stream); Megatron's
-    # all-reduces sit between a layer's matmuls (the next one needs the sum), so they add up.
+    # Every collective adds to the step. Those of activations (Megatron's all-reduces, the
+    # embedding's all-to-all) sit between matmuls that need their result. FSDP's gathers and
+    # reduce-scatters and data parallelism's all-reduces could in principle run behind the
+    # compute, but on 2 H200s they did not, with scanned layers or unrolled: the fsdp=2 and
+    # data=2 steps took their collectives' whole time on top of the compute
+    # (experiments/bench_multigpu.py; docs/benchmarks.md, "Multi-GPU scaling"). In a node a
+    # collective runs at the measured link rate, not the datasheet's.
     # (The same batch and compute dtype as the rest of the step: the tensor all-reduces had
     # been priced on cfg's batch and bf16 whatever `batch_size` and `accelerator` said.)
     collectives = (training_comms(cfg, mesh, hw, accelerator=accelerator, policy=policy, grad_accum=accum,
                                   batch_size=batch) if hw and dev > 1 else [])
-    overlapped = sum(x.seconds for x in collectives if not x.serial)
-    serial = sum(x.seconds for x in collectives if x.serial)
+    link = rates.link or (hw.ring_bandwidth * hw.link_fraction if hw else 0.0)
+
+    def seconds(x: Collective) -> float:
+        in_node = axis_bandwidth(x.axis.split("+")[0], mesh, hw) == hw.ring_bandwidth
+        return x.seconds * hw.ring_bandwidth / link if in_node and link else x.seconds
+
+    serial = sum(seconds(x) for x in collectives)
     host = 2 * mem.activations.host * accum  # offloaded in the forward, fetched back in the backward
-    return StepTime(matmul, attention, traffic, rates, overlapped, host, f32_matmul, serial)
+    return StepTime(matmul, attention, traffic, rates, 0.0, host, f32_matmul, serial)

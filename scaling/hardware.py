@@ -29,7 +29,7 @@ on GPUs) to entries: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "NVIDIA 
 of a listed chip that has different rates (H100 NVL, GH200, H200 NVL, A100 PCIe) gets None, not
 its sibling's numbers.
 
-Achievable rates (`matmul_fraction`, `attention_fraction`, `hbm_fraction`): the datasheet peak is
+Achievable rates (`matmul_fraction`, `attention_fraction`, `hbm_fraction`, `link_fraction`): the datasheet peak is
 a ceiling no kernel reaches. The calibrated step time (`scaling.accounting.training_time`)
 divides work by what kernels are measured to reach, as fractions of the peaks above, each
 with where it was measured (`calibration`). experiments/bench_remat.py measures all three in
@@ -56,8 +56,12 @@ import jax
 # (second session) shows those two kernels at 10.3 + 5.2 ms for 4·B·T·D·V = 4.29e12 FLOPs
 # (1b, batch 8 x 2048) = 277 TFLOP/s. That profile also puts the step's bf16 matmuls at
 # ~715 TFLOP/s, above the 8192^3 benchmark: the 631 default is conservative.
+# Collectives over 2 H200s on NVLink (experiments/bench_collectives.py, 2026-11-29; docs/benchmarks.md,
+# "Multi-GPU scaling"): bf16 arrays of 128 MiB (the 1b's layer weights are 116 MiB) moved at what the
+# ring formula reads as 217 GB/s per device (all-gather), 205 (reduce-scatter), 244 (all-reduce):
+# 222 on average, 0.49 of the 450 GB/s egress (1 GiB arrays: 0.57-0.63; 16 MiB: 0.14-0.25).
 _H200_MEASURED = dict(matmul_fraction=631 / 989, attention_fraction=219 / 989, hbm_fraction=2.91 / 4.8,
-                      f32_matmul_fraction=277 / 989)
+                      f32_matmul_fraction=277 / 989, link_fraction=222 / 450)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Hardware:
     attention_fraction: float = 1.0  # flash attention fwd+bwd FLOP/s (3 x causal forward) / bf16_flops
     hbm_fraction: float = 1.0  # device copy (read + write) bytes/s / hbm_bandwidth
     f32_matmul_fraction: float = 1.0  # f32-input matmul FLOP/s (TF32 on NVIDIA) / bf16_flops
+    link_fraction: float = 1.0  # a collective's achieved per-device ring bandwidth / ring_bandwidth (in a node)
     calibration: str = "not measured: datasheet peaks (fractions 1.0)"
 
     @property
@@ -110,7 +115,8 @@ HARDWARE: dict[str, Hardware] = {
         **_H200_MEASURED,
         calibration="measured on one H200, 2026-11-22: matmul 631 TFLOP/s (bench_train.py), JAX copy "
         "2.91 TB/s (bench_decode.py), cuDNN attention d64 T2048 219 TFLOP/s (bench_attention.py), f32 (TF32) "
-        "head-backward matmuls 277 TFLOP/s (bench_train.py profile)",
+        "head-backward matmuls 277 TFLOP/s (bench_train.py profile); collectives on 2 H200s 222 GB/s per device "
+        "(128 MiB arrays, bench_collectives.py, 2026-11-29)",
     ),
     "a100": Hardware(
         "NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80 * 2**30, 300e9, 25e9,

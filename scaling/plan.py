@@ -133,10 +133,11 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         "",
         "calibrated step time (achievable rates; kernels on one stream add up)",
         f"  rates: matmul {st.rates.matmul / 1e12:,.0f} TFLOP/s (f32 {(st.rates.f32_matmul or st.rates.matmul) / 1e12:,.0f}), "
-        f"attention {st.rates.attention / 1e12:,.0f} TFLOP/s, HBM {st.rates.hbm / 1e12:.2f} TB/s ({st.rates.source})",
+        f"attention {st.rates.attention / 1e12:,.0f} TFLOP/s, HBM {st.rates.hbm / 1e12:.2f} TB/s, "
+        f"collectives in a node {(st.rates.link or hw.ring_bandwidth) / 1e9:,.0f} GB/s ({st.rates.source})",
         f"  matmuls {_t(st.matmul_seconds)} + attention {_t(st.attention_seconds)} + memory-bound "
         f"{_t(st.memory_seconds)} = {_t(st.compute_seconds)}"
-        + (f" (incl. tensor-parallel all-reduces {_t(st.serial_comm_seconds)})" if st.serial_comm_seconds else "")
+        + (f" (incl. collectives {_t(st.serial_comm_seconds)}: on the critical path)" if st.serial_comm_seconds else "")
         + (f"; FSDP/DP comms {_t(st.comm_seconds)} overlapped" if st.comm_seconds else "")
         + (f"; host offload {_t(st.host_seconds)} (added: not overlapped)" if st.host_seconds else ""),
         *[f"    {k:44s} {v / 1e9:8.2f} GB  {_t(v / st.rates.hbm):>10s}" for k, v in st.traffic.items() if v],

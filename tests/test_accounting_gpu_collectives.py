@@ -1,4 +1,5 @@
-"""accounting.training_comms against what XLA:GPU compiled on 2 H200s.
+"""accounting.training_comms against what XLA:GPU compiled on 2 H200s, and training_time against
+the multi-GPU steps measured there.
 
 docs/results/hlo_collectives_session47/ holds `experiments/hlo_collectives.py`'s output for 15
 configurations (1b and 350m; bf16 and f32 compute, bf16 params; remat none and full; the
@@ -9,6 +10,7 @@ configuration and must give the same bytes: the recorded "predicted" column is n
 """
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -67,3 +69,47 @@ def test_predicted_bytes_per_kind_are_xlas(name, args, sizes, xla):
         # XLA's files round to 0.1 MiB; the accounting leaves out the loss's [B, T] statistics
         # and scalars (at most 0.1 MiB here).
         assert predicted.get(kind, 0.0) == pytest.approx(xla.get(kind, 0.0), abs=0.15), (kind, predicted, xla)
+
+
+# ------------------------------------------------------------ multi-GPU step times
+
+MULTIGPU = ROOT / "docs" / "results" / "multigpu_session47"
+
+
+def multigpu_runs():
+    out = []
+    for path in sorted(MULTIGPU.glob("bench_multigpu_*.json")):
+        rec = json.loads(path.read_text())
+        args, results = rec["args"], rec["results"]
+        assert rec["device"] == "NVIDIA H200" and results[0]["mesh"] == "single"
+        for r in results[1:]:
+            out.append((f"{path.stem} {r['mesh']}", args, results[0], r))
+    return out
+
+
+def predicted_step(args, run):
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    if run["mesh"] != "single":
+        axis, size = run["mesh"].split("=")
+        sizes[axis] = int(size)
+    cfg = load_config(f"configs/models/{args['model']}.yaml", [
+        "--data.source=synthetic", f"--model.compute_dtype={args['dtype']}", f"--train.seq_len={run['seq_len']}",
+        f"--train.batch_size={run['batch']}", f"--remat.policy={args['remat']}", f"--attention.impl={args['attention']}",
+        *[f"--mesh.{a}={s}" for a, s in sizes.items()], *[f"--{o}" for o in args["override"]]])
+    return acc.training_time(cfg, acc.MeshShape(**sizes), get_hardware("h200")).seconds
+
+
+@pytest.mark.parametrize("name, args, single, run", multigpu_runs(), ids=[r[0] for r in multigpu_runs()])
+def test_multi_gpu_steps_keep_the_single_devices_prediction_ratio(name, args, single, run):
+    """2 H200s (experiments/bench_multigpu.py): the step time predicted at the hardware table's
+    rates over the measured one, for data=2, fsdp=2 and tensor=2, against the same ratio for
+    one device in the same run (the default rates' own bias: 0.96-1.17): what the collectives
+    add is priced. The 1b (batch 8 and 2 per device, scanned; batch 2 unrolled) lands within
+    3%. The 350m (batch 4; run after the model was set, a check of it) lands at 0.94-0.99:
+    its layers' collectives move ~22 MiB, where the link runs below the 128 MiB rate the table
+    holds (not modeled). With FSDP's and data parallelism's collectives overlapped at the
+    datasheet's 450 GB/s (the model before the forty-seventh session) the 1b's fsdp=2 came out
+    at 0.82-0.83 (batch 2, scanned and unrolled)."""
+    base = predicted_step(args, single) / single["step_time"]
+    ratio = predicted_step(args, run) / run["step_time"]
+    assert ratio / base == pytest.approx(1.0, abs=0.03 if args["model"] == "1b" else 0.07), (ratio, base)
