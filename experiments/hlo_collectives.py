@@ -8,8 +8,13 @@ For each mesh (over every visible device): compile the train step (no step runs)
 optimized HLO, and count each collective instruction's output bytes by opcode and element type,
 separately for the entry computation and for the computations a loop runs (the layers' scan:
 those run once per layer). Beside them, `accounting.training_comms`' collectives for the same
-config. It answers what the CPU's HLO could not settle for the GPU: in which dtype FSDP gathers
-the weights, and how the embedding's gather is partitioned.
+config, and both summed per step and per kind: XLA's with every computation counted as often
+as it runs (a while body its known trip count times its caller's) and in the accounting's
+convention (a reduce-scatter by its input). `--set KEY=VALUE` adds config overrides (the
+chunked loss, tied embeddings, grad accumulation, rule sets...). The recorded 2-H200 outputs
+(docs/results/hlo_collectives_session47/) are what tests/test_accounting_gpu_collectives.py
+holds the accounting to. XLA:CPU partitions differently (everything in f32, reduce-scatters as
+all-reduces, 7 Megatron all-reduces per layer): its comparison is not the GPU's.
 """
 
 from __future__ import annotations
