@@ -509,6 +509,10 @@ def test_training_time_runs_every_collective_serially_at_the_measured_link_rate(
         measured = acc.Rates(600e12, 200e12, 3e12, link=300e9)
         assert acc.training_time(cfg, mesh, hw, rates=measured).serial_comm_seconds == \
             pytest.approx(node * 450 / 300 + nic)
+        # measured rates without a link rate: the table's
+        no_link = acc.Rates(600e12, 200e12, 3e12)
+        assert acc.training_time(cfg, mesh, hw, rates=no_link).serial_comm_seconds == \
+            pytest.approx(node * 450 / 222 + nic)
 
 
 def test_training_time_prices_the_tensor_allreduces_on_its_own_batch_and_dtype():

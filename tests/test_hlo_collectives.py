@@ -70,18 +70,22 @@ NESTED = """HloModule jit_step
 ENTRY %main (a: f32[8]) -> f32[8] {
   %loop = (s32[], f32[2]) while((s32[], f32[2]) %t0), condition=%cond, body=%outer, backend_config={"known_trip_count":{"n":"2"}}
   %rs2 = f32[2]{0} reduce-scatter(f32[8]{0} %h), replica_groups={}, to_apply=%add
+  %rs3 = bf16[1]{0} reduce-scatter(bf16[4]{0} %k), replica_groups=[1,4]<=[4], to_apply=%add
+  %ags = ((f32[3]{0}), f32[6]{0}) all-gather-start(f32[3]{0} %w), replica_groups=[2,2]<=[4], dimensions={0}
   ROOT %a2a = bf16[4]{0} all-to-all(bf16[4]{0} %e), dimensions={0}
 }
 """
 
 
 def test_step_totals_multiply_loop_bodies_by_their_trips_and_reduce_scatters_by_their_group():
-    assert H.multiplicity(H.computations(NESTED)) == {"add": 6 + 2 + 1, "inner": 6, "outer": 2, "cond": 1 + 2,
+    assert H.multiplicity(H.computations(NESTED)) == {"add": 6 + 2 + 1 + 1, "inner": 6, "outer": 2, "cond": 1 + 2,
                                                      "main": 1}
     assert H.step_totals(NESTED, devices=4) == {
         ("all-gather", "bf16"): 6 * 8 * 2,  # inner runs 2 x 3 times
-        ("reduce-scatter", "bf16"): 6 * 4 * 2 * 2,  # its input: the output times the fsdp group of 2
         ("all-reduce", "f32"): 2 * 2 * 4,
         ("reduce-scatter", "f32"): 2 * 4 * 4,  # empty groups: all 4 devices
+        # its input: the output times the fsdp group of 2; + iota groups [1,4]: one group of 4
+        ("reduce-scatter", "bf16"): 6 * 4 * 2 * 2 + 1 * 4 * 2,
+        ("all-gather", "f32"): 6 * 4,  # an async start: its output, not its operand
         ("all-to-all", "bf16"): 4 * 2,
     }
