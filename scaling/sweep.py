@@ -355,7 +355,7 @@ class Point:
     seed: int
     cfg: Config
     n_params: int  # exact, accounting.param_count
-    n_params_nonembedding: int  # without the input embedding table (Kaplan's N)
+    n_params_nonembedding: int  # without the embedding table and the output head (Kaplan's N)
     tokens: int  # D actually trained on: steps * batch * seq_len
     flops_per_token: float  # accounting.flops_per_token(...).total, training
     flops: float  # C actually used: tokens * flops_per_token
@@ -448,7 +448,10 @@ def generate_points(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], list[
                 n = accounting.param_count(cfg.model)
                 fpt = accounting.flops_per_token(cfg.model, cfg.train.seq_len).total
                 d = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
-                emb = cfg.model.vocab_size * cfg.model.hidden_size
+                # Kaplan's N leaves out the embedding and the output head: his models tied the two,
+                # one matrix excluded as "embedding" (Kaplan et al. 2020, §2.1 and Table 1,
+                # N = 2·d_model·n_layer·(2·d_attn + d_ff)). An untied head is the second such matrix.
+                emb = cfg.model.vocab_size * cfg.model.hidden_size * (1 if cfg.model.tie_embeddings else 2)
                 points.append(Point(pid, depth, seed, cfg, n, n - emb, d, fpt, d * fpt, float(target), error))
     _check_override_globs(spec, ids)
     return points, dropped
@@ -545,6 +548,9 @@ class ResultStore:
                  c.model.num_layers, c.model.hidden_size, c.train.steps, c.train.batch_size, c.train.seq_len,
                  c.optimizer.learning_rate, p.seed, "pending", 0, 0.0, run_dir, p.config_hash, time.time()),
             )  # fmt: skip
+            # Rows written before the head was left out of it (session 47) get the current count.
+            db.execute("UPDATE points SET n_params_nonembedding = ? WHERE id = ? AND n_params_nonembedding != ?",
+                       (p.n_params_nonembedding, p.id, p.n_params_nonembedding))
 
     def delete(self, pid: str) -> None:
         with self._tx() as db:

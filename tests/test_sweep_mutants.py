@@ -625,12 +625,36 @@ def test_param_counts_by_hand():
     L1: d 32, 2 heads of 16, 1 KV head, F 96: q 1024 + k 512 + v 512 + o 1024 + MLP 3*32*96
     + norms 64 = 12,352 a layer; + embedding 8,704 + final norm 32 + head 8,704 = 29,792.
     L2: d 64, 4 heads, 2 KV, F 192: 4096 + 2048 + 2048 + 4096 + 36,864 + 128 = 49,280 a layer;
-    2 layers + 17,408 + 64 + 17,408 = 133,440. Non-embedding: less the V x d input table."""
+    2 layers + 17,408 + 64 + 17,408 = 133,440. Non-embedding (Kaplan's N): less the V x d input
+    table and the V x d head (Kaplan's were one tied matrix, excluded; the head had been kept)."""
     spec, spec_dir = load_spec(TINY)
     by_depth = {p.depth: p for p in generate_points(spec, spec_dir)[0]}
-    assert (by_depth[1].n_params, by_depth[1].n_params_nonembedding) == (29_792, 29_792 - 8_704)
-    assert (by_depth[2].n_params, by_depth[2].n_params_nonembedding) == (133_440, 133_440 - 17_408)
+    assert (by_depth[1].n_params, by_depth[1].n_params_nonembedding) == (29_792, 29_792 - 2 * 8_704)
+    assert (by_depth[2].n_params, by_depth[2].n_params_nonembedding) == (133_440, 133_440 - 2 * 17_408)
+    # Tied: one V x d matrix, counted once and left out once.
+    spec, spec_dir = load_spec(TINY, ['--point_overrides={"*": {model: {tie_embeddings: true}}}'])
+    tied = {p.depth: p for p in generate_points(spec, spec_dir)[0]}
+    assert (tied[1].n_params, tied[1].n_params_nonembedding) == (29_792 - 8_704, 29_792 - 2 * 8_704)
     assert by_depth[1].cfg.logging.progress is False  # the child's stdout is a log file
+
+
+def test_a_row_with_the_old_nonembedding_count_is_brought_up_to_date(tmp_path):
+    """A results row written when n_params_nonembedding still held the untied head gets the
+    current count when the point is added again (a resumed sweep); its status and loss stay."""
+    import dataclasses
+
+    from scaling.sweep import ResultStore
+
+    spec, spec_dir = load_spec(TINY)
+    p = generate_points(spec, spec_dir)[0][0]
+    old = dataclasses.replace(p, n_params_nonembedding=p.n_params_nonembedding + 8_704)
+    store = ResultStore(tmp_path / "r.sqlite")
+    store.add("s", old, "x")
+    store.update(p.id, status="done", final_loss=1.25)
+    store.add("s", p, "x")
+    row = store.row(p.id)
+    store.close()
+    assert (row["n_params_nonembedding"], row["status"], row["final_loss"]) == (p.n_params_nonembedding, "done", 1.25)
 
 
 def test_param_count_follows_point_overrides():
@@ -638,7 +662,7 @@ def test_param_count_follows_point_overrides():
     parameters a layer instead of 9,216, so 29,792 - 3,072 = 26,720 in all."""
     spec, spec_dir = load_spec(TINY, ['--point_overrides={"C1.5e9-L1-s0": {model: {mlp_dim: 64}}}'])
     p = generate_points(spec, spec_dir)[0][0]
-    assert p.id == "C1.5e9-L1-s0" and (p.n_params, p.n_params_nonembedding) == (26_720, 26_720 - 8_704)
+    assert p.id == "C1.5e9-L1-s0" and (p.n_params, p.n_params_nonembedding) == (26_720, 26_720 - 2 * 8_704)
 
 
 def test_rules_of_tokens_flops_and_warmup_min(tmp_path):
