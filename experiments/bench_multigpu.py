@@ -11,7 +11,7 @@ MFU = flops_per_token x tokens/s / (devices x peak bf16 FLOP/s), with the FLOPs 
 scaling.accounting (dense matmuls + causal attention, training = 3 x forward; remat
 recompute is not counted, as in PaLM's MFU) and the peak of scaling.hardware.
 Beside each measured step: `accounting.training_time`'s prediction at the hardware table's
-rates, and the part of it that is collectives (overlapped with compute, and serial).
+rates, and the part of it that is collectives (the JSON keeps the overlapped and serial parts).
 
 `--batch-per-device auto` (the default) compiles the 1-device step at batches 1 and 2, reads
 XLA's memory analysis, extrapolates linearly to --memory-fraction of the device memory, and
@@ -201,14 +201,14 @@ def table(results: list[Result], header: str) -> str:
         header,
         "",
         "| run | devices | mesh | batch (seqs) | seq | step (ms) | tokens/s | tokens/s/device | MFU | scaling eff. "
-        "| predicted ms | predicted / measured | comm ms: overlapped, serial |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| predicted ms | predicted / measured | of it, collectives ms |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
         eff = f"{r.efficiency:.1%}" if r.efficiency is not None else "-"
         pred = (f"{r.predicted * 1e3:,.1f} | {r.predicted / r.step_time:.3f} | "
-                f"{r.comm_overlapped * 1e3:,.2f}, {r.comm_serial * 1e3:,.2f}") if r.predicted else "n/a | n/a | n/a"
+                f"{(r.comm_overlapped + r.comm_serial) * 1e3:,.2f}") if r.predicted else "n/a | n/a | n/a"
         lines.append(
             f"| {r.label} | {r.devices} | {r.mesh} | {r.batch} | {r.seq_len} | {r.step_time * 1e3:,.1f} | "
             f"{r.tokens_per_sec:,.0f} | {r.tokens_per_sec / r.devices:,.0f} | {mfu} | {eff} | {pred} |"

@@ -680,7 +680,8 @@ class Collective:
     bytes: float  # the full (unsharded over `axis`) array size, per device, per step
     seconds: float
     # Carries activations the next op waits for (Megatron's all-reduces, the embedding's
-    # all-to-all), rather than weights or grads that async collectives move ahead or behind.
+    # all-to-all): on the critical path by construction. (Weights and grads could move ahead
+    # or behind the compute; on 2 H200s they did not, so training_time adds them all.)
     serial: bool = False
 
 
@@ -741,8 +742,9 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
     Dtypes. On an accelerator [XLA-GPU]: each weight shard is cast to the compute dtype before
     it is gathered; a matmul's weight gradient (the layers', the embedding's) leaves it in the
     compute dtype and is reduced in it; the head's gradient comes from the loss's f32 backward
-    and the norm scales' from the f32 norm, and are reduced in f32, bf16 parameters or not. With accelerator=False (XLA:CPU, which computes
-    bf16 in f32, tests/test_accounting_xla.py) weights and gradients move in the parameter dtype.
+    and the norm scales' from the f32 norm, and are reduced in f32, bf16 parameters or not.
+    With accelerator=False (XLA:CPU, which computes bf16 in f32, tests/test_accounting_xla.py)
+    weights and gradients move in the parameter dtype.
 
     Grad accumulation (scaling/train.py scans over micro-batches, each with its own forward
     and backward): every collective happens once per micro-batch, except the data-parallel
@@ -838,8 +840,7 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
             what = "grads of replicated params"
         out.append(Collective(axis, kind, what, nbytes, collective_seconds(kind, nbytes, n, bw),
                               serial="[B,T,D]" in what))
-    kinds = COLLECTIVE_KINDS
-    return sorted(out, key=lambda x: (order.index(x.axis.split("+")[-1]), kinds.index(x.kind)))
+    return sorted(out, key=lambda x: (order.index(x.axis.split("+")[-1]), COLLECTIVE_KINDS.index(x.kind)))
 
 
 # ------------------------------------------------------------------------- roofline
