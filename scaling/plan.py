@@ -113,7 +113,8 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         f"  KV cache (decode, batch {t.batch_size}, seq {t.seq_len}, bf16): "
         f"{_g(acc.kv_cache_bytes(m, t.batch_size, t.seq_len) / mesh.devices)} per device",
         "",
-        "communication per step",
+        f"communication per step (times at the datasheet's {hw.ring_bandwidth / 1e9:,.0f} GB/s in a node; the "
+        "calibrated step below uses the measured link rate)",
     ]
     comms = acc.training_comms(cfg, mesh, hw)
     for x in comms:
