@@ -91,8 +91,8 @@ class Result:
     tokens_per_sec: float
     mfu: float | None
     efficiency: float | None = None
-    # accounting.training_time at the hardware table's rates: the step, and its collectives'
-    # share (overlapped with compute: FSDP / data; serial: tensor all-reduces, the embedding's all-to-all)
+    # accounting.training_time at the hardware table's rates: the step, and its collectives' share
+    # (training_time puts them all on the critical path, comm_serial; comm_overlapped is its 0)
     predicted: float | None = None
     comm_overlapped: float | None = None
     comm_serial: float | None = None

@@ -679,10 +679,6 @@ class Collective:
     what: str
     bytes: float  # the full (unsharded over `axis`) array size, per device, per step
     seconds: float
-    # Carries activations the next op waits for (Megatron's all-reduces, the embedding's
-    # all-to-all): on the critical path by construction. (Weights and grads could move ahead
-    # or behind the compute; on 2 H200s they did not, so training_time adds them all.)
-    serial: bool = False
 
 
 def axis_bandwidth(axis: str, mesh: MeshShape, hw: Hardware) -> float:
@@ -838,8 +834,7 @@ def training_comms(cfg: Config, mesh: MeshShape, hw: Hardware, *, accelerator: b
         bw = axis_bandwidth(axes[0], mesh, hw)  # the outermost: the slowest link it crosses
         if kind == "all-reduce" and what == "grads" and any(k[0] == axis and k[1] == "all-gather" for k in total):
             what = "grads of replicated params"
-        out.append(Collective(axis, kind, what, nbytes, collective_seconds(kind, nbytes, n, bw),
-                              serial="[B,T,D]" in what))
+        out.append(Collective(axis, kind, what, nbytes, collective_seconds(kind, nbytes, n, bw)))
     return sorted(out, key=lambda x: (order.index(x.axis.split("+")[-1]), COLLECTIVE_KINDS.index(x.kind)))
 
 
@@ -1014,7 +1009,7 @@ class StepTime:
     comm_seconds: float = 0.0  # collectives that overlap the compute (none measured so: training_time gives 0)
     host_bytes: float = 0.0  # device <-> host per step (both directions)
     f32_matmul_flops: float = 0.0  # matmuls with f32 inputs (the one-pass loss's head backward; all, f32 compute)
-    serial_comm_seconds: float = 0.0  # collectives on the critical path (Collective.serial)
+    serial_comm_seconds: float = 0.0  # collectives (all on the critical path: measured on 2 H200s)
 
     @property
     def matmul_seconds(self) -> float:

@@ -139,7 +139,6 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         f"  matmuls {_t(st.matmul_seconds)} + attention {_t(st.attention_seconds)} + memory-bound "
         f"{_t(st.memory_seconds)} = {_t(st.compute_seconds)}"
         + (f" (incl. collectives {_t(st.serial_comm_seconds)}: on the critical path)" if st.serial_comm_seconds else "")
-        + (f"; FSDP/DP comms {_t(st.comm_seconds)} overlapped" if st.comm_seconds else "")
         + (f"; host offload {_t(st.host_seconds)} (added: not overlapped)" if st.host_seconds else ""),
         *[f"    {k:44s} {v / 1e9:8.2f} GB  {_t(v / st.rates.hbm):>10s}" for k, v in st.traffic.items() if v],
         f"  step: {_t(st.seconds)}; predicted MFU {roof.model_flops / (hw.bf16_flops * st.seconds):.1%}; "

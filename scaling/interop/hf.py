@@ -316,7 +316,8 @@ def check_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
                             + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""))
     # Integer or bool weights (a quantized checkpoint) would be cast to floats as they are:
     # a model of the raw codes, without their scales.
-    ints = [f"{name} ({np.asarray(tensors[name]).dtype})" for name in want if np.asarray(tensors[name]).dtype.kind in "iub"]
+    dtypes = {name: np.asarray(tensors[name]).dtype for name in want}
+    ints = [f"{name} ({dt})" for name, dt in dtypes.items() if dt.kind in "iub"]
     if ints:
         raise HFFormatError(f"tensors that are not floating point (a quantized checkpoint? only float16, bfloat16 "
                             f"and float32 weights load): {_names(ints)}")
