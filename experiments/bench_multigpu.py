@@ -12,6 +12,9 @@ scaling.accounting (dense matmuls + causal attention, training = 3 x forward; re
 recompute is not counted, as in PaLM's MFU) and the peak of scaling.hardware.
 Beside each measured step: `accounting.training_time`'s prediction at the hardware table's
 rates, and the part of it that is collectives (the JSON keeps the overlapped and serial parts).
+`--profile DIR` traces 3 more steps of each run after the timed ones (DIR/<run>/) and adds the
+collective kernels' time per step per device from the trace (`scaling.profile_summary`), beside
+the prediction's collectives, and the trace's idle time per step (no kernel on any device).
 
 `--batch-per-device auto` (the default) compiles the 1-device step at batches 1 and 2, reads
 XLA's memory analysis, extrapolates linearly to --memory-fraction of the device memory, and
@@ -46,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remat", default="none", help="remat.policy (none, full, dots, ...)")
     p.add_argument("--attention", default="auto", help="attention.impl (auto, cudnn, pallas, xla)")
     p.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (smoke test without a GPU)")
+    p.add_argument("--profile", default="", help="trace 3 steps of each run into this folder (see above)")
     p.add_argument("--override", action="append", default=[], help="extra config override, e.g. model.num_layers=2")
     p.add_argument("--runs", default="single,data,fsdp", help=f"comma list of {', '.join(RUNS)} (the first is the "
                    "scaling baseline)")
@@ -96,6 +100,9 @@ class Result:
     predicted: float | None = None
     comm_overlapped: float | None = None
     comm_serial: float | None = None
+    # --profile: from a trace of 3 steps, per step and device (collective kernels), per step (idle)
+    traced_collectives: float | None = None
+    traced_idle: float | None = None
 
 
 def make_config(n_devices: int, data: int, fsdp: int, batch_per_device: int, seq_len: int, tensor: int = 1):
@@ -181,6 +188,9 @@ def bench(label: str, n: int, data: int, fsdp: int, tensor: int, batch_per_devic
             state, metrics = step(state, batches[i % 2])
         jax.block_until_ready((state, metrics))
         dt = time.perf_counter() - t0
+        traced = profile(label, step, state, batches, setup) if ARGS.profile else None
+        if traced:
+            state = traced.pop("state")
     loss = float(metrics["loss"])
     if not np.isfinite(loss):
         raise RuntimeError(f"{label}: non-finite loss {loss}")
@@ -193,7 +203,27 @@ def bench(label: str, n: int, data: int, fsdp: int, tensor: int, batch_per_devic
     del state, batches, step
     return Result(label, n, mesh, cfg.train.batch_size, seq_len, dt / ARGS.steps, tokens_per_sec, mfu,
                   predicted=st.seconds if st else None, comm_overlapped=st.comm_seconds if st else None,
-                  comm_serial=st.serial_comm_seconds if st else None)
+                  comm_serial=st.serial_comm_seconds if st else None, **(traced or {}))
+
+
+PROFILED_STEPS = 3
+
+
+def profile(label, step, state, batches, setup) -> dict:
+    """Collective kernel time per step per device and idle time per step, from a trace of
+    PROFILED_STEPS steps (the kernels of all devices are summed in the trace's totals)."""
+    from scaling import profile_summary as ps
+
+    folder = Path(ARGS.profile) / label.replace(" ", "_").replace(",", "").replace("=", "")
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for i in range(PROFILED_STEPS):
+            state, metrics = step(state, batches[i % 2])
+        jax.block_until_ready((state, metrics))
+    s, _ = ps.summarize_path(folder, steps=PROFILED_STEPS)
+    (folder / "summary.md").write_text(ps.to_markdown(s, title=f"{label}: {PROFILED_STEPS} steps"))
+    devices = max(1, s["devices"])
+    return {"state": state, "traced_collectives": s["categories"][ps.COLLECTIVE]["us"] / PROFILED_STEPS / devices * 1e-6,
+            "traced_idle": s["idle_us"] / PROFILED_STEPS * 1e-6}
 
 
 def table(results: list[Result], header: str) -> str:
@@ -201,8 +231,9 @@ def table(results: list[Result], header: str) -> str:
         header,
         "",
         "| run | devices | mesh | batch (seqs) | seq | step (ms) | tokens/s | tokens/s/device | MFU | scaling eff. "
-        "| predicted ms | predicted / measured | of it, collectives ms |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| predicted ms | predicted / measured | of it, collectives ms |"
+        + (" traced collectives ms | traced idle ms |" if ARGS.profile else ""),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if ARGS.profile else ""),
     ]
     for r in results:
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
@@ -212,8 +243,13 @@ def table(results: list[Result], header: str) -> str:
         lines.append(
             f"| {r.label} | {r.devices} | {r.mesh} | {r.batch} | {r.seq_len} | {r.step_time * 1e3:,.1f} | "
             f"{r.tokens_per_sec:,.0f} | {r.tokens_per_sec / r.devices:,.0f} | {mfu} | {eff} | {pred} |"
+            + (f" {_ms(r.traced_collectives)} | {_ms(r.traced_idle)} |" if ARGS.profile else "")
         )
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:,.2f}"
 
 
 def main() -> int:
