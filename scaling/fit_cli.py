@@ -140,7 +140,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     runs = runs_all.drop_highest_loss(args.drop_highest_loss)
     if len(runs) < sl.MIN_POINTS_PARAMETRIC:
-        raise ValueError(f"{results}: {len(runs)} usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}")
+        raise ValueError(
+            f"{results}: {len(runs)} usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}"
+            + (f" ({runs_all.n_skipped} row(s) left out for a missing N, loss, or D and C)" if runs_all.n_skipped else "")
+        )
     out_dir = Path(args.out) if args.out else _default_out(results)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -174,11 +177,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kaplan, kaplan_fits = _kaplan_fits(runs, args.huber_delta)
 
     budgets = _floats(args.predict, "--predict") if args.predict else _prediction_budgets(runs.c)
+    # C in the runs' own units: C = k N D, as Approach 2's D* = C/(kN) (a sweep's k is not 6).
+    k = runs.flops_per_token_per_param
     predictions = []
     for c in budgets:
         row: dict[str, Any] = {"C": c}
         try:
-            n3, d3 = sl.compute_optimal(fit3, c)
+            n3, d3 = sl.compute_optimal(fit3, c, k)
             row["approach3"] = {"N_opt": n3, "D_opt": d3, "tokens_per_param": d3 / n3, "loss": float(fit3.predict(n3, d3))}
         except ValueError as err:
             row["approach3"] = {"error": str(err)}
@@ -195,6 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dropped_highest_loss": args.drop_highest_loss,
         "huber_delta": args.huber_delta,
         "fit_seconds": round(t_fit, 3),
+        "flops_per_token_per_param": k,
         "approach3": fit3.to_dict(),
         "approach2": approach2,
         "kaplan_frontier": kaplan,
@@ -245,6 +251,13 @@ def _summary(report: dict[str, Any]) -> str:
     else:
         nb = sum(b["valid"] for b in a2["budgets"])
         lines.append(f"Approach 2  N_opt ∝ C^{a2['a']:.3f}, D_opt ∝ C^{a2['b']:.3f}  ({nb} budgets; {a2['grouping']})")
+    for name, kf in report["kaplan_frontier"].items():
+        if "error" in kf:
+            lines.append(f"Kaplan      L({name}) skipped ({kf['n_frontier_points']} runs on the loss frontier in {name}): {kf['error']}")
+        else:
+            lines.append(f"Kaplan      L({name}) = {kf['E']:.3f} + ({kf['x_c']:.3g}/{name})^{kf['alpha']:.3f}"
+                         f"  (loss frontier in {name}, {kf['n_points']} runs)")
+    k = report["flops_per_token_per_param"]
     lines += ["", f"  {'C':>9} {'N_opt':>10} {'D_opt':>10} {'D/N':>7} {'loss':>7}" + ("   A2: N_opt     D/N" if "error" not in a2 else "")]
     for row in report["compute_optimal"]:
         r3 = row["approach3"]
@@ -256,6 +269,8 @@ def _summary(report: dict[str, Any]) -> str:
             r2 = row["approach2"]
             line += f"   {r2['N_opt']:>9.3e} {r2['tokens_per_param']:>6.1f}"
         lines.append(line)
+    if abs(k / sl.FLOPS_PER_TOKEN_PER_PARAM - 1) > 1e-3:  # say so when C is not 6ND
+        lines.append(f"  (allocations under C = {k:.3g} N D, the runs' median C/(ND))")
     lines += ["", f"wrote {report['_out_dir']}/fit.json" + (f" and {len(report['_plots'])} PNGs" if report["_plots"] else "")]
     return "\n".join(lines)
 

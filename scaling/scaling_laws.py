@@ -291,8 +291,11 @@ class PowerLawFit:
 
 def _as_positive(name: str, values: Any) -> np.ndarray:
     arr = np.asarray(values, dtype=float).ravel()
-    if arr.size and not (np.all(np.isfinite(arr)) and np.all(arr > 0)):
-        raise ValueError(f"{name} must be finite and positive; got min={np.nanmin(arr)!r}")
+    bad = np.flatnonzero(~(np.isfinite(arr) & (arr > 0)))
+    if bad.size:  # name the entries: a min() hid NaNs (and warned on an all-NaN input)
+        shown = ", ".join(f"{name}[{i}] = {arr[i]:g}" for i in bad[:3])
+        more = f" and {bad.size - 3} more" if bad.size > 3 else ""
+        raise ValueError(f"{name} must be finite and positive; got {shown}{more}")
     return arr
 
 
@@ -796,6 +799,12 @@ class RunTable:
     def __len__(self) -> int:
         return int(self.loss.size)
 
+    @property
+    def flops_per_token_per_param(self) -> float:
+        """k in C = k N D, the median over the runs: 6 where D = C/(6N) (the Chinchilla CSV);
+        a sweep counts C with accounting.flops_per_token, and its small models have k of 3-6."""
+        return float(np.median(self.c / (self.n * self.d)))
+
     def drop_highest_loss(self, k: int) -> "RunTable":
         """Without the k highest-loss runs ([B24] drop five: early-training outliers)."""
         if k <= 0:
@@ -850,7 +859,7 @@ def _float(s: Any) -> float:
 
 
 def _load_csv(path: Path) -> RunTable:
-    with path.open(newline="") as fh:
+    with path.open(newline="", encoding="utf-8-sig") as fh:  # (a spreadsheet's BOM is not part of the first name)
         reader = csv.DictReader(fh)
         rows, lines = [], []
         try:
@@ -977,7 +986,8 @@ def make_plots(
 ) -> list[Path]:
     """Writes PNGs: IsoFLOP profiles, loss vs compute with the frontier, N_opt and D_opt vs C,
     and the Approach-3 residuals. `reference` = (label, fit) adds a published law to the
-    allocation plot. Returns the written paths."""
+    allocation plot. Allocations use the runs' own C = k N D (`flops_per_token_per_param`),
+    so the curves sit on the same compute axis as the runs. Returns the written paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -997,8 +1007,13 @@ def make_plots(
 
     c_lo, c_hi = runs.c.min(), runs.c.max()
     cnorm = LogNorm(c_lo, c_hi)
+    k = runs.flops_per_token_per_param
+
+    def optimal(f: ChinchillaFit, c: np.ndarray) -> tuple[Any, Any]:
+        return compute_optimal(f, c, k)
+
     try:  # a fit without an N-D trade-off (alpha or beta <= 0) has no Approach-3 allocation to draw
-        compute_optimal(fit, c_hi)
+        optimal(fit, c_hi)
         no_allocation = ""
     except ValueError as err:
         no_allocation = str(err)
@@ -1035,7 +1050,7 @@ def make_plots(
     ax.step(runs.c[front], runs.loss[front], where="post", color="0.3", lw=1, label="empirical frontier")
     cgrid = np.logspace(math.log10(c_lo), math.log10(c_hi) + 1, 200)
     if not no_allocation:
-        n_opt, d_opt = compute_optimal(fit, cgrid)
+        n_opt, d_opt = optimal(fit, cgrid)
         ax.plot(cgrid, fit.predict(n_opt, d_opt), color="C0", lw=2, label="Approach 3: L(N_opt(C), D_opt(C))")
     if compute_fit is not None:
         ax.plot(cgrid, compute_fit.predict(cgrid), color="C2", lw=1.5, ls="--",
@@ -1052,7 +1067,7 @@ def make_plots(
     # 3. N_opt and D_opt vs C.
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     cgrid = np.logspace(math.log10(c_lo) - 0.5, math.log10(c_hi) + 2, 200)
-    n3, d3 = compute_optimal(fit, cgrid) if not no_allocation else (None, None)
+    n3, d3 = optimal(fit, cgrid) if not no_allocation else (None, None)
     for ax, which, y3 in ((axes[0], "N", n3), (axes[1], "D", d3)):
         if y3 is not None:
             ax.plot(cgrid, y3, color="C0", lw=2, label=f"Approach 3 (exponent {fit.beta / (fit.alpha + fit.beta) if which == 'N' else fit.alpha / (fit.alpha + fit.beta):.3f})")
@@ -1060,7 +1075,7 @@ def make_plots(
             ax.text(0.5, 0.97, "Approach 3: no compute-optimal allocation\n(alpha or beta <= 0)", transform=ax.transAxes,
                     ha="center", va="top", fontsize=8, color="C0")
         if reference is not None:
-            nr, dr = compute_optimal(reference[1], cgrid)
+            nr, dr = optimal(reference[1], cgrid)
             ax.plot(cgrid, nr if which == "N" else dr, color="0.4", ls=":", lw=1.5, label=reference[0])
         if isoflop is not None:
             good = [bud for bud in isoflop.budgets if bud.valid]

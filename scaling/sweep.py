@@ -768,6 +768,11 @@ def run_sweep(
 
     log = log or (lambda msg: print(msg, flush=True))
     points, dropped = generate_points(spec, spec_dir)
+    if not points:  # (it ran nothing, wrote an empty store and exited 0)
+        raise SweepError(
+            f"every point of the sweep was dropped for too few steps ({len(dropped)}, e.g. {dropped[0]}); "
+            "raise isoflop.budgets (grid.tokens), or lower the batch size or isoflop.min_steps"
+        )
     points = select_points(points, only)
     for note in dropped:
         log(f"dropped {note}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sqlite3
 import warnings
 from pathlib import Path
@@ -151,13 +153,27 @@ def test_fit_without_compute_optimal_allocation_still_reports(tmp_path: Path, ca
     assert "no compute-optimal allocation" in printed and "(no Approach-3 allocation)" in printed
 
 
-def test_fit_json_is_strict_json_when_a_bound_runs_off_to_infinity(tmp_path: Path) -> None:
+def test_fit_json_is_strict_json_when_a_bound_runs_off_to_infinity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The 15-point GPU sweep's bootstrap sends A's upper bound past float range. fit.json held
     `NaN` there (then `Infinity`): neither is JSON, and strict readers (JavaScript, jq's
-    --strict peers, pandas' ujson) refuse the file. It is null now."""
+    --strict peers, pandas' ujson) refuse the file. It is null now.
+
+    Whether the 97.5th percentile of log A lands past float range (a > 709) depends on a
+    handful of unidentified resamples, which BLAS rounding moves (1e278 on one machine, inf
+    on another); so the bound is made infinite here, and the percentile arithmetic that
+    yields inf is tested in test_scaling_laws.py."""
     out = tmp_path / "fit"
     results = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweep_isoflop_gpu_v2"
-    assert fit_cli.main(["--results", str(results), "--out", str(out), "--no-plots", "--bootstrap", "200"]) == 0
+    real_fit = sl.fit_chinchilla
+
+    def runaway(*args, **kwargs):
+        fit = real_fit(*args, **kwargs)
+        return dataclasses.replace(fit, ci={**fit.ci, "A": (fit.ci["A"][0], math.inf)})
+
+    monkeypatch.setattr(sl, "fit_chinchilla", runaway)
+    assert fit_cli.main(["--results", str(results), "--out", str(out), "--no-plots", "--bootstrap", "20"]) == 0
 
     def refuse(name):
         raise ValueError(f"not JSON: {name}")

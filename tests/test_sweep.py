@@ -179,6 +179,15 @@ def test_isoflop_min_steps_drops_points():
     assert "C1.5e9-L2-s0" not in {p.id for p in points} and any(d.startswith("C1.5e9-L2-s0") for d in dropped)
 
 
+def test_run_with_every_point_dropped_is_an_error(tmp_path, capsys):
+    # It ran nothing, wrote an empty store and exited 0, as if the sweep had finished.
+    out = tmp_path / "o"
+    assert main(["--config", str(TINY), "--out", str(out), "--isoflop.min_steps=1000"]) == 2
+    err = capsys.readouterr().err
+    assert "every point of the sweep was dropped for too few steps (4, e.g. C1.5e9-L1-s0" in err and "min_steps=1000" in err
+    assert not (out / "results.sqlite").exists()
+
+
 def test_helpers():
     assert [_fmt(x) for x in (1e15, 3e14, 2.5e9, 4096)] == ["1e15", "3e14", "2.5e9", "4.1e3"]
     rule = PowerRule(base=8, ref=2, exponent=1, multiple_of=8)
