@@ -932,6 +932,21 @@ def _is_real(x) -> bool:
     return isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _cache_dtype(cache_dtype, compute_dtype) -> jnp.dtype:
+    """Decoder(cache_dtype=...) checked: a floating dtype (None: the compute dtype). An integer one
+    had failed in the first decode step, after the prefill compiled: the K/V writes would truncate."""
+    if cache_dtype is None:
+        return jnp.dtype(compute_dtype)
+    try:
+        dt = jnp.dtype(cache_dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"cache_dtype={cache_dtype!r} must be a floating dtype (bfloat16, float16 or float32), "
+                         "or None (the model's compute dtype)")
+    return dt
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -954,6 +969,7 @@ class Decoder:
 
     max_batch: the most prompts one call may take (rows are padded to a power of two).
     max_len: cache length (prompt + new tokens); None sizes it per call.
+    cache_dtype: the KV cache's dtype, a floating one (None: the model's compute dtype).
     min_batch: rows are padded up to at least this many (padding rows start finished and
         attend to one position). None: steps on the XLA layers pad to GPU_MIN_BATCH on the
         GPU (so small batches take the gemm path of larger ones), steps on the Pallas layers
@@ -1007,7 +1023,10 @@ class Decoder:
     ):
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
-        self.cache_dtype = jnp.dtype(cache_dtype) if cache_dtype is not None else jnp.dtype(self.dtype)
+        self.cache_dtype = _cache_dtype(cache_dtype, self.dtype)
+        # (a float had been taken as a bound, 0 refused every call with "1 prompts exceed the batch")
+        if max_batch is not None and (not _is_int(max_batch) or max_batch < 1):
+            raise ValueError(f"{max_batch=} must be an int >= 1, or None (any batch)")
         self.max_batch = max_batch
         self.max_len = max_len
         self.attn_impl = resolve_decode_impl(attention, self.cfg)
@@ -1028,7 +1047,7 @@ class Decoder:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.sampler = sampler
         self.chunk = chunk
-        if min_batch is not None and (min_batch < 1 or min_batch & (min_batch - 1)):
+        if min_batch is not None and (not _is_int(min_batch) or min_batch < 1 or min_batch & (min_batch - 1)):
             raise ValueError(f"{min_batch=} must be a power of two >= 1")
         gpu = jax.default_backend() == "gpu"
         self.min_batch = min_batch if min_batch is not None else (GPU_MIN_BATCH if gpu else 1)  # XLA steps
@@ -1171,6 +1190,8 @@ class Decoder:
         # (JAX's key(seed) keeps a seed's low 32 bits: 2**32 would draw what 0 draws, -1 what 2**32 - 1 does)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
+        if stop_tokens is None:  # (as transformers' eos_token_id=None: no stop tokens)
+            stop_tokens = ()
         # (checked here, not when the generator first runs: an int had raised a TypeError there)
         if _is_int(stop_tokens) or isinstance(stop_tokens, (str, bytes)):
             raise ValueError(f"stop_tokens must be a list of token ids, got {stop_tokens!r} (one id is [id])")
@@ -1203,7 +1224,7 @@ class Decoder:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int = 0,
-        stop_tokens: Sequence[int] = (),
+        stop_tokens: Sequence[int] | None = (),
         max_len: int | None = None,
         timing: dict | None = None,
     ) -> Iterator[list[tuple[int, list[int], list[float]]]]:
@@ -1342,7 +1363,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int = 0,
-    stop_tokens: Sequence[int] = (),
+    stop_tokens: Sequence[int] | None = (),
     return_logprobs: bool = False,
     max_len: int | None = None,
 ):

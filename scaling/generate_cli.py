@@ -133,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = [tok.encode(p) for p in args.prompt]
+    # (named as the user typed it: decode's "prompt 0 is empty" counts from 0 and knows no text)
+    for text, ids in zip(args.prompt, prompts):
+        if not ids:
+            print(f"error: --prompt {text!r} encodes to no tokens (the tokenizer adds none of its own); give "
+                  "at least one character to continue from", file=sys.stderr)
+            return 2
     try:
         extra = {} if args.prefill_tokens is None else {"prefill_tokens": args.prefill_tokens}
         dec = decode.Decoder(model, chunk=args.chunk, layers=args.layers, sampler=args.sampler, **extra)

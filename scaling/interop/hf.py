@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,11 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_all_tensors(path: Path) -> dict[str, np.ndarray]:
+    # model.safetensors before the index, as transformers' from_pretrained looks: with both there,
+    # it loads the single file (an index beside it had made us load other weights than it does)
+    single = path / "model.safetensors"
+    if single.exists():
+        return read_safetensors(single)
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
@@ -100,9 +106,6 @@ def _read_all_tensors(path: Path) -> dict[str, np.ndarray]:
         if missing:
             raise HFFormatError(f"{index} names tensors its shards lack: {sorted(missing)[:5]}")
         return tensors
-    single = path / "model.safetensors"
-    if single.exists():
-        return read_safetensors(single)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise HFFormatError(f"{path} has no model.safetensors, index or *.safetensors file (pytorch_model.bin is not read)")
@@ -258,6 +261,10 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
         "pretraining_tp": 1,
         "initializer_range": cfg.init_std,
         "use_cache": True,
+        # (explicit: without them transformers' LlamaConfig reads bos 1 and eos 2, and its generate
+        # stopped at token 2, which our models do not treat as an end; save(tokenizer=) sets eos)
+        "bos_token_id": None,
+        "eos_token_id": None,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
@@ -451,6 +458,21 @@ def save(model_config: ModelConfig, model: Transformer, path: str | os.PathLike,
     return save_params(model_config, params, path, dtype=dtype, tokenizer=tokenizer)
 
 
+def _check_params_match(cfg: ModelConfig, params: dict) -> None:
+    """ValueError naming the parameters that a model of `cfg` lacks, has no place for, or holds in
+    another shape. A config other than the model's had been written beside its weights: 4 heads of
+    8 saved as 8 of 4, or an untied head dropped under tie_word_embeddings, loading as another model."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
+            jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))[0]}
+    got = {jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    problems = [f"{k} missing" for k in want if k not in got] + [f"{k} not in such a model" for k in got if k not in want]
+    problems += [f"{k} is {got[k]}, the config gives {want[k]}" for k in want if k in got and got[k] != want[k]]
+    if problems:
+        raise ValueError("the parameters are not those of model_config: " + "; ".join(problems[:5])
+                         + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
+
+
 def save_params(model_config: ModelConfig, params: dict, path: str | os.PathLike, *, dtype=None,
                 tokenizer=None) -> Path:
     """`save` from a pure dict of params (a checkpoint's, `scaling.checkpoint.load_params`)."""
@@ -461,6 +483,7 @@ def save_params(model_config: ModelConfig, params: dict, path: str | os.PathLike
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                              f"vocab_size {model_config.vocab_size}")
     params = jax.device_get(params)
+    _check_params_match(model_config, params)
     names = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}
     by_name = {v: k for k, v in names.items()}
     if dtype is None:
@@ -477,7 +500,22 @@ def save_params(model_config: ModelConfig, params: dict, path: str | os.PathLike
         save_tokenizer(tokenizer, path, model_max_length=model_config.max_seq_len)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_safetensors(path / "model.safetensors", tensors)
+    _remove_stale_shards(path)
     return path
+
+
+# transformers' shard names (save_pretrained's "model-00001-of-00002.safetensors")
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _remove_stale_shards(path: Path) -> None:
+    """A sharded checkpoint saved earlier in `path`: its index and shards, which tools that follow
+    the index (vLLM) would load in place of the model.safetensors just written. transformers'
+    save_pretrained removes a previous save's shards too."""
+    (path / "model.safetensors.index.json").unlink(missing_ok=True)
+    for f in path.iterdir():
+        if _SHARD.fullmatch(f.name) and f.is_file():
+            f.unlink()
 
 
 # ------------------------------------------------------------------------- tokenizer
