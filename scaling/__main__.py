@@ -50,11 +50,16 @@ def cmd_train(argv: list[str]) -> int:
         from scaling.config import replace
 
         cfg = replace(cfg, profile={"steps": [5, 8]})
+    from scaling.checkpoint import CheckpointError
+
     try:
         summary = train(cfg, args.run_dir, config_path=args.config)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except CheckpointError as e:  # a save that failed (a full disk), no readable checkpoint to resume
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"run directory: {summary['run_dir']}")
     return 0
 

@@ -1150,8 +1150,8 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         traffic["weight casts f32 -> c"] = (p + c) * casts * accum
         traffic["weight gradients c -> f32"] = (p + c) * gathered * accum
     traffic["optimizer (grad norm + fused AdamW)"] = 8 * p * n_dev
-    if accum > 1:
-        traffic["grad accumulation"] = 2 * p * n_dev * accum
+    if accum > 1:  # (the sum is f32 whatever the params' dtype: train.accumulate_grads)
+        traffic["grad accumulation"] = 2 * F32 * n_dev * accum
     # Every collective adds to the step. Those of activations (Megatron's all-reduces, the
     # embedding's all-to-all) sit between matmuls that need their result. FSDP's gathers and
     # reduce-scatters and data parallelism's all-reduces could in principle run behind the

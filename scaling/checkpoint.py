@@ -150,12 +150,22 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {first}"
 
 
-def _model_diff(saved_cfg: dict | None, cfg: dict | None) -> str:
+def _model_diff(saved_cfg: dict | None, cfg: dict | None, section: str = "model") -> str:
     if not saved_cfg or not cfg:
         return ""
-    a, b = saved_cfg.get("model", {}), cfg.get("model", {})
-    diff = [f"model.{k}: config {b.get(k)!r}, checkpoint {a.get(k)!r}" for k in b if a.get(k) != b.get(k)]
-    return ("\n  model config differences:\n    " + "\n    ".join(diff)) if diff else ""
+    a, b = saved_cfg.get(section, {}), cfg.get(section, {})
+    diff = [f"{section}.{k}: config {b.get(k)!r}, checkpoint {a.get(k)!r}" for k in b if a.get(k) != b.get(k)]
+    return (f"\n  {section} config differences:\n    " + "\n    ".join(diff)) if diff else ""
+
+
+def _optimizer_hint(saved_cfg: dict | None, cfg: dict | None) -> str:
+    """The optimizer's state is shaped by its config, not by the model: name what changed it."""
+    diff = _model_diff(saved_cfg, cfg, "optimizer")
+    clip = [(c or {}).get("optimizer", {}).get("clip_norm") for c in (saved_cfg, cfg)]
+    if None not in clip and (clip[0] == 0) != (clip[1] == 0):
+        diff += ("\n  optimizer.clip_norm=0 leaves the clipping stage out of the optimizer (and its state); to "
+                 "resume without clipping, give a clip_norm too large to bind (e.g. 1e9) instead")
+    return diff
 
 
 # ---------------------------------------------------------------------- the manager
@@ -184,6 +194,7 @@ class Checkpointer:
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._last_saved: int | None = None
+        self._unchecked: int | None = None  # the step of the last save whose outcome is not known yet
 
     def latest_step(self) -> int | None:
         steps = complete_steps(self.directory)
@@ -197,12 +208,19 @@ class Checkpointer:
         """
         if step == self._last_saved or step in self.manager.all_steps():
             return False
-        self._last_saved = step
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
-        )
+        self.wait()  # (Orbax waits for the previous save here too; this names its failure)
+        self._last_saved = self._unchecked = step
+        try:
+            started = self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions (a full disk: ValueError)
+            raise self._save_failed(e) from e
+        if not self.cfg.async_save:
+            self._unchecked = None
+        return started
 
     def should_save(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
@@ -219,6 +237,12 @@ class Checkpointer:
                 saved_cfg = read_meta(self.directory / str(step)).get("config")
             except CheckpointError:
                 saved_cfg = None
+            if all(m.startswith("opt_state.") for m in mismatches):  # (the params fit: the optimizer changed)
+                head = f"the optimizer's state differs in structure ({len(mismatches)} leaves), e.g.:\n  "
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.directory / str(step)} does not match the config: " + head
+                    + "\n  ".join(mismatches[:3]) + _optimizer_hint(saved_cfg, config)
+                )
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory / str(step)} does not match the config:\n  "
                 + "\n  ".join(mismatches)
@@ -288,12 +312,35 @@ class Checkpointer:
         self.manager.reload()
         return dest
 
+    def check(self) -> None:
+        """Raise CheckpointError if the last asynchronous save has failed; never waits for one
+        still being written. (Orbax itself tells only when the next save or a wait starts: a full
+        disk went unnoticed for a whole `checkpoint.every` steps, that could then not be saved.)"""
+        if self._unchecked is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in progress; CheckpointError naming its step if it failed."""
+        step, self._unchecked = self._unchecked, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(e, step) from e
+
+    def _save_failed(self, e: Exception, step: int | None = None) -> CheckpointError:
+        step = self._unchecked if step is None else step
+        latest = self.latest_step()
+        kept = f"the newest complete checkpoint is step {latest}" if latest is not None else "no checkpoint is complete"
+        # The whole message on one line: Orbax puts the OS's reason ("No space left on device") last.
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        return CheckpointError(f"saving the checkpoint of step {step} in {self.directory} failed ({why}); "
+                               f"{kept}, and a restart resumes from it")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 # -------------------------------------------------------------------- params export

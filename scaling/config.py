@@ -514,6 +514,17 @@ def _positive(x: float) -> bool:
     return math.isfinite(x) and x > 0
 
 
+def _float_fields(node: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
+    """(dotted key, value) of every float field under a config dataclass."""
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_fields(value, f"{prefix}{f.name}.")
+        elif _optional_of(hints[f.name])[0] is float and value is not None:
+            yield f"{prefix}{f.name}", value
+
+
 def validate(cfg: Config) -> None:
     m, t, o, d, mesh = cfg.model, cfg.train, cfg.optimizer, cfg.data, cfg.mesh
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "max_seq_len"):
@@ -620,3 +631,8 @@ def validate(cfg: Config) -> None:
             "remat.names",
             f"remat.policy={cfg.remat.policy.value} needs the checkpoint_name tags to save",
         )
+    # Last (the checks above say more where they apply): a NaN or inf that a range check lets
+    # through (weight_decay=.inf trained to NaN params; clip_norm, max_corpus_mb) or that no
+    # check looks at (the RoPE factors with scaling off).
+    for key, value in _float_fields(cfg):
+        _require(math.isfinite(value), key, f"must be a finite number, got {value}")

@@ -57,6 +57,9 @@ def default_corpus_files(max_mb: float) -> list[Path]:
             break
         out.append(p)
         total += size
+    if files and not out:  # (else: "every file is empty (0 files)", which points nowhere)
+        raise DataError(f"data.max_corpus_mb={max_mb} holds none of the default corpus: its first file, "
+                        f"{files[0]}, is {files[0].stat().st_size / 1e6:.3g} MB; raise data.max_corpus_mb")
     return out
 
 
@@ -202,7 +205,10 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
     files = default_corpus_files(d.max_corpus_mb) if d.path is None else text_files(Path(d.path), Path(d.cache_dir))
     directory = Path(d.cache_dir) / f"{'stdlib' if d.path is None else Path(d.path).name}-{_corpus_key(cfg, files)}"
     meta_path = directory / "meta.json"
-    if not meta_path.exists():
+    damage = _cache_damage(directory) if meta_path.exists() else None
+    if damage:
+        log(f"data: the token cache {directory} is damaged ({damage}); tokenizing again")
+    if not meta_path.exists() or damage:
         directory.mkdir(parents=True, exist_ok=True)
         what = f"Python {sys.version.split()[0]} stdlib sources" if d.path is None else d.path
         log(f"data: tokenizing {len(files)} files from {what} into {directory} (once)")
@@ -240,6 +246,24 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
     meta = json.loads(meta_path.read_text())
     tokens = np.memmap(directory / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],))
     return TokenStore(directory, tokens, meta["eos_id"], meta["vocab_size"], meta["eval_start"])
+
+
+def _cache_damage(directory: Path) -> str | None:
+    """Why a token cache whose meta.json (written last) exists cannot be used, or None. A file
+    truncated or removed since (a full disk, a cleanup) made np.memmap fail with a bare
+    "mmap length is greater than file size", or trained on a short stream."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        want = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"meta.json unreadable: {e}"
+    tokens = directory / "tokens.bin"
+    if not tokens.is_file() or tokens.stat().st_size != want:
+        have = f"{tokens.stat().st_size:,} bytes" if tokens.is_file() else "missing"
+        return f"tokens.bin: {have}, meta.json says {want:,}"
+    if not (directory / "tokenizer.json").is_file():
+        return "tokenizer.json missing"
+    return None
 
 
 def load_token_file(cfg: Config) -> TokenStore:

@@ -7,12 +7,15 @@ The model object is rebuilt from (graphdef, params) inside the jitted functions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import math
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scaling import accounting, attention, hardware, remat, strict_json
-from scaling.checkpoint import Checkpointer
+from scaling.checkpoint import Checkpointer, complete_steps
 from scaling.config import AttentionImpl, Config, ConfigError, NonFinitePolicy, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer, build_model
@@ -313,6 +316,23 @@ def _under_sharding(setup: Setup, fn):
     return traced
 
 
+def accumulate_grads(grad_fn, params, batch_bt: jax.Array, accum: int):
+    """(loss, grads) of `grad_fn` averaged over `accum` equal micro-batches of the batch.
+
+    Summed in f32 whatever the params' dtype (a bfloat16 carry rounded every partial sum: with
+    bf16 params the mean of 16 micro-batches was off by about 3x bf16's own rounding), then returned
+    in the params' dtypes, as grad_fn gives them."""
+    micro = batch_bt.reshape(accum, batch_bt.shape[0] // accum, *batch_bt.shape[1:])
+
+    def body(carry, mb):
+        l, g = grad_fn(params, mb)
+        return jax.tree.map(lambda c, x: c + x.astype(jnp.float32), carry, (l, g)), None
+
+    zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), (jnp.zeros(()), params))
+    (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+    return loss / accum, jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads, params)
+
+
 def make_train_step(setup: Setup):
     cfg = setup.cfg
     accum = cfg.train.grad_accum
@@ -328,16 +348,7 @@ def make_train_step(setup: Setup):
         if accum == 1:
             loss, grads = grad_fn(params, batch_bt)
         else:
-            # Gradient accumulation: scan over micro-batches, summing grads in f32.
-            micro = batch_bt.reshape(accum, batch_bt.shape[0] // accum, batch_bt.shape[1])
-
-            def body(carry, mb):
-                l, g = grad_fn(params, mb)
-                return jax.tree.map(jnp.add, carry, (l, g)), None
-
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(body, zeros, micro)
-            loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+            loss, grads = accumulate_grads(grad_fn, params, batch_bt, accum)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt = setup.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
@@ -631,14 +642,47 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     except OSError as e:  # a file in the way, no permission, ...: bad input, not a crash
         why = "it is a file" if run_dir_path.is_file() else (e.strerror or str(e))
         raise ConfigError(f"run_dir: cannot use {str(run_dir_path)!r} as the run directory ({why})") from None
-    if is_main:
-        (run_dir_path / "config.yaml").write_text(dump_yaml(cfg))
+    with _run_dir_lock(run_dir_path):
+        return _train(cfg, run_dir_path, is_main, log, devices)
 
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: Path):
+    """Refuse a second training process on the same run directory (the same command started
+    twice, a job requeued while the old one still runs): it would remove the first one's save in
+    progress as a partial checkpoint, and both would write the same steps and metrics.jsonl.
+    An flock on <run_dir>/.lock: the OS releases it when the process ends, however it ends, so
+    a killed run never leaves a stale lock. Not for a multi-host job, whose processes share the
+    directory by design."""
+    if jax.process_count() > 1:
+        yield
+        return
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise ConfigError(f"run_dir: {str(run_dir)!r} is in use by a training process ({holder}); wait for it "
+                              "to end, stop it (SIGTERM saves a checkpoint), or choose another --run_dir") from None
+        except OSError:  # a filesystem without locks: train unguarded, as before
+            locked = False
+        if locked:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _train(cfg: Config, run_dir_path: Path, is_main: bool, log, devices) -> dict:
     setup = make_setup(cfg, devices)  # devices: default all; tests pass a subset
     check_runnable(setup)
     data = make_dataset(cfg, process_index=jax.process_index(), process_count=jax.process_count(), log=log)
-    if data.tokenizer_path is not None and is_main:
-        (run_dir_path / "tokenizer.json").write_bytes(data.tokenizer_path.read_bytes())
 
     if cfg.train.show_shardings and is_main:
         from scaling.sharding.report import sharding_report
@@ -646,6 +690,10 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
         log(sharding_report(setup))
 
     ckpt = Checkpointer(run_dir_path, cfg.checkpoint) if cfg.checkpoint.enabled else None
+    ignored = complete_steps(run_dir_path / "checkpoints") if ckpt is None else []
+    if ignored:  # (a start from step 0 whose records replace the ones of those checkpoints' run)
+        log(f"checkpoint.enabled=false: not resuming from the checkpoints in {run_dir_path / 'checkpoints'} "
+            f"(latest step {ignored[-1]}); training from step 0, and metrics.jsonl restarts with it")
     state = None
     restored_window: list = []
     if ckpt is not None:
@@ -665,6 +713,13 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
             restored_window = [{"loss": np.float32(float.fromhex(h))} for h in restored.meta.get("window_losses", [])]
             if restored.step >= cfg.train.steps:
                 log(f"checkpoint step {restored.step} already reaches train.steps={cfg.train.steps}; nothing to train")
+    if is_main:
+        # Only now: a start refused above (a model that does not fit the checkpoint, bad data)
+        # left the run's config and tokenizer, which `generate` reads with its checkpoints, as
+        # they were.
+        (run_dir_path / "config.yaml").write_text(dump_yaml(cfg))
+        if data.tokenizer_path is not None:
+            (run_dir_path / "tokenizer.json").write_bytes(data.tokenizer_path.read_bytes())
     if state is None:
         state = init_state(setup)
 
@@ -748,6 +803,11 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
                 if in_flight is not None:
                     jax.block_until_ready(in_flight)
                 in_flight = metrics
+                if ckpt is not None and jax.process_count() == 1:
+                    # A failed background save stops the run now, not a whole checkpoint.every later.
+                    # (One process only: processes that saw the failure at different steps would
+                    # leave the others waiting in a collective.)
+                    ckpt.check()
                 if step == start_step + 1:
                     # The first step of a start compiles: time it apart (first_step_s in the first
                     # record) and start the window's clock after it, so tokens/s and mfu are rates.
