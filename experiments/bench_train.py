@@ -358,11 +358,14 @@ def matmul_rate() -> dict:
     b = jax.random.normal(k2, (n, n), jnp.bfloat16)
     f = jax.jit(lambda a, b: a @ b)
     f(a, b).block_until_ready()
+    # 10 calls queued back to back per sample, one wait: a wait after each call had added the
+    # host's round trip to every 1.4 ms product (597-631 TFLOP/s where queued calls give 710-777
+    # on an H200, docs/benchmarks.md "Forty-eighth session")
     times = []
-    for _ in range(20):
+    for _ in range(5):
         t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
+        jax.block_until_ready([f(a, b) for _ in range(10)])
+        times.append((time.perf_counter() - t0) / 10)
     return {"flops": 2 * n**3 / sorted(times)[len(times) // 2], "device": jax.devices()[0].device_kind,
             "jax": jax.__version__}
 

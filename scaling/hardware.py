@@ -45,8 +45,11 @@ import jax
 
 
 # Measured on one H200 (2026-11-22, jax 0.11.2; docs/benchmarks.md, docs/attention.md,
-# docs/decoding.md): bf16 matmul 8192^3 631 TFLOP/s (experiments/bench_train.py) = 0.638 of
-# 989; JAX device copy (x * 2, 4 GiB, read + write) 2.91 TB/s = 0.606 of 4.8 (torch's copy_
+# docs/decoding.md): bf16 matmul 8192^3 744 TFLOP/s = 0.752 of 989 (experiments/bench_matmul_shapes.py,
+# 2026-12-02: 710, 744 and 777 in three runs of 10 queued calls; the median. It had been 631, from
+# bench_train.py waiting for each call, which adds the host's round trip to a 1.4 ms product. The
+# bf16 matmul kernels of seven profiled training steps, 125m/350m/1b scanned and unrolled, ran at
+# 736-779: docs/benchmarks.md, "Forty-eighth session"); JAX device copy (x * 2, 4 GiB, read + write) 2.91 TB/s = 0.606 of 4.8 (torch's copy_
 # reached 4.27 TB/s; JAX's own copy is what JAX's kernels get, so the default uses it);
 # cuDNN flash attention, causal, head dim 64, T 2048, B 8, H 32: 255 TFLOP/s fwd+bwd counted
 # as 3.5 x forward (experiments/bench_attention.py), i.e. 255 * 3 / 3.5 = 219 TFLOP/s counted
@@ -54,13 +57,12 @@ import jax
 # f32 matmuls (TF32 tensor cores, XLA's default precision for f32 on the GPU; the one-pass
 # loss's output-head backward runs in f32): the training profile of docs/benchmarks.md
 # (second session) shows those two kernels at 10.3 + 5.2 ms for 4·B·T·D·V = 4.29e12 FLOPs
-# (1b, batch 8 x 2048) = 277 TFLOP/s. That profile also puts the step's bf16 matmuls at
-# ~715 TFLOP/s, above the 8192^3 benchmark: the 631 default is conservative.
+# (1b, batch 8 x 2048) = 277 TFLOP/s.
 # Collectives over 2 H200s on NVLink (experiments/bench_collectives.py, 2026-11-29; docs/benchmarks.md,
 # "Multi-GPU scaling"): bf16 arrays of 128 MiB (the 1b's layer weights are 116 MiB) moved at what the
 # ring formula reads as 217 GB/s per device (all-gather), 205 (reduce-scatter), 244 (all-reduce):
 # 222 on average, 0.49 of the 450 GB/s egress (1 GiB arrays: 0.57-0.63; 16 MiB: 0.14-0.25).
-_H200_MEASURED = dict(matmul_fraction=631 / 989, attention_fraction=219 / 989, hbm_fraction=2.91 / 4.8,
+_H200_MEASURED = dict(matmul_fraction=744 / 989, attention_fraction=219 / 989, hbm_fraction=2.91 / 4.8,
                       f32_matmul_fraction=277 / 989, link_fraction=222 / 450)
 
 
@@ -113,7 +115,7 @@ HARDWARE: dict[str, Hardware] = {
         "host (64 GB/s one way)",
         host_bandwidth=64e9,
         **_H200_MEASURED,
-        calibration="measured on one H200, 2026-11-22: matmul 631 TFLOP/s (bench_train.py), JAX copy "
+        calibration="measured on one H200, 2026-11-22: matmul 744 TFLOP/s (8192^3, bench_matmul_shapes.py, 2026-12-02), JAX copy "
         "2.91 TB/s (bench_decode.py), cuDNN attention d64 T2048 219 TFLOP/s (bench_attention.py), f32 (TF32) "
         "head-backward matmuls 277 TFLOP/s (bench_train.py profile); collectives on 2 H200s 222 GB/s per device "
         "(128 MiB arrays, bench_collectives.py, 2026-11-29)",

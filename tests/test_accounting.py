@@ -140,7 +140,7 @@ def test_default_rates_come_from_the_hardware_table():
 
     hw = get_hardware("h200")
     r = acc.Rates.of(hw)
-    assert r.matmul == pytest.approx(631e12) and r.hbm == pytest.approx(2.91e12)
+    assert r.matmul == pytest.approx(744e12) and r.hbm == pytest.approx(2.91e12)
     assert "measured" in r.source
     assert acc.training_time(_cfg_1b("dots"), acc.MeshShape(), hw).rates == r
 
