@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scaling import accounting, attention, hardware, remat, strict_json
 from scaling.checkpoint import Checkpointer, complete_steps
-from scaling.config import AttentionImpl, Config, ConfigError, NonFinitePolicy, dump_yaml, to_dict
+from scaling.config import AttentionImpl, Config, ConfigError, NonFinitePolicy, RematPolicyName, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer, build_model
 from scaling.optim import learning_rate_schedule, make_optimizer
@@ -381,7 +381,21 @@ def make_train_step(setup: Setup):
         in_shardings=(setup.state_shardings, setup.batch_sharding),
         out_shardings=(setup.state_shardings, None),
         donate_argnums=(0,),
+        compiler_options=train_step_compiler_options(cfg),
     )
+
+
+def train_step_compiler_options(cfg: Config) -> dict[str, Any]:
+    """XLA options for the train step. Scanned layers under remat `none` stack the attention
+    core's outputs as residuals; XLA:GPU's dynamic-slice fusion then runs the (custom-call) flash
+    forward twice per layer, once for the layer and once to write the stack (the compiled HLO:
+    docs/benchmarks.md, "Forty-eighth session"). Without that fusion the H200 step was 1.1-2.1%
+    faster (350m, 1b; batch 4-8, accumulation too); under `full` and `dots`, which do not save the
+    core's outputs, it was level to 0.9% slower, so they keep XLA's default. (A GPU option: XLA's
+    other backends ignore it.)"""
+    if cfg.model.scan_layers and cfg.remat.policy == RematPolicyName.none:
+        return {"xla_gpu_enable_dynamic_slice_fusion": False}
+    return {}
 
 
 def make_eval_step(setup: Setup):

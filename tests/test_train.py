@@ -74,3 +74,31 @@ def test_cli_train_runs_and_reports_config_errors(tmp_path, capsys):
     assert [r["step"] for r in lines] == [1, 2, 3]
     assert main(["train", "--config", "configs/models/tiny.yaml", "--model.num_kv_heads=3"]) == 2
     assert "model.num_heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, off", [
+    ([], True),  # the defaults: scanned layers, remat none
+    (["--remat.policy=full"], False),
+    (["--remat.policy=dots"], False),
+    (["--model.scan_layers=false"], False),
+])
+def test_train_step_turns_dynamic_slice_fusion_off_only_for_scanned_none(overrides, off, monkeypatch):
+    """XLA:GPU's dynamic-slice fusion duplicates the flash forward when the scan stacks its
+    outputs (remat none): the step is compiled without it there, and with XLA's defaults
+    elsewhere (docs/benchmarks.md, "Forty-eighth session")."""
+    from scaling import train as T
+
+    cfg = load_config("configs/models/tiny.yaml", ["--train.batch_size=2", "--train.seq_len=16", *overrides])
+    want = {"xla_gpu_enable_dynamic_slice_fusion": False} if off else {}
+    assert T.train_step_compiler_options(cfg) == want
+    seen = {}
+    real_jit = T.jax.jit
+
+    def spy(fn, **kw):
+        seen.update(kw)
+        return real_jit(fn, **kw)
+
+    monkeypatch.setattr(T.jax, "jit", spy)
+    setup = make_setup(cfg, devices=jax.devices()[:1])
+    make_train_step(setup)
+    assert seen["compiler_options"] == want
