@@ -160,18 +160,9 @@ def calibrate(args) -> None:
     def layer_matmuls():
         """The layer's own matmuls forward + backward (x @ W, dx, dW) at the benchmark's token
         count: the q/k/v/o and SwiGLU shapes, i.e. the step's matmuls."""
-        shapes = [(d, nh * hd), (d, kh * hd), (d, kh * hd), (nh * hd, d), (d, f), (d, f), (f, d)]
-        key = iter(jax.random.split(jax.random.key(3), 3 * len(shapes)))
-        xs = [jax.random.normal(next(key), (bt, i), jnp.bfloat16) for i, _ in shapes]
-        ws = [jax.random.normal(next(key), s, jnp.bfloat16) * 0.02 for s in shapes]
-        cts = [jax.random.normal(next(key), (bt, o), jnp.bfloat16) for _, o in shapes]
+        from bench_matmul_shapes import fwd_bwd_rate, layer_shapes
 
-        def one(x, w, ct):
-            y, vjp = jax.vjp(lambda x, w: x @ w, x, w)
-            return y, vjp(ct)  # y returned, or XLA drops the forward matmul
-
-        run = jax.jit(lambda xs, ws, cts: [one(x, w, ct) for x, w, ct in zip(xs, ws, cts)])
-        return sum(6 * bt * i * o for i, o in shapes) / _timed(lambda: run(xs, ws, cts), 2 if cpu else 10)
+        return fwd_bwd_rate(layer_shapes(m), bt, 2 if cpu else 10)
 
     def head_backward_f32():
         """The one-pass loss's head backward: f32 logit gradients times the (promoted) head."""
