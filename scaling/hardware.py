@@ -61,7 +61,8 @@ import jax
 # Collectives over 2 H200s on NVLink (experiments/bench_collectives.py, 2026-11-29; docs/benchmarks.md,
 # "Multi-GPU scaling"): bf16 arrays of 128 MiB (the 1b's layer weights are 116 MiB) moved at what the
 # ring formula reads as 217 GB/s per device (all-gather), 205 (reduce-scatter), 244 (all-reduce):
-# 222 on average, 0.49 of the 450 GB/s egress (1 GiB arrays: 0.57-0.63; 16 MiB: 0.14-0.25).
+# 222 on average, 0.49 of the 450 GB/s egress (1 GiB arrays: 0.57-0.63; 16 MiB arrays timed the host's
+# dispatch, ~0.14 ms a call for every kind, not the link).
 _H200_MEASURED = dict(matmul_fraction=744 / 989, attention_fraction=219 / 989, hbm_fraction=2.91 / 4.8,
                       f32_matmul_fraction=277 / 989, link_fraction=222 / 450)
 

@@ -110,7 +110,8 @@ def test_multi_gpu_steps_keep_the_single_devices_prediction_ratio(name, args, si
     gathers cheaper than the first's. (At the 631 TFLOP/s matmul rate the table held before the
     forty-eighth session, 2.8% and 3.6%: a faster compute leaves the collectives a larger
     share.) The 350m (batch 4; run after the model was set) lands at 0.94-1.01: its layers'
-    collectives move ~22 MiB, where the link runs below the 128 MiB rate the table holds (not modeled).
+    collectives move ~22 MiB, where the link may run below the 128 MiB rate the table holds (not
+    measured: bench_collectives' 16 MiB wall times were the host's dispatch; not modeled).
     With FSDP's and data parallelism's collectives overlapped at the datasheet's 450 GB/s (the
     model before the forty-seventh session) the 1b's fsdp=2 came out at 0.82-0.83 (batch 2,
     scanned and unrolled)."""
