@@ -505,20 +505,90 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-# Fields that say where or how a run is started, not what it trains.
-_NOT_COMPARED = ("run_dir", "mesh.coordinator_address", "mesh.process_id")
+# How a config field that differs from the checkpoint's bears on the resumed run. Kept as
+# data, one entry per field (tests/test_train.py checks that every field has one), so a new
+# field is classified on purpose. A field missing here (one an older checkpoint still has)
+# counts as TRAJECTORY: warning about nothing is cheaper than hiding a change.
+TRAJECTORY = "trajectory"  # what is computed, with what precision, or on which data
+LAYOUT = "layout"  # the same math placed or scheduled otherwise: equal up to summation order
+BOOKKEEPING = "bookkeeping"  # what is logged, evaluated, traced or saved; or read by nothing after the restore
+LAUNCH = "launch"  # where and how the process starts: not compared (a moved run, another host)
+
+RESUME_FIELD_KINDS: dict[str, str] = {
+    # Shape fields (vocab_size ... mlp_dim, tie_embeddings) never get here: a model that does
+    # not fit the checkpoint is refused by Checkpointer.check_compatible.
+    **dict.fromkeys((
+        "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+        "model.head_dim", "model.mlp_dim", "model.rope_theta", "model.rope_scaling_factor",
+        "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len",
+        "model.norm_eps", "model.tie_embeddings", "model.param_dtype", "model.compute_dtype",
+    ), TRAJECTORY),
+    "model.init_std": BOOKKEEPING,  # read only by init, which a resume skips
+    "model.max_seq_len": BOOKKEEPING,  # bounds seq_len and generation; RoPE is computed per position
+    "model.scan_layers": LAYOUT,  # the same stacked parameters walked by scan or by a loop
+    # Shardings only: a checkpoint restores onto any mesh, and the rule sets map the same
+    # logical axes onto it (losses identical on CPU with mesh.rules=dp).
+    **dict.fromkeys(("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.rules", "mesh.axis_type"), LAYOUT),
+    **dict.fromkeys(("mesh.coordinator_address", "mesh.num_processes", "mesh.process_id"), LAUNCH),
+    # steps: the learning-rate schedule is a function of it; batch_size, seq_len and seed: the
+    # data seen; loss_chunk: its backward runs the head's matmuls in the compute dtype.
+    **dict.fromkeys(("train.steps", "train.batch_size", "train.seq_len", "train.seed", "train.nonfinite",
+                     "train.loss_chunk"), TRAJECTORY),
+    "train.grad_accum": LAYOUT,  # equal micro-batches: the same batch mean, summed in another order
+    **dict.fromkeys(("train.log_every", "train.eval_every", "train.eval_batches", "train.show_shardings"),
+                    BOOKKEEPING),
+    **dict.fromkeys((
+        "optimizer.learning_rate", "optimizer.warmup_steps", "optimizer.schedule", "optimizer.min_lr_ratio",
+        "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.decay_embeddings",
+        "optimizer.clip_norm",
+    ), TRAJECTORY),
+    **dict.fromkeys(("data.source", "data.path", "data.tokenizer", "data.eval_fraction", "data.max_corpus_mb"),
+                    TRAJECTORY),
+    "data.cache_dir": BOOKKEEPING,  # where tokenized corpora are kept, keyed by what they hold
+    # Other kernels round differently (not only in another order); the workspace size picks
+    # between our backward's kernels too.
+    **dict.fromkeys(("attention.impl", "attention.bwd_workspace_mb"), TRAJECTORY),
+    # Recomputing saved activations repeats the same ops (losses identical on CPU).
+    **dict.fromkeys(("remat.policy", "remat.names"), LAYOUT),
+    **dict.fromkeys(("checkpoint.enabled", "checkpoint.every", "checkpoint.keep", "checkpoint.keep_period",
+                     "checkpoint.async_save", "logging.tensorboard", "logging.progress", "profile.steps"),
+                    BOOKKEEPING),
+    "run_dir": LAUNCH,
+}
+
+# The info line's words for the kinds that leave the trajectory as it was.
+_HARMLESS = {LAYOUT: "same math up to summation order", BOOKKEEPING: "observation or bookkeeping only"}
 
 
-def config_changes(saved: dict | None, current: dict) -> list[str]:
-    """'section.key: checkpoint A, now B' for each field of the resolved config that differs."""
+def changed_fields(saved: dict | None, current: dict) -> dict[str, list[tuple[str, Any, Any]]]:
+    """Kind -> (field, checkpoint's value, current value) for each compared field that differs."""
     if not saved:
-        return []
+        return {}
     a, b = _flatten(saved), _flatten(current)
-    return [
-        f"{k}: checkpoint {a.get(k, '(absent)')!r}, now {b.get(k, '(absent)')!r}"
-        for k in sorted(set(a) | set(b))
-        if k not in _NOT_COMPARED and a.get(k) != b.get(k)
-    ]
+    out: dict[str, list[tuple[str, Any, Any]]] = {}
+    for k in sorted(set(a) | set(b)):
+        kind = RESUME_FIELD_KINDS.get(k, TRAJECTORY)
+        if kind != LAUNCH and a.get(k) != b.get(k):  # (absent == None: a new field left unset)
+            out.setdefault(kind, []).append((k, a.get(k, "(absent)"), b.get(k, "(absent)")))
+    return out
+
+
+def resume_config_messages(saved: dict | None, current: dict) -> list[str]:
+    """What a resume logs about its config's changes: a warning naming each change to the
+    trajectory with both values, then one line naming the harmless ones. Those are named at
+    all because a flag that seems to do nothing is confusing, and a layout change explains
+    losses that differ from an uninterrupted run's in the last bits."""
+    changed = changed_fields(saved, current)
+    lines = []
+    if TRAJECTORY in changed:
+        lines.append("warning: resuming with settings that change the training trajectory from the checkpoint's "
+                     "(the run continues with the new values):\n  "
+                     + "\n  ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, old, new in changed[TRAJECTORY]))
+    harmless = [f"{', '.join(k for k, _, _ in changed[kind])} ({words})"
+                for kind, words in _HARMLESS.items() if kind in changed]
+    if harmless:
+        lines.append("resuming with other changed settings that leave the trajectory as it was: " + "; ".join(harmless))
+    return lines
 
 
 def default_run_dir(config_path: str | None) -> str:
@@ -718,10 +788,8 @@ def _train(cfg: Config, run_dir_path: Path, is_main: bool, log, devices) -> dict
             state = restored.state
             data.train.restore(restored.meta["loader"])
             log(f"resuming from checkpoint step {restored.step} in {ckpt.directory}")
-            changed = config_changes(restored.meta.get("config"), to_dict(cfg))
-            if changed:
-                log("resuming with a config that differs from the checkpoint's (the run continues with the new "
-                    "values):\n  " + "\n  ".join(changed))
+            for line in resume_config_messages(restored.meta.get("config"), to_dict(cfg)):
+                log(line)
             # Per-step losses of the log window the checkpoint was saved inside (steps after
             # the last logged one), so the next record's window mean is the uninterrupted run's.
             restored_window = [{"loss": np.float32(float.fromhex(h))} for h in restored.meta.get("window_losses", [])]

@@ -102,3 +102,39 @@ def test_train_step_turns_dynamic_slice_fusion_off_only_for_scanned_none(overrid
     setup = make_setup(cfg, devices=jax.devices()[:1])
     make_train_step(setup)
     assert seen["compiler_options"] == want
+
+
+def test_every_config_field_has_a_resume_kind():
+    """A resume sorts changed fields by RESUME_FIELD_KINDS; a field left out would silently
+    count as a trajectory change, so a new field must be classified there on purpose."""
+    from scaling import train as T
+    from scaling.config import Config, to_dict
+
+    fields = set(T._flatten(to_dict(Config())))
+    assert not fields - set(T.RESUME_FIELD_KINDS), "classify these in scaling.train.RESUME_FIELD_KINDS"
+    assert not set(T.RESUME_FIELD_KINDS) - fields, "entries for fields that no longer exist"
+    assert set(T.RESUME_FIELD_KINDS.values()) == {T.TRAJECTORY, T.LAYOUT, T.BOOKKEEPING, T.LAUNCH}
+
+
+def test_resume_message_warns_about_the_trajectory_and_names_the_rest_in_one_line():
+    from scaling import train as T
+    from scaling.config import Config, replace, to_dict
+
+    saved = to_dict(Config())
+    now = to_dict(replace(Config(), optimizer={"learning_rate": 1e-3}, mesh={"fsdp": 2}, train={"grad_accum": 2},
+                          logging={"progress": False}, run_dir="/moved"))
+    assert T.resume_config_messages(saved, now) == [
+        "warning: resuming with settings that change the training trajectory from the checkpoint's "
+        "(the run continues with the new values):\n  optimizer.learning_rate: checkpoint 0.003, now 0.001",
+        "resuming with other changed settings that leave the trajectory as it was: "
+        "mesh.fsdp, train.grad_accum (same math up to summation order); logging.progress (observation or "
+        "bookkeeping only)",
+    ]  # run_dir (a launch detail) is not named at all
+    harmless = to_dict(replace(Config(), train={"log_every": 1}, checkpoint={"keep": 9}))
+    assert T.resume_config_messages(saved, harmless) == [
+        "resuming with other changed settings that leave the trajectory as it was: "
+        "checkpoint.keep, train.log_every (observation or bookkeeping only)"]
+    assert T.resume_config_messages(saved, saved) == [] and T.resume_config_messages(None, now) == []
+    # A field the table does not know (one an older checkpoint still has) counts as a change.
+    old = {**saved, "train": {**saved["train"], "retired_knob": 1}}
+    assert T.resume_config_messages(old, saved)[0].endswith("train.retired_knob: checkpoint 1, now '(absent)'")

@@ -201,8 +201,12 @@ def test_resuming_with_clipping_turned_off_names_the_optimizer_change(tmp_path, 
     err = capsys.readouterr().err
     assert "the optimizer's state differs in structure" in err and err.count("\n") < 10, err
     assert "optimizer.clip_norm: config 0.0, checkpoint 1.0" in err and "(e.g. 1e9)" in err
-    assert main(args + ["--train.steps=3", "--optimizer.clip_norm=1e9"]) == 0  # the way the error gives
-    assert "optimizer.clip_norm: checkpoint 1.0, now 1000000000.0" in capsys.readouterr().out
+    assert main(args + ["--train.steps=3", "--optimizer.clip_norm=1e9", "--train.log_every=1"]) == 0  # the way the error gives
+    out = capsys.readouterr().out
+    warning = out[out.index("warning: "):out.index("\nresuming with other")]
+    assert "optimizer.clip_norm: checkpoint 1.0, now 1000000000.0" in warning and "train.steps: checkpoint 2, now 3" in warning
+    # log_every only changes what is recorded: named on one line of its own, not in the warning.
+    assert "log_every" not in warning and "as it was: train.log_every (observation or bookkeeping only)\n" in out, out
 
 
 def test_a_start_with_checkpoints_off_says_it_ignores_the_run_s_checkpoints(tmp_path, capsys):
