@@ -124,32 +124,48 @@ def _kaplan_fits(runs: sl.RunTable, delta: float) -> tuple[dict[str, Any], dict[
     return out, fits
 
 
+def _approach3(runs: sl.RunTable, args: argparse.Namespace) -> tuple[sl.ChinchillaFit | None, dict[str, Any]]:
+    """The parametric fit and its report; with too few runs it is skipped (the other methods
+    may still fit), the report's `error` naming the count and the minimum."""
+    if len(runs) < sl.MIN_POINTS_PARAMETRIC:
+        return None, {
+            "error": f"{len(runs)} usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}",
+            "n_points": len(runs),
+            "min_points": sl.MIN_POINTS_PARAMETRIC,
+        }
+    try:
+        fit3 = sl.fit_chinchilla(runs.n, runs.d, runs.loss, huber_delta=args.huber_delta,
+                                 bootstrap=args.bootstrap, seed=args.seed, ci_level=args.ci)
+    except (ValueError, RuntimeError) as err:
+        return None, {"error": str(err), "n_points": len(runs)}
+    return fit3, fit3.to_dict()
+
+
+def _nothing_fitted(approach3: dict[str, Any], approach2: dict[str, Any], kaplan: dict[str, Any]) -> str | None:
+    """What each method needed, when none of them produced a fit; None when one did."""
+    if "error" not in approach3 or "error" not in approach2 or any("error" not in kf for kf in kaplan.values()):
+        return None
+    a2 = approach2["error"]
+    parts = [f"Approach 3: {approach3['error']}", a2 if a2.startswith("Approach 2") else f"Approach 2: {a2}"]
+    parts += [f"Kaplan L({name}) ({kf['n_frontier_points']} runs on its loss frontier): {kf['error']}"
+              for name, kf in kaplan.items()]
+    return "; ".join(parts)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
     results = Path(args.results)
     runs_all = sl.load_results(results)
+    left_out = f" ({runs_all.n_skipped} row(s) left out for a missing N, loss, or D and C)" if runs_all.n_skipped else ""
     if len(runs_all) == 0:
-        raise ValueError(
-            f"{results}: no usable runs (need N, loss and D or C in each run)"
-            + (f"; {runs_all.n_skipped} row(s) lacked one of them" if runs_all.n_skipped else "")
-        )
-    if args.drop_highest_loss and len(runs_all) - args.drop_highest_loss < sl.MIN_POINTS_PARAMETRIC:
-        raise ValueError(
-            f"{results}: {len(runs_all)} runs, dropping {args.drop_highest_loss} leaves fewer than "
-            f"{sl.MIN_POINTS_PARAMETRIC} for the parametric fit"
-        )
+        raise ValueError(f"{results}: no usable runs (need N, loss and D or C in each run){left_out}")
+    if args.drop_highest_loss >= len(runs_all):
+        raise ValueError(f"{results}: {len(runs_all)} usable runs; cannot drop the {args.drop_highest_loss} highest-loss ones")
     runs = runs_all.drop_highest_loss(args.drop_highest_loss)
-    if len(runs) < sl.MIN_POINTS_PARAMETRIC:
-        raise ValueError(
-            f"{results}: {len(runs)} usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}"
-            + (f" ({runs_all.n_skipped} row(s) left out for a missing N, loss, or D and C)" if runs_all.n_skipped else "")
-        )
     out_dir = Path(args.out) if args.out else _default_out(results)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
-    fit3 = sl.fit_chinchilla(runs.n, runs.d, runs.loss, huber_delta=args.huber_delta,
-                             bootstrap=args.bootstrap, seed=args.seed, ci_level=args.ci)
+    fit3, approach3 = _approach3(runs, args)
     t_fit = time.perf_counter() - t0
 
     iso: sl.IsoFlopFit | None = None
@@ -175,6 +191,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     approach2["grouping"] = grouping
 
     kaplan, kaplan_fits = _kaplan_fits(runs, args.huber_delta)
+    needed = _nothing_fitted(approach3, approach2, kaplan)
+    if needed:  # (before anything is written: the out dir holds no report of nothing)
+        dropped = f", {args.drop_highest_loss} highest-loss dropped" if args.drop_highest_loss else ""
+        raise ValueError(f"{results}: no method could fit {len(runs)} usable runs{dropped}{left_out}: {needed}")
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     budgets = _floats(args.predict, "--predict") if args.predict else _prediction_budgets(runs.c)
     # C in the runs' own units: C = k N D, as Approach 2's D* = C/(kN) (a sweep's k is not 6).
@@ -183,6 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for c in budgets:
         row: dict[str, Any] = {"C": c}
         try:
+            if fit3 is None:
+                raise ValueError(f"Approach 3 skipped: {approach3['error']}")
             n3, d3 = sl.compute_optimal(fit3, c, k)
             row["approach3"] = {"N_opt": n3, "D_opt": d3, "tokens_per_param": d3 / n3, "loss": float(fit3.predict(n3, d3))}
         except ValueError as err:
@@ -201,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "huber_delta": args.huber_delta,
         "fit_seconds": round(t_fit, 3),
         "flops_per_token_per_param": k,
-        "approach3": fit3.to_dict(),
+        "approach3": approach3,
         "approach2": approach2,
         "kaplan_frontier": kaplan,
         "compute_optimal": predictions,
@@ -222,15 +245,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _summary(report: dict[str, Any]) -> str:
+def _approach3_lines(report: dict[str, Any]) -> list[str]:
     f3 = report["approach3"]
+    if "error" in f3:  # too few runs (or a failed fit): no parameters to show
+        return [f"Approach 3  skipped: {f3['error']}"]
     ci = f3.get("ci")
     lines = [
-        f"{report['source']}: {report['n_runs_used']} runs used of {report['n_runs']} "
-        f"(dropped {report['dropped_highest_loss']} highest-loss), Huber delta {report['huber_delta']:g}, "
-        f"fit {report['fit_seconds']:.1f}s"
-        + (f"; skipped {report['n_rows_skipped']} row(s) with a missing N, loss, or D and C" if report["n_rows_skipped"] else ""),
-        "",
         "Approach 3  L = E + A/N^alpha + B/D^beta" + (f"   [{100 * f3['ci_level']:.0f}% bootstrap CI, n={f3['n_bootstrap']}]" if ci else ""),
         f"  {'param':<6} {'fit':>12} {'Hoffmann22':>11} {'Besiroglu24':>12}" + (f" {'CI':>24}" if ci else ""),
     ]
@@ -245,6 +265,18 @@ def _summary(report: dict[str, Any]) -> str:
         lines.append(f"  {errors3[0]}")
     else:
         lines.append(f"  N_opt ∝ C^{f3['a_exponent']:.3f}, D_opt ∝ C^{f3['b_exponent']:.3f}")
+    return lines
+
+
+def _summary(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['source']}: {report['n_runs_used']} runs used of {report['n_runs']} "
+        f"(dropped {report['dropped_highest_loss']} highest-loss), Huber delta {report['huber_delta']:g}, "
+        f"fit {report['fit_seconds']:.1f}s"
+        + (f"; skipped {report['n_rows_skipped']} row(s) with a missing N, loss, or D and C" if report["n_rows_skipped"] else ""),
+        "",
+        *_approach3_lines(report),
+    ]
     a2 = report["approach2"]
     if "error" in a2:
         lines.append(f"Approach 2  skipped: {a2['error']}")
@@ -257,11 +289,21 @@ def _summary(report: dict[str, Any]) -> str:
         else:
             lines.append(f"Kaplan      L({name}) = {kf['E']:.3f} + ({kf['x_c']:.3g}/{name})^{kf['alpha']:.3f}"
                          f"  (loss frontier in {name}, {kf['n_points']} runs)")
+    lines += _allocation_lines(report)
+    lines += ["", f"wrote {report['_out_dir']}/fit.json" + (f" and {len(report['_plots'])} PNGs" if report["_plots"] else "")]
+    return "\n".join(lines)
+
+
+def _allocation_lines(report: dict[str, Any]) -> list[str]:
+    """The compute-optimal table; none when neither Approach 3 nor Approach 2 has one."""
+    a2 = report["approach2"]
+    if "error" in report["approach3"] and "error" in a2:
+        return []
     k = report["flops_per_token_per_param"]
-    lines += ["", f"  {'C':>9} {'N_opt':>10} {'D_opt':>10} {'D/N':>7} {'loss':>7}" + ("   A2: N_opt     D/N" if "error" not in a2 else "")]
+    lines = ["", f"  {'C':>9} {'N_opt':>10} {'D_opt':>10} {'D/N':>7} {'loss':>7}" + ("   A2: N_opt     D/N" if "error" not in a2 else "")]
     for row in report["compute_optimal"]:
         r3 = row["approach3"]
-        if "error" in r3:  # alpha or beta <= 0: no trade-off between N and D to optimise
+        if "error" in r3:  # skipped, or alpha or beta <= 0: no trade-off between N and D to optimise
             line = f"  {row['C']:>9.2e} {'(no Approach-3 allocation)':>38}"
         else:
             line = f"  {row['C']:>9.2e} {r3['N_opt']:>10.3e} {r3['D_opt']:>10.3e} {r3['tokens_per_param']:>7.1f} {r3['loss']:>7.3f}"
@@ -271,8 +313,7 @@ def _summary(report: dict[str, Any]) -> str:
         lines.append(line)
     if abs(k / sl.FLOPS_PER_TOKEN_PER_PARAM - 1) > 1e-3:  # say so when C is not 6ND
         lines.append(f"  (allocations under C = {k:.3g} N D, the runs' median C/(ND))")
-    lines += ["", f"wrote {report['_out_dir']}/fit.json" + (f" and {len(report['_plots'])} PNGs" if report["_plots"] else "")]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str]) -> int:

@@ -976,7 +976,7 @@ PLOT_NAMES = ("isoflop", "loss_vs_compute", "optimal_allocation", "residuals")
 def make_plots(
     out_dir: str | Path,
     runs: RunTable,
-    fit: ChinchillaFit,
+    fit: ChinchillaFit | None,
     isoflop: IsoFlopFit | None = None,
     *,
     compute_fit: PowerLawFit | None = None,
@@ -985,7 +985,8 @@ def make_plots(
     title: str = "",
 ) -> list[Path]:
     """Writes PNGs: IsoFLOP profiles, loss vs compute with the frontier, N_opt and D_opt vs C,
-    and the Approach-3 residuals. `reference` = (label, fit) adds a published law to the
+    and the Approach-3 residuals. `fit` None (Approach 3 skipped) leaves its curves out, and
+    the residuals plot says so. `reference` = (label, fit) adds a published law to the
     allocation plot. Allocations use the runs' own C = k N D (`flops_per_token_per_param`),
     so the curves sit on the same compute axis as the runs. Returns the written paths."""
     import matplotlib
@@ -1012,11 +1013,12 @@ def make_plots(
     def optimal(f: ChinchillaFit, c: np.ndarray) -> tuple[Any, Any]:
         return compute_optimal(f, c, k)
 
-    try:  # a fit without an N-D trade-off (alpha or beta <= 0) has no Approach-3 allocation to draw
-        optimal(fit, c_hi)
-        no_allocation = ""
-    except ValueError as err:
-        no_allocation = str(err)
+    no_allocation = "Approach 3 skipped" if fit is None else ""
+    if fit is not None:
+        try:  # a fit without an N-D trade-off (alpha or beta <= 0) has no Approach-3 allocation to draw
+            optimal(fit, c_hi)
+        except ValueError as err:
+            no_allocation = str(err)
     cmap = plt.get_cmap("viridis")
 
     # 1. IsoFLOP profiles with their parabolas.
@@ -1055,7 +1057,8 @@ def make_plots(
     if compute_fit is not None:
         ax.plot(cgrid, compute_fit.predict(cgrid), color="C2", lw=1.5, ls="--",
                 label=f"power law on frontier: E + (C_c/C)^{compute_fit.alpha:.3f}")
-    ax.axhline(fit.E, color="C0", ls=":", lw=1, label=f"E = {fit.E:.3f}")
+    if fit is not None:
+        ax.axhline(fit.E, color="C0", ls=":", lw=1, label=f"E = {fit.E:.3f}")
     ax.set_xscale("log")
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("final loss")
@@ -1072,8 +1075,8 @@ def make_plots(
         if y3 is not None:
             ax.plot(cgrid, y3, color="C0", lw=2, label=f"Approach 3 (exponent {fit.beta / (fit.alpha + fit.beta) if which == 'N' else fit.alpha / (fit.alpha + fit.beta):.3f})")
         else:
-            ax.text(0.5, 0.97, "Approach 3: no compute-optimal allocation\n(alpha or beta <= 0)", transform=ax.transAxes,
-                    ha="center", va="top", fontsize=8, color="C0")
+            why = "skipped" if fit is None else "no compute-optimal allocation\n(alpha or beta <= 0)"
+            ax.text(0.5, 0.97, f"Approach 3: {why}", transform=ax.transAxes, ha="center", va="top", fontsize=8, color="C0")
         if reference is not None:
             nr, dr = optimal(reference[1], cgrid)
             ax.plot(cgrid, nr if which == "N" else dr, color="0.4", ls=":", lw=1.5, label=reference[0])
@@ -1094,7 +1097,14 @@ def make_plots(
     fig.suptitle(f"Compute-optimal allocation{tag}")
     save(fig, "optimal_allocation")
 
-    # 4. Residuals of the Approach-3 fit in log space.
+    # 4. Residuals of the Approach-3 fit in log space; without a fit, a note (so that no
+    # earlier fit's residuals.png stays in the folder as if it were this one's).
+    if fit is None:
+        fig, ax = plt.subplots(figsize=(7, 2))
+        ax.text(0.5, 0.5, "Approach 3 skipped: no residuals", transform=ax.transAxes, ha="center", va="center")
+        ax.set_axis_off()
+        save(fig, "residuals")
+        return written
     res = np.log(runs.loss) - np.log(fit.predict(runs.n, runs.d))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     sc = axes[0].scatter(runs.c, res, c=runs.n, norm=LogNorm(runs.n.min(), runs.n.max()), cmap="plasma", s=12)

@@ -71,7 +71,7 @@ class ScaleBy(StrEnum):
 @dataclasses.dataclass(frozen=True)
 class PowerRule:
     """value = base * (x / ref) ** exponent, x the point's N, D or C (`of`); then clamped
-    to [min, max] and, for integer settings, rounded to a multiple of `multiple_of`.
+    to [min, max] and, for integer settings, rounded to a multiple of `multiple_of` inside it.
 
     A learning rate that falls with size is a negative exponent: lr = 3e-3 (N / 1e6)^-0.5.
     """
@@ -93,8 +93,19 @@ class PowerRule:
         return v
 
     def integer(self, x: float) -> int:
+        """value(x) rounded to a multiple of `multiple_of`, kept within [min, max]: rounding
+        a clamped value can step past the clamp (max 12, multiple_of 8 rounded 12 to 16).
+        validate_spec refuses a rule with no multiple inside its clamps."""
         m = self.multiple_of
-        return max(m, int(round(self.value(x) / m)) * m)
+        lo, hi = self._multiples_within()
+        return int(min(max(round(self.value(x) / m) * m, lo), hi))
+
+    def _multiples_within(self) -> tuple[int, float]:
+        """The smallest and largest multiples of `multiple_of` (at least one) inside [min, max]."""
+        m = self.multiple_of
+        lo = m * max(1, math.ceil(self.min / m)) if self.min is not None else m
+        hi = m * math.floor(self.max / m) if self.max is not None else math.inf
+        return lo, hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +311,12 @@ def validate_spec(spec: SweepSpec) -> None:
                 require(v is None or _positive(v), f"hparams.{name}.{bound}", f"must be positive and finite (or unset), got {v}")
             require(rule.min is None or rule.max is None or rule.min <= rule.max, f"hparams.{name}",
                     f"min must be <= max, got min={rule.min}, max={rule.max}")
+    rule = spec.hparams.batch_size
+    if rule is not None:  # whole multiples of multiple_of: one must lie inside the clamps
+        lo, hi = rule._multiples_within()
+        clamps = ", ".join(f"{k}={v:g}" for k, v in (("min", rule.min), ("max", rule.max)) if v is not None)
+        require(lo <= hi, "hparams.batch_size", f"batches are whole multiples of multiple_of={rule.multiple_of} "
+                f"(at least one), and none lies within {clamps}")
     wf = spec.hparams.warmup_fraction
     require(wf is None or 0 <= wf < 1, "hparams.warmup_fraction", f"must be in [0, 1), got {wf}")
     require(spec.hparams.warmup_min >= 0, "hparams.warmup_min", f"must be >= 0 steps, got {spec.hparams.warmup_min}")
@@ -580,6 +597,31 @@ class ResultStore:
 
     def close(self) -> None:
         self.db.close()
+
+
+def read_store(path: Path) -> dict[str, dict]:
+    """The store's rows by id, for --dry-run, without writing anything: ResultStore would
+    switch the journal mode and add a newer runner's columns (here they read as None).
+
+    A store without a -wal or -journal file beside it holds everything in the file itself
+    and is read as immutable, which creates no -wal/-shm files; otherwise (a runner is
+    live, or died) it is read through those files, read-only."""
+    side = [path.with_name(path.name + ext) for ext in ("-wal", "-journal")]
+    mode = "mode=ro" if any(f.exists() for f in side) else "immutable=1"
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True)
+    except sqlite3.Error as e:
+        raise SweepError(f"{path}: cannot read the results store: {e}") from None
+    db.row_factory = sqlite3.Row
+    try:
+        if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'points'").fetchone() is None:
+            return {}
+        rows = [dict(r) for r in db.execute("SELECT * FROM points ORDER BY rowid")]
+    except sqlite3.DatabaseError as e:  # not a database, or a corrupt one
+        raise SweepError(f"{path}: cannot read the results store: {e}") from None
+    finally:
+        db.close()
+    return {r["id"]: {**dict.fromkeys(COLUMNS), **r} for r in rows}
 
 
 # ------------------------------------------------------------------------ estimates
@@ -933,6 +975,15 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+def _points_of(spec: SweepSpec, spec_dir: Path, spec_path: str) -> tuple[list[Point], list[str]]:
+    """generate_points, its errors naming the spec file: a bad base.overrides key, a family or
+    a point's settings that make no valid config are all errors of that file."""
+    try:
+        return generate_points(spec, spec_dir)
+    except SpecError as e:
+        raise SpecError(f"{spec_path}: {e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     spec, spec_dir = load_spec(args.config, overrides)
@@ -941,18 +992,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = dataclasses.replace(spec, estimate=dataclasses.replace(spec.estimate, **est))
         validate_spec(spec)
     out = Path(args.out or Path("sweeps") / spec.name)
+    points, dropped = _points_of(spec, spec_dir, args.config)
     if args.dry_run:
-        points, dropped = generate_points(spec, spec_dir)
         try:
             points = select_points(points, args.only)
+            rows = read_store(out / "results.sqlite") if (out / "results.sqlite").exists() else {}
         except SweepError as e:
             print(f"sweep error: {e}", file=sys.stderr)
             return 2
-        rows = {}
-        if (out / "results.sqlite").exists():
-            store = ResultStore(out / "results.sqlite")
-            rows = {r["id"]: r for r in store.rows()}
-            store.close()
         print(dry_run_table(points, throughput(spec.estimate), args.workers, rows, args.retry_failed))
         for note in dropped:
             print(f"dropped {note}")
@@ -969,5 +1016,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"results: {out / 'results.sqlite'}")
     # The exit status judges what this run was asked to train: the spec's points that --only
     # selects (rows outside --only, or of points the spec no longer has, made it 1 regardless).
-    asked = {p.id for p in select_points(generate_points(spec, spec_dir)[0], args.only)}
+    asked = {p.id for p in select_points(points, args.only)}
     return 0 if all(r["status"] == "done" for r in rows if r["id"] in asked) else 1

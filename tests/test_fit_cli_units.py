@@ -117,4 +117,48 @@ def test_too_few_runs_says_how_many_rows_were_left_out(tmp_path: Path, capsys: p
     p = tmp_path / "runs.csv"
     p.write_text("N,C,loss\n1e6,1e15,\n2e6,1e15,3.0\n3e6,1e15,nan\n")
     assert fit_cli.main(["--results", str(p), "--out", str(tmp_path / "o"), "--no-plots"]) == 2
-    assert "1 usable runs; the parametric fit needs at least 6 (2 row(s) left out" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no method could fit 1 usable runs (2 row(s) left out" in err
+    # ... and what each method needed.
+    assert f"Approach 3: 1 usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}" in err
+    assert "Approach 2 needs at least two IsoFLOP budgets" in err
+    for name in ("N", "D", "C"):
+        assert f"Kaplan L({name}) (1 runs on its loss frontier): fit_power_law needs at least 4 points, got 1" in err
+    assert not (tmp_path / "o").exists()  # no report of nothing
+
+
+def _frontier_csv(path: Path, n_runs: int) -> Path:
+    """Runs of one token count whose loss falls with N as 2.9 + (1e6/N)^0.7: enough for the
+    Kaplan law in N (and in C = 6ND), too few for Approach 3 or 2."""
+    n = np.logspace(6, 7.5, n_runs)
+    path.write_text("N,D,loss\n" + "".join(f"{v!r},1e8,{2.9 + (1e6 / v) ** 0.7!r}\n" for v in map(float, n)))
+    return path
+
+
+@pytest.mark.parametrize("n_runs, drop", [(5, 0), (7, 2)])
+def test_too_few_runs_for_approach3_still_fits_the_rest(
+    n_runs: int, drop: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Fewer runs than the parametric fit needs (before or after --drop-highest-loss) failed the
+    # whole command, though the Kaplan frontier fits need only 4 runs.
+    out = tmp_path / "fit"
+    argv = ["--results", str(_frontier_csv(tmp_path / "runs.csv", n_runs)), "--out", str(out), "--drop-highest-loss", str(drop)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the plots without Approach 3 may not warn either
+        assert fit_cli.main(argv) == 0
+    report = json.loads((out / "fit.json").read_text())
+    assert report["approach3"] == {
+        "error": f"5 usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}",
+        "n_points": 5,
+        "min_points": sl.MIN_POINTS_PARAMETRIC,
+    }
+    assert all("Approach 3 skipped" in row["approach3"]["error"] for row in report["compute_optimal"])
+    assert "error" in report["approach2"]
+    kn = report["kaplan_frontier"]["N"]
+    assert kn["n_points"] == 5 and kn["alpha"] == pytest.approx(0.7, rel=1e-3) and kn["E"] == pytest.approx(2.9, rel=1e-4)
+    for name in sl.PLOT_NAMES:
+        assert (out / f"{name}.png").is_file(), name
+    printed = capsys.readouterr().out
+    assert f"Approach 3  skipped: 5 usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}" in printed
+    assert "Kaplan      L(N) = 2.900" in printed
+    assert "(no Approach-3 allocation)" not in printed  # no allocation table: neither approach has one

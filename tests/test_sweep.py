@@ -21,6 +21,7 @@ import pytest
 
 from scaling import accounting
 from scaling.sweep import (
+    COLUMNS,
     PowerRule,
     ResultStore,
     SpecError,
@@ -86,6 +87,11 @@ def test_gpu_spec_is_three_budgets_by_five_sizes():
         # Clamps that cannot hold: a batch of max -5 used to become 1 sequence, silently.
         ({"hparams": {"batch_size": {"base": 8, "max": -5}}}, "hparams.batch_size.max: must be positive"),
         ({"hparams": {"learning_rate": {"base": 1e-3, "min": 1e-2, "max": 1e-3}}}, "hparams.learning_rate: min must be <= max"),
+        # Batches are whole multiples of multiple_of: a max below it gave batches above max.
+        ({"hparams": {"batch_size": {"base": 8, "multiple_of": 8, "max": 4}}},
+         "hparams.batch_size: batches are whole multiples of multiple_of=8 \\(at least one\\), and none lies within max=4$"),
+        ({"hparams": {"batch_size": {"base": 8, "multiple_of": 8, "min": 9, "max": 15}}},
+         "hparams.batch_size: .*multiple_of=8 .*none lies within min=9, max=15$"),
         ({"estimate": {"mfu": 2.0}}, "estimate.mfu: must be a fraction of peak in \\(0, 1\\]"),
         ({"estimate": {"startup_s": -5.0}}, "estimate.startup_s: must be >= 0"),  # negative predicted times
         ({"estimate": {"step_overhead_s": -0.1}}, "estimate.step_overhead_s: must be >= 0"),
@@ -192,6 +198,10 @@ def test_helpers():
     assert [_fmt(x) for x in (1e15, 3e14, 2.5e9, 4096)] == ["1e15", "3e14", "2.5e9", "4.1e3"]
     rule = PowerRule(base=8, ref=2, exponent=1, multiple_of=8)
     assert (rule.integer(6), rule.integer(1)) == (24, 8)  # 24; 4 rounds up to one multiple
+    # Rounding to a multiple stays within the clamps: 12 rounded up to 16 past max=12, and
+    # 10 down to 8 below min=10.
+    assert PowerRule(base=12, multiple_of=8, max=12).integer(1) == 8
+    assert PowerRule(base=10, multiple_of=8, min=10).integer(1) == 16
     assert schedule_seconds([3, 1, 1, 1], 2) == 3 and schedule_seconds([1, 1], 1) == 2
 
 
@@ -331,6 +341,47 @@ def test_submitit_local_executor_runs_a_point(tmp_path, corpus_cache, monkeypatc
     assert rc == 0 and r["status"] == "done", r["error"]
     assert math.isfinite(r["eval_loss"]) and (tmp_path / "submitit").is_dir()
     assert not r["job_id"].isdigit() or int(r["job_id"]) > 0
+
+
+def test_base_overrides_errors_name_the_spec_file(tmp_path, capsys):
+    """A bad key in base.overrides was reported without the spec file's path."""
+    from scaling.__main__ import main as cli
+
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(f"base: {{config: {ROOT / 'configs' / 'tiny_corpus.yaml'}, overrides: {{train: {{bogus: 1}}}}}}\n"
+                    "depths: [1]\nisoflop: {budgets: [1.0e+9]}\n")
+    assert cli(["sweep", "--config", str(spec), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}: base (base.config + base.overrides): unknown config key 'train.bogus'" in err
+    # The same through a command-line override, and for a real run (which stops before writing).
+    out = tmp_path / "out"
+    assert cli(["sweep", "--config", str(TINY), "--out", str(out), "--base.overrides.train.stepz=3"]) == 2
+    assert f"{TINY}: base (base.config + base.overrides): unknown config key 'train.stepz'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_dry_run_leaves_an_existing_store_untouched(tmp_path, capsys):
+    """--dry-run opened the store as the runner does: it switched the journal mode and added
+    the columns an older runner's store lacks. A dry run writes nothing."""
+    out = tmp_path / "sweep"
+    out.mkdir()
+    spec, spec_dir = load_spec(TINY)
+    points, _ = generate_points(spec, spec_dir)
+    older = [c for c in COLUMNS if c not in ("n_params_nonembedding", "target")]  # before they existed
+    db = sqlite3.connect(out / "results.sqlite")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"CREATE TABLE points ({', '.join(f'{c} {COLUMNS[c]}' for c in older)})")
+    p = points[0]
+    db.execute("INSERT INTO points (id, n_params, tokens, flops, status, last_step, run_dir, config_hash) VALUES (?,?,?,?,?,?,?,?)",
+               (p.id, p.n_params, p.tokens, p.flops, "done", p.steps, str(out / "points" / p.id), p.config_hash))
+    db.commit()
+    db.close()
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert main(["--config", str(TINY), "--dry-run", "--out", str(out)]) == 0
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # same files, same bytes
+    text = capsys.readouterr().out
+    assert next(line for line in text.splitlines() if line.startswith(p.id)).endswith("  done")
+    assert f"predicted time for the {len(points) - 1} points left" in text
 
 
 def test_spec_yaml_errors_are_named(tmp_path):
