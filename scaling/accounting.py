@@ -1057,8 +1057,8 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
       - scanned layers (`lax.scan`) copy every saved residual into the [L, ...] stack
         (a dynamic-update-slice: read + write); unrolled layers keep them in place;
       - the f32 -> c weight casts (forward; again backward unless `none` saved them) and the
-        c -> f32 conversion of weight gradients, when c != p, per micro-batch, on the weights
-        as the matmuls use them (all-gathered under FSDP: `gathered_params_per_device`);
+        c -> f32 conversion of weight gradients, when c != p, per micro-batch, on each
+        device's stored shard (XLA:GPU casts before FSDP's gather, converts after its reduction);
       - the loss: one-pass, read the f32 logits for the log-sum-exp, again backward, and write
         the f32 gradient (12·V per token; the head's backward then runs as f32 matmuls at the
         f32 rate); chunked (train.loss_chunk), read each chunk's f32 logits once and write its
@@ -1140,15 +1140,16 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         # Read the f32 logits for the log-sum-exp, again backward, write the f32 gradient.
         traffic["loss (f32 logits read twice, f32 gradient)"] = 3 * F32 * v_dev * shard_tokens
     if c != p:
-        # Priced on the weights as the matmuls use them (the gathered sizes). XLA:GPU casts a
-        # shard before gathering it and converts a gradient after reducing it [XLA-GPU], so
-        # under FSDP this is an upper bound (n times the shard's traffic, a small term).
-        gathered = gathered_params_per_device(m, mesh)
-        layer_w = weight_elems_per_device(m, mesh, LAYER_WEIGHTS, gathered=True)  # (was pro rata of all params)
-        other_w = gathered - layer_w  # embedding, head, norm scales (as the matmuls see them)
+        # On each device's stored shard: XLA:GPU casts a weight before FSDP gathers it (the
+        # gathers move c bytes, not p) and converts a gradient after reducing it (the
+        # reductions move c) [XLA-GPU; tests/test_accounting_gpu_collectives.py]. They had been
+        # priced on the gathered weights, n times the shard under FSDP over n devices: for
+        # llama3_8b at fsdp=8, 96 of the 141 GB of memory-bound traffic instead of 12.
+        layer_w = weight_elems_per_device(m, mesh, LAYER_WEIGHTS, gathered=False)  # (was pro rata of all params)
+        other_w = n_dev - layer_w  # embedding, head, norm scales
         casts = (2 if recomputes else 1) * layer_w + other_w
         traffic["weight casts f32 -> c"] = (p + c) * casts * accum
-        traffic["weight gradients c -> f32"] = (p + c) * gathered * accum
+        traffic["weight gradients c -> f32"] = (p + c) * n_dev * accum
     traffic["optimizer (grad norm + fused AdamW)"] = 8 * p * n_dev
     if accum > 1:  # (the sum is f32 whatever the params' dtype: train.accumulate_grads)
         traffic["grad accumulation"] = 2 * F32 * n_dev * accum

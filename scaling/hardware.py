@@ -163,12 +163,18 @@ HARDWARE: dict[str, Hardware] = {
 
 
 def get_hardware(name: str) -> Hardware:
-    """A table entry by its key, in any case, with '-' or ' ' for '_' ("H100", "tpu-v5e", "v5p")."""
+    """A table entry by its key, in any case, with '-' or ' ' for '_' ("H100", "tpu-v5e", "v5p"), or
+    by a device name as `by_device_kind` reads it ("NVIDIA H100 80GB HBM3", "TPU v5 lite")."""
     key = "_".join(str(name).strip().lower().replace("-", " ").replace("_", " ").split())
     key = {"v5e": "tpu_v5e", "v5p": "tpu_v5p"}.get(key, key)
-    if key not in HARDWARE:
+    if key in HARDWARE:
+        return HARDWARE[key]
+    # A device's own name ("NVIDIA H100 80GB HBM3" from nvidia-smi or jax.Device.device_kind)
+    # names an entry too; a variant with other rates (H100 NVL, A100 PCIe) still does not.
+    hw = by_device_kind(str(name))
+    if hw is None:
         raise ValueError(f"unknown hardware {name!r}; allowed: {', '.join(HARDWARE)}")
-    return HARDWARE[key]
+    return hw
 
 
 def detect(device: jax.Device | None = None) -> Hardware | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import sys
 
@@ -27,9 +28,19 @@ SEARCH_POLICIES = (RematPolicyName.none, RematPolicyName.dots, RematPolicyName.s
 
 
 def _g(x: float) -> str:
+    if 0 < x < 0.01 * 2**20:  # (a small model's norm scales: 0.00 MiB said nothing either)
+        return f"{x / 2**10:,.2f} KiB"
     if 0 < x < 0.01 * GiB:  # (the norm scales' all-reduce: 0.00 GiB said nothing)
         return f"{x / 2**20:,.2f} MiB"
     return f"{x / GiB:,.2f} GiB"
+
+
+def _traffic_rows(st: acc.StepTime) -> list[str]:
+    """Decimal bytes (against TB/s rates), one unit for the table: MB where every row is below
+    a GB (a small model's rows had read 0.00 GB)."""
+    rows = {k: v for k, v in st.traffic.items() if v}
+    scale, unit = (1e9, "GB") if max(rows.values(), default=0) >= 1e9 else (1e6, "MB")
+    return [f"    {k:44s} {v / scale:8.2f} {unit}  {_t(v / st.rates.hbm):>10s}" for k, v in rows.items()]
 
 
 # XLA's GPU client allocates pinned host buffers (remat offload) from one BFC pool capped by
@@ -43,7 +54,7 @@ def xla_host_pool_bytes() -> float:
 
 
 def _t(s: float) -> str:
-    if 0 < s < 1e-5:
+    if 0 < s < 1e-3:  # (in ms, a small model's rows kept one or two digits and did not add up)
         return f"{s * 1e6:,.2f} us"
     return f"{s * 1e3:,.2f} ms"
 
@@ -136,22 +147,38 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         f"  rates: matmul {st.rates.matmul / 1e12:,.0f} TFLOP/s (f32 {(st.rates.f32_matmul or st.rates.matmul) / 1e12:,.0f}), "
         f"attention {st.rates.attention / 1e12:,.0f} TFLOP/s, HBM {st.rates.hbm / 1e12:.2f} TB/s, "
         f"collectives in a node {(st.rates.link or hw.ring_bandwidth) / 1e9:,.0f} GB/s ({st.rates.source})",
-        f"  matmuls {_t(st.matmul_seconds)} + attention {_t(st.attention_seconds)} + memory-bound "
-        f"{_t(st.memory_seconds)} = {_t(st.compute_seconds)}"
-        + (f" (incl. collectives {_t(st.serial_comm_seconds)}: on the critical path)" if st.serial_comm_seconds else "")
-        + (f"; host offload {_t(st.host_seconds)} (added: not overlapped)" if st.host_seconds else ""),
-        *[f"    {k:44s} {v / 1e9:8.2f} GB  {_t(v / st.rates.hbm):>10s}" for k, v in st.traffic.items() if v],
+        "  " + _calibrated_sum(st),
+        *_traffic_rows(st),
         f"  step: {_t(st.seconds)}; predicted MFU {roof.model_flops / (hw.bf16_flops * st.seconds):.1%}; "
         f"{roof.tokens_per_step / st.seconds:,.0f} tokens/s",
     ]
     return "\n".join(lines)
 
 
+def _calibrated_sum(st: acc.StepTime) -> str:
+    """The step's terms and their total: every term printed is one the total adds (the
+    collectives had been left out of the sum they were 'included' in)."""
+    terms = [("matmuls", st.matmul_seconds), ("attention", st.attention_seconds),
+             ("memory-bound", st.memory_seconds)]
+    if st.serial_comm_seconds:
+        terms.append(("collectives (on the critical path)", st.serial_comm_seconds))
+    if st.host_seconds:
+        terms.append(("host offload (not overlapped)", st.host_seconds))
+    total = st.compute_seconds + st.host_seconds
+    return " + ".join(f"{k} {_t(v)}" for k, v in terms) + f" = {_t(total)}"
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def _factorizations(n: int):
-    for d in range(1, n + 1):
-        if n % d:
-            continue
-        for tp in range(1, n // d + 1):
+    """Every (data, fsdp, tensor) with product n, over n's divisors (the loop over 1..n it
+    replaces took 2 s at 10^7 devices, linear in n)."""
+    divs = _divisors(n)
+    for d in divs:
+        for tp in divs:
             if (n // d) % tp == 0:
                 yield d, n // d // tp, tp
 
@@ -162,18 +189,66 @@ def _accums(cfg: Config, mesh: acc.MeshShape) -> list[int]:
     return [a for a in range(1, b + 1) if b % a == 0 and (b // a) % mesh.split("batch") == 0]
 
 
+def batch_errors(cfg: Config, mesh: acc.MeshShape) -> list[str]:
+    """What `train.check_runnable` refuses about the batch split: a fraction of a sequence per
+    device, which plan had priced (tokens per device and all) without a word."""
+    t, n = cfg.train, mesh.split("batch")
+    axes = ", ".join(f"mesh.{a}={mesh.sizes[a]}" for a in mesh.axes_of("batch", params=False))
+    micro = t.batch_size // t.grad_accum
+    if t.batch_size % n:
+        return [f"train.batch_size={t.batch_size} is not divisible by the {n} devices the batch is split over "
+                f"({axes}); use a multiple of {n}"]
+    if micro % n:
+        return [f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} = {micro} rows a micro-batch, "
+                f"not divisible by the {n} devices the batch is split over ({axes}); make it a multiple of {n}"]
+    return []
+
+
+def mesh_errors(cfg: Config, mesh: acc.MeshShape) -> list[str]:
+    """Why training could not run on this mesh (the trainer refuses each: exit 2), or []."""
+    return acc.divisibility_errors(cfg.model, mesh) + batch_errors(cfg, mesh)
+
+
+def runnable_shapes(cfg: Config, devices: int) -> list[tuple[int, int, int]]:
+    """(data, fsdp, tensor) shapes of `devices` that the config can train on as it stands."""
+    return [s for s in _factorizations(devices) if not mesh_errors(cfg, acc.MeshShape(*s, cfg.mesh.rules))]
+
+
+def mesh_error_message(cfg: Config, mesh: acc.MeshShape, *, shapes: bool = True) -> str:
+    """The errors, then (`shapes`) the mesh shapes of as many devices that would run."""
+    errors = mesh_errors(cfg, mesh)
+    msg = f"mesh {mesh.sizes} ({mesh.devices} devices, mesh.rules={mesh.rules}) cannot run this config: " + "; ".join(
+        errors[:4]) + (f"; and {len(errors) - 4} more" if len(errors) > 4 else "")
+    if not shapes:
+        return msg
+    ok = runnable_shapes(cfg, mesh.devices)
+    if not ok:
+        return msg + (f"\nno data x fsdp x tensor shape of {mesh.devices} devices can run it; change --devices, "
+                      "train.batch_size or train.grad_accum")
+    listed = ", ".join("x".join(map(str, s)) for s in ok[:30]) + (f", ... ({len(ok)} in all)" if len(ok) > 30 else "")
+    return msg + (f"\nmesh.data x mesh.fsdp x mesh.tensor that run on {mesh.devices} devices: {listed}; "
+                  "or --search to rank them")
+
+
+def _rejection(cfg: Config, hw: Hardware, mesh: acc.MeshShape) -> str | None:
+    """Why the search skips a shape (None: it does not)."""
+    if mesh.tensor > hw.devices_per_node:
+        return f"tensor beyond a node of {hw.devices_per_node}"
+    if acc.divisibility_errors(cfg.model, mesh):
+        return "a model dimension indivisible"
+    if not _accums(cfg, mesh):
+        return f"train.batch_size={cfg.train.batch_size} not split evenly over the batch axes"
+    return None
+
+
 def candidate_meshes(cfg: Config, hw: Hardware, devices: int) -> list[acc.MeshShape]:
     """Mesh shapes of `devices` (tensor within a node) that shard the model and split a micro-batch."""
-    out = []
-    for d, f, tp in _factorizations(devices):
-        mesh = acc.MeshShape(d, f, tp, cfg.mesh.rules)
-        if tp <= hw.devices_per_node and not acc.divisibility_errors(cfg.model, mesh) and _accums(cfg, mesh):
-            out.append(mesh)
-    return out
+    meshes = (acc.MeshShape(d, f, tp, cfg.mesh.rules) for d, f, tp in _factorizations(devices))
+    return [m for m in meshes if _rejection(cfg, hw, m) is None]
 
 
-def search(cfg: Config, hw: Hardware, devices: int, top: int = 10) -> list[Candidate]:
-    """Mesh shapes (data x fsdp x tensor, tensor within a node) x remat x grad_accum."""
+def evaluate_all(cfg: Config, hw: Hardware, devices: int) -> list[Candidate]:
+    """Every candidate the search prices: per mesh x policy, grad_accum up to the first that fits."""
     out = []
     for mesh, policy in itertools.product(candidate_meshes(cfg, hw, devices), SEARCH_POLICIES):
         for accum in _accums(cfg, mesh):
@@ -181,29 +256,102 @@ def search(cfg: Config, hw: Hardware, devices: int, top: int = 10) -> list[Candi
             out.append(c)
             if c.fits:
                 break  # more accumulation only slows a candidate that already fits
-    fitting = sorted((c for c in out if c.fits), key=lambda c: (c.time.seconds, c.roofline.step_seconds))
-    return fitting[:top]
+    return out
 
 
-def search_table(cands: list[Candidate]) -> str:
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    return sorted((c for c in cands if c.fits), key=lambda c: (c.time.seconds, c.roofline.step_seconds))
+
+
+def search(cfg: Config, hw: Hardware, devices: int, top: int = 10) -> list[Candidate]:
+    """Mesh shapes (data x fsdp x tensor, tensor within a node) x remat x grad_accum."""
+    return rank(evaluate_all(cfg, hw, devices))[:top]
+
+
+def merge_ties(cands: list[Candidate]) -> list[tuple[Candidate, str]]:
+    """One row per (mesh, grad_accum) whose policies price the same (dots and selective save the
+    same tensors: accounting.layer_residuals), labelled 'dots = selective': twin rows had taken
+    places in the top N from the next distinct candidate."""
+    rows: list[tuple[Candidate, str]] = []
+    seen: dict[tuple, int] = {}
+    for c in cands:
+        key = (c.mesh, c.grad_accum, c.memory.total, c.time.seconds, c.roofline.step_seconds)
+        if key in seen:
+            i = seen[key]
+            rows[i] = (rows[i][0], f"{rows[i][1]} = {c.policy.value}")
+        else:
+            seen[key] = len(rows)
+            rows.append((c, c.policy.value))
+    return rows
+
+
+def search_summary(cfg: Config, hw: Hardware, devices: int, evaluated: list[Candidate]) -> str:
+    """What the search covered and why shapes were skipped."""
+    shapes = [acc.MeshShape(*s, cfg.mesh.rules) for s in _factorizations(devices)]
+    why: dict[str, int] = {}
+    for m in shapes:
+        r = _rejection(cfg, hw, m)
+        if r:
+            why[r] = why.get(r, 0) + 1
+    skipped = "; ".join(f"{n} with {r}" for r, n in why.items())
+    fit = sum(c.fits for c in evaluated)
+    return (f"searched {len(shapes)} data x fsdp x tensor shapes of {devices} devices "
+            f"({len(shapes) - sum(why.values())} kept{': skipped ' + skipped if skipped else ''}) "
+            f"x remat {', '.join(p.value for p in SEARCH_POLICIES)} x grad_accum (from 1 up to the first that "
+            f"fits); {len(evaluated)} candidates priced, {fit} fit in {_g(hw.usable_bytes)} usable")
+
+
+def nothing_fits(hw: Hardware, evaluated: list[Candidate]) -> str:
+    """The smallest candidate's memory and what would shrink it."""
+    c = min(evaluated, key=lambda c: c.memory.total)
+    mem = c.memory
+    state = mem.params + mem.grads + mem.optimizer
+    fix = ("params, grads and AdamW moments alone exceed it: add devices (a larger fsdp)" if state > hw.usable_bytes
+           else "the activations of one micro-batch's sequences do: lower train.seq_len or add devices")
+    return (f"nothing fits: the least memory, data {c.mesh.data} x fsdp {c.mesh.fsdp} x tensor {c.mesh.tensor} "
+            f"with remat {c.policy.value} and grad_accum {c.grad_accum}, needs {_g(mem.total)} per device "
+            f"(params + grads + moments {_g(state)}) of {_g(hw.usable_bytes)} usable; {fix}")
+
+
+def search_table(cands: list[Candidate], labels: list[str] | None = None) -> str:
     head = ("| data | fsdp | tensor | remat | grad_accum | memory/device | step (calibrated) | tokens/s | MFU | "
             "roofline step | bound |")
     rows = [head, "|" + "---|" * 11]
-    for c in cands:
+    for i, c in enumerate(cands):
         r, st = c.roofline, c.time
         rows.append(
-            f"| {c.mesh.data} | {c.mesh.fsdp} | {c.mesh.tensor} | {c.policy.value} | {c.grad_accum} | "
-            f"{c.memory.total / GiB:,.1f} GiB | {_t(st.seconds)} | {r.tokens_per_step / st.seconds:,.0f} | "
-            f"{r.model_flops / (r.peak_flops * st.seconds):.1%} | {_t(r.step_seconds)} | {r.bound} |"
+            f"| {c.mesh.data} | {c.mesh.fsdp} | {c.mesh.tensor} | {labels[i] if labels else c.policy.value} | "
+            f"{c.grad_accum} | {c.memory.total / GiB:,.1f} GiB | {_t(st.seconds)} | "
+            f"{r.tokens_per_step / st.seconds:,.0f} | {r.model_flops / (r.peak_flops * st.seconds):.1%} | "
+            f"{_t(r.step_seconds)} | {r.bound} |"
         )
     return "\n".join(rows)
+
+
+def _run_search(cfg: Config, hw: Hardware, devices: int, top: int) -> int:
+    evaluated = evaluate_all(cfg, hw, devices)
+    rows = merge_ties(rank(evaluated))[:top]
+    print()
+    print(search_summary(cfg, hw, devices, evaluated))
+    if rows:
+        print(f"top {len(rows)} by the calibrated step time (the roofline beside it):")
+        print(search_table([c for c, _ in rows], [label for _, label in rows]))
+        return 0
+    if not evaluated:
+        print(f"no data x fsdp x tensor shape of {devices} devices can run this: each one either leaves a "
+              f"model dimension indivisible or cannot split train.batch_size={cfg.train.batch_size} over its "
+              f"batch axes; change --devices or train.batch_size")
+        return 2  # (as when nothing fits: the search found no answer)
+    print(nothing_fits(hw, evaluated))
+    return 2
 
 
 def main(argv: list[str]) -> int:
     from scaling.__main__ import _config_args
 
     def extra(p):
-        p.add_argument("--hardware", default="h100", help="one of: " + ", ".join(HARDWARE))
+        p.add_argument("--hardware", default="h100",
+                       help="one of: " + ", ".join(HARDWARE) + " (or a device name as JAX reports it)")
         p.add_argument("--devices", type=int, default=None, help="device count (default: the mesh's fixed sizes, or 8)")
         p.add_argument("--search", action="store_true", help="rank mesh x remat x grad_accum by predicted throughput")
         p.add_argument("--top", type=int, default=10)
@@ -232,20 +380,16 @@ def main(argv: list[str]) -> int:
         print(f"mesh error: {e}", file=sys.stderr)
         return 2
     mesh = acc.MeshShape(*shape, rules=mc.rules)
-    errors = acc.divisibility_errors(cfg.model, mesh)
-    if errors:
-        print("warning: this mesh cannot shard: " + "; ".join(errors[:3]), file=sys.stderr)
-    print(report(cfg, mesh, hw))
+    if mesh_errors(cfg, mesh):
+        # The trainer refuses such a mesh; its report priced fractions of heads and sequences.
+        # A search still runs: the config's mesh is only its starting point.
+        if not args.search:
+            print("error: " + mesh_error_message(cfg, mesh), file=sys.stderr)
+            return 2
+        print(f"note: {mesh_error_message(cfg, mesh, shapes=False)}; no report for it, the search follows",
+              file=sys.stderr)
+    else:
+        print(report(cfg, mesh, hw))
     if args.search:
-        cands = search(cfg, hw, devices, args.top)
-        print()
-        print(f"search over {devices} devices (top {len(cands)} that fit, by the calibrated step time; the roofline beside it):")
-        if cands:
-            print(search_table(cands))
-        elif not candidate_meshes(cfg, hw, devices):
-            print(f"no data x fsdp x tensor shape of {devices} devices can run this: each one either leaves a "
-                  f"model dimension indivisible or cannot split train.batch_size={cfg.train.batch_size} over its "
-                  f"batch axes; change --devices or train.batch_size")
-        else:
-            print("nothing fits; lower train.batch_size or add devices")
+        return _run_search(cfg, hw, devices, args.top)
     return 0

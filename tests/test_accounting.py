@@ -197,8 +197,10 @@ LLAMA3_8B_NORMS = (2 * 32 + 1) * 4096
 
 def test_fsdp_weight_traffic_is_the_gathered_weights():
     """Under FSDP every device's matmuls read the all-gathered weights, not its 1/n shard
-    [HSM-TR]: the roofline's 3 weight reads (forward, twice backward) and the casts are
-    priced on the gathered sizes; only the tensor-parallel split remains."""
+    [HSM-TR]: the roofline's 3 weight reads (forward, twice backward) are priced on the
+    gathered sizes; only the tensor-parallel split remains. The casts and gradient
+    conversions run on the stored shard (XLA:GPU casts before the gather, converts after the
+    reduction: the collectives move c bytes)."""
     from scaling.hardware import get_hardware
 
     hw = get_hardware("h100")
@@ -215,7 +217,8 @@ def test_fsdp_weight_traffic_is_the_gathered_weights():
         weights = roof.hbm_bytes - 2 * (act.layers + act.head) - 7 * mem.params
         assert weights == pytest.approx(3 * gathered * c, rel=1e-12)  # was 3 x the 1/n shard
         st = acc.training_time(cfg, mesh, hw)
-        assert st.traffic["weight gradients c -> f32"] == pytest.approx((p + c) * gathered, rel=1e-12)
+        shard = matrices / (mesh.sizes["fsdp"] * mesh.sizes["tensor"]) + LLAMA3_8B_NORMS  # norm scales replicated
+        assert st.traffic["weight gradients c -> f32"] == pytest.approx((p + c) * shard, rel=1e-12)
         assert acc.gathered_params_per_device(m, mesh) == gathered
     # Without FSDP nothing is gathered: the shard is what the matmuls read.
     one = acc.MeshShape(1, 1, 1)
@@ -261,6 +264,6 @@ def test_plan_tokens_per_device_and_search_without_a_valid_shape(capsys):
     assert f"tokens/device/micro-batch {16 * 1024 // 4:,}; compute-bound above" in capsys.readouterr().out  # was 2,048
     # 64 sequences cannot be split over 6 devices' batch axes, and D=4096 not 6 ways: no shape is
     # valid, which is not the same as nothing fitting in memory.
-    assert plan.main(["--config", cfg, "--devices", "6", "--search", "--train.batch_size=64"]) == 0
+    assert plan.main(["--config", cfg, "--devices", "6", "--search", "--train.batch_size=64"]) == 2
     out = capsys.readouterr().out
     assert "no data x fsdp x tensor shape of 6 devices can run this" in out and "nothing fits" not in out
