@@ -64,6 +64,16 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
+def _job_processes(cfg) -> int:
+    """The job's process count as train would read it (the flag, else JAX_NUM_PROCESSES), 1 when
+    unset or unreadable: only a hint here; train checks the settings (scaling.distributed)."""
+    value = cfg.mesh.num_processes if cfg.mesh.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
+    try:
+        return int(value or 1)
+    except ValueError:
+        return 1
+
+
 def cmd_shardings(argv: list[str]) -> int:
     import jax
 
@@ -85,7 +95,7 @@ def cmd_shardings(argv: list[str]) -> int:
         print(sharding_report(abstract_layout(cfg, args.devices)))
         return 0
     # A multi-host config's mesh spans every host's devices, which this process does not see.
-    multi_host = cfg.mesh.num_processes is not None or bool(os.environ.get("JAX_NUM_PROCESSES"))
+    multi_host = _job_processes(cfg) > 1
     try:
         setup = make_setup(cfg)
     except MeshError as e:

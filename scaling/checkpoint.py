@@ -27,6 +27,7 @@ import logging
 import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -471,7 +472,9 @@ def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     `python -m scaling generate` load; `dtype` (float32, bfloat16, float16) for its weights,
     default the params' own. Also `export.json`.
 
-    `out_dir` must be new or empty, and outside the run directory's config and checkpoints.
+    `out_dir` must be new or empty, and outside the run directory's config and checkpoints. The
+    export is written into a hidden directory (beside `out_dir`, or inside it if it exists) and
+    moved into place when whole: an error or an interrupt leaves `out_dir` as it was.
     Without `step`, partial saves and an unreadable latest checkpoint are reported through
     `log` (default: stderr) and the latest readable complete one is exported.
     """
@@ -493,6 +496,8 @@ def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     if not steps:
         partial = partial_checkpoints(ckpt_dir)
         extra = f" (partial saves, never committed: {', '.join(p.name for p in partial)})" if partial else ""
+        if (run_dir / "params").is_dir() and (run_dir / "config.yaml").is_file():
+            extra += "; it is an export (params/ + config.yaml), not a training run's directory"
         raise CheckpointError(f"--run_dir: no complete checkpoint in {ckpt_dir}{extra}")
     if step is not None and step not in steps:
         raise CheckpointError(f"--step {step}: no complete checkpoint of that step in {ckpt_dir}; have {steps}")
@@ -512,28 +517,86 @@ def export_params(run_dir: str | Path, out_dir: str | Path, step: int | None = N
             shown = ", ".join(held[:5]) + (f", ... ({len(held)} entries)" if len(held) > 5 else "")
             raise CheckpointError(f"--out {out_dir} is not empty (holds {shown}); nothing is overwritten: "
                                   "choose a new or empty directory")
-    try:
-        step, params, cfg = _restore_run_params(run_dir, step, None, _host_sharding(), log, need_config=True)
-    except CheckpointError as e:
-        raise CheckpointError(f"--{e}" if str(e).startswith("step ") else str(e)) from None
     tokenizer = run_dir / "tokenizer.json" if (run_dir / "tokenizer.json").exists() else None
+    if format == "hf" and tokenizer is not None:
+        tokenizer = _load_run_tokenizer(tokenizer)  # a broken one fails here, not after the read
+    created = [p for p in out_dir.parents if not p.exists()]  # to make for the staging directory, deepest first
+    try:
+        staging = _staging_dir(out_dir)
+        try:
+            try:
+                step, params, cfg = _restore_run_params(run_dir, step, None, _host_sharding(), log, need_config=True)
+            except CheckpointError as e:
+                raise CheckpointError(f"--{e}" if str(e).startswith("step ") else str(e)) from None
+            try:
+                _write_export(staging, format, cfg, params, dtype, tokenizer)
+                info = {"run_dir": str(run_dir), "step": step, "format": format}
+                (staging / "export.json").write_text(json.dumps(info, indent=1) + "\n")
+                _publish(staging, out_dir)
+            except OSError as e:
+                raise CheckpointError(f"--out {out_dir}: the export could not be written ({_one_line(e)}); "
+                                      "nothing was left there") from None
+        except BaseException:  # an error or an interrupt: no half-written export
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    except BaseException:  # ... and no directories of ours
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return out_dir
+
+
+def _load_run_tokenizer(path: Path):
+    from scaling.data import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 - bad JSON, or JSON of the wrong shape (KeyError, TypeError)
+        raise CheckpointError(f"--format hf: the run's tokenizer {path} is unreadable ({_one_line(e)})") from None
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    """A new hidden directory to write the export into, on out_dir's filesystem: beside it when it
+    does not exist yet, inside it when it does (it is empty, and may be a mount point, which
+    cannot be renamed onto). Made before the params are read: an unwritable --out fails at once."""
+    where = out_dir if out_dir.is_dir() else out_dir.parent
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        staging = where / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+    except OSError as e:
+        raise CheckpointError(f"--out {out_dir}: cannot write there ({_one_line(e)})") from None
+    return staging
+
+
+def _publish(staging: Path, out_dir: Path) -> None:
+    """The whole export into place: one rename, or (staged inside out_dir) its entries moved up,
+    export.json last, so that an export without it was cut short."""
+    if staging.parent != out_dir:
+        staging.rename(out_dir)
+        return
+    for entry in sorted(staging.iterdir(), key=lambda e: e.name == "export.json"):
+        entry.rename(out_dir / entry.name)
+    staging.rmdir()
+
+
+def _write_export(path: Path, format: str, cfg: Config, params: dict, dtype: str | None, tokenizer) -> None:
     if format == "hf":
         from scaling.interop import hf
 
         try:
-            hf.save_params(cfg.model, params, out_dir, dtype=dtype, tokenizer=tokenizer)
+            hf.save_params(cfg.model, params, path, dtype=dtype, tokenizer=tokenizer)
         except ValueError as e:  # e.g. a tokenizer larger than the model's vocabulary
             raise CheckpointError(f"--format hf: {e}") from None
-    else:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(out_dir / "params", params)
-        (out_dir / "config.yaml").write_text(dump_yaml(cfg))
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
-    info = {"run_dir": str(run_dir), "step": step, "format": format}
-    (out_dir / "export.json").write_text(json.dumps(info, indent=1) + "\n")
-    return out_dir
+        return
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", params)
+    (path / "config.yaml").write_text(dump_yaml(cfg))
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, path / "tokenizer.json")
 
 
 def _host_sharding():

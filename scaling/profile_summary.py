@@ -39,7 +39,8 @@ last kernel of the main module) in which no kernel runs. With several devices (o
 kernel and category times are summed over them, so they can exceed the window.
 
 Bad input (a missing or unreadable trace, a trace without kernels, --steps < 1, --top < 0, a
-missing --hlo file, an unknown --module) ends with a message naming it and exit status 2;
+missing --hlo file, an unknown --module, an --md or --json naming an input file or each other)
+ends with a message naming it and exit status 2;
 the Python API raises ProfileError (a ValueError), or FileNotFoundError for a missing path.
 """
 
@@ -661,6 +662,8 @@ def main(argv=None) -> int:
     for flag, dest in (("--md", args.md), ("--json", args.json)):
         if dest and Path(dest).is_dir():
             p.error(f"{flag} {dest}: is a directory; give a file name")
+    if args.md and args.json and Path(args.md).resolve() == Path(args.json).resolve():
+        p.error(f"--md and --json: both name {args.md}; the second would overwrite the first")
     try:
         hlo = load_hlo(args.hlo) if args.hlo else None
     except (OSError, ProfileError) as e:
@@ -669,6 +672,10 @@ def main(argv=None) -> int:
         trace, path = load_trace(args.trace)
     except (OSError, ProfileError) as e:
         p.error(f"TRACE: {e}")
+    for flag, dest in (("--md", args.md), ("--json", args.json)):
+        for what, src in (("the trace", path), ("the --hlo file", args.hlo)):
+            if dest and src and Path(dest).resolve() == Path(src).resolve():  # the summary would overwrite it
+                p.error(f"{flag} {dest}: is {what} being read; give another file name")
     try:
         s = summarize(trace, hlo=hlo, steps=args.steps, module=args.module, top=args.top)
     except ProfileError as e:

@@ -24,6 +24,10 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _devices(n: int) -> str:
+    return "1 device" if n == 1 else f"{n} devices"
+
+
 def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     """Fill in the -1 axis; the product must equal the device count.
 
@@ -48,9 +52,10 @@ def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int
             )
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
+        have = f"{num_devices} is" if num_devices == 1 else f"{num_devices} are"
         raise MeshError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices "
-            f"but {num_devices} are available; make the product of mesh.data, mesh.fsdp and "
+            f"mesh {dict(zip(MESH_AXES, sizes))} has {_devices(math.prod(sizes))} "
+            f"but {have} available; make the product of mesh.data, mesh.fsdp and "
             f"mesh.tensor equal {num_devices} (or set one of them to -1)"
         )
     return tuple(sizes)  # type: ignore[return-value]

@@ -31,12 +31,15 @@ def abstract_layout(cfg, num_devices: int) -> AbstractLayout:
     a 64-GPU or multi-host layout checked and printed on a laptop (same rules, same errors)."""
     from flax import nnx
 
+    from scaling.config import AxisType
     from scaling.model import build_model
     from scaling.sharding.axes import MESH_AXES
-    from scaling.sharding.mesh import resolve_mesh_shape
+    from scaling.sharding.mesh import EXPLICIT_UNSUPPORTED, MeshError, resolve_mesh_shape
     from scaling.sharding.params import logical_axes, param_shardings
     from scaling.sharding.rules import get_rule_set
 
+    if cfg.mesh.axis_type == AxisType.explicit:  # make_mesh refuses it for the real devices: the same here
+        raise MeshError(EXPLICIT_UNSUPPORTED)
     mesh = AbstractMesh(resolve_mesh_shape(cfg.mesh, num_devices), MESH_AXES)
     model = nnx.eval_shape(lambda: build_model(cfg.model, attention=cfg.attention, remat_cfg=cfg.remat, seed=0))
     params = nnx.to_pure_dict(nnx.split(model)[1])
