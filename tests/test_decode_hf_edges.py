@@ -181,3 +181,16 @@ def test_cli_names_a_prompt_that_encodes_to_no_tokens(tmp_path, capsys):
         assert main(["--checkpoint", str(d), "--max-new-tokens", "2"] + [a for p in prompts for a in ("--prompt", p)]) == 2
         out = capsys.readouterr()
         assert out.out == "" and "error: --prompt '' encodes to no tokens" in out.err
+
+
+def test_weights_file_gets_the_mode_of_the_files_beside_it(tmp_path):
+    """safetensors creates its file 0600; an export's config.json is 0666 less the umask. The
+    weights get the same mode (a shared model directory had unreadable weights)."""
+    import os
+
+    from scaling.interop.hf import write_safetensors
+
+    write_safetensors(tmp_path / "model.safetensors", {"a": np.ones(3, np.float32)})
+    (tmp_path / "config.json").write_text("{}")
+    mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")

@@ -70,6 +70,11 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
 
     tmp = Path(str(path) + ".tmp")
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=metadata or {"format": "pt"})
+    # The library creates its file 0600; give it the mode every other file of the directory gets
+    # (0666 less the umask), so the weights are as readable as config.json beside them.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     tmp.replace(path)
 
 
