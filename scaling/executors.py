@@ -126,7 +126,30 @@ def collect_outcome(task: PointTask, returncode: int | None, wall: float, stderr
     if returncode == 0 or (returncode is not None and returncode < 0 and -returncode in (signal.SIGTERM, signal.SIGINT)):
         # train.py exits 0 after a SIGTERM (preemption) with a checkpoint: resumable.
         return Outcome("interrupted", loss, eval_loss, last_step, wall, returncode, f"stopped at step {last_step} of {task.steps}")
-    return Outcome("failed", loss, eval_loss, last_step, wall, returncode, f"exit status {returncode}: {err}" if err else f"exit status {returncode}")
+    status = exit_text(returncode)
+    return Outcome("failed", loss, eval_loss, last_step, wall, returncode, f"{status}: {err}" if err else status)
+
+
+def exit_text(returncode: int | None) -> str:
+    """How a process ended, in words: "exit status -9" hid that a signal killed it."""
+    if returncode is None or returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    # (the kernel's out-of-memory killer sends SIGKILL, and leaves nothing in stderr)
+    return f"killed by {name}" + (" (out of memory? the kernel's OOM killer sends it)" if -returncode == signal.SIGKILL else "")
+
+
+def error_line(error: str | None) -> str:
+    """One line for a point's error: the last line of its stderr tail (a traceback's cause),
+    after how the process ended ("exit status 2: ... ValueError: ...")."""
+    lines = [line for line in (error or "").strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    head = lines[0].split(": ", 1)[0]  # "exit status N" / "killed by SIG..." / "submitit job N"
+    return f"{head}: ... {lines[-1].strip()}"
 
 
 def _die_with_parent() -> None:
@@ -243,14 +266,18 @@ class LocalExecutor:
                 self.busy[h.gpu] -= 1
             self.handles.remove(h)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """SIGTERM every point (each checkpoints and exits), then wait for them all, together:
+        `timeout_s` for the lot, not per point (8 slow savers kept a Ctrl-C waiting 16 min)."""
         for h in self.handles:
             h.cancel()
+        deadline = time.monotonic() + timeout_s
         for h in self.handles:
             try:
-                h.proc.wait(timeout=120)
+                h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 h.proc.kill()
+                h.proc.wait()
 
 
 # ---------------------------------------------------------------------- submitit

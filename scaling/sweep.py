@@ -804,10 +804,6 @@ def run_sweep(
     log=None,
 ) -> list[dict]:
     """Run every unfinished point; return the store's rows. Failed points do not stop the others."""
-    from tqdm.auto import tqdm
-
-    from scaling.executors import PointTask
-
     log = log or (lambda msg: print(msg, flush=True))
     points, dropped = generate_points(spec, spec_dir)
     if not points:  # (it ran nothing, wrote an empty store and exited 0)
@@ -854,65 +850,136 @@ def run_sweep(
         if todo:
             log(f"sweep {spec.name}: {len(points)} point{'s' * (len(points) != 1)}, {done_before} already finished, running {len(todo)} in {out}")
             prepare_data(todo, log)
-        queue = list(todo)
-        running: dict[str, Any] = {}
-        bar = tqdm(total=len(points), initial=done_before, desc=spec.name, unit="point", dynamic_ncols=True, file=sys.stderr)
-        stop: list[str] = []
-        old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C: the points checkpoint, then we exit
-            try:
-                old[sig] = signal.signal(sig, lambda signum, _: stop.append(signal.Signals(signum).name))
-            except ValueError:  # not the main thread
-                pass
-        try:
-            while (queue or running) and not stop:
-                while queue and len(running) < ex.slots:
-                    p = queue.pop(0)
-                    run_dir = out / "points" / p.id
-                    run_dir.mkdir(parents=True, exist_ok=True)
-                    cfg_path = run_dir / "point.yaml"
-                    cfg_path.write_text(dump_yaml(p.cfg))
-                    task = PointTask(p.id, str(cfg_path), str(run_dir), p.steps, cwd=os.getcwd())
-                    handle = ex.submit(task)
-                    store.start(p.id, handle.job_id)
-                    running[p.id] = handle
-                    bar.set_postfix_str(", ".join(running))
-                for pid, handle in list(running.items()):
-                    outcome = handle.poll()
-                    if outcome is None:
-                        continue
-                    del running[pid]
-                    store.finish(pid, outcome)
-                    loss = f" loss {outcome.final_loss:.4f}" if outcome.final_loss is not None else ""
-                    ev = f" eval {outcome.eval_loss:.4f}" if outcome.eval_loss is not None else ""
-                    bar.write(f"{pid}: {outcome.status}{loss}{ev} ({outcome.wall_time:.0f} s)")
-                    if outcome.status == "failed":
-                        bar.write(f"{pid}: {(outcome.error or '').splitlines()[-1] if outcome.error else ''}")
-                    bar.update(1 if outcome.status == "done" else 0)
-                    bar.set_postfix_str(", ".join(running))
-                time.sleep(0.2)
-            if stop:
-                bar.write(f"{stop[0]}: stopping the running points (they checkpoint); re-run to resume")
-                ex.shutdown()
-                for pid, handle in running.items():
-                    outcome = None
-                    for _ in range(600):  # train.py checkpoints, then exits
-                        outcome = handle.poll()
-                        if outcome is not None:
-                            break
-                        time.sleep(0.2)
-                    if outcome is not None:
-                        store.finish(pid, outcome)
-        except BaseException:  # a runner error: stop the points (they checkpoint) rather than orphan them
-            ex.shutdown()
-            raise
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            bar.close()
+        _run_points(spec.name, todo, len(points), ex, store, out)
         rows = store.rows()
         store.close()
     return rows
+
+
+def _run_points(name: str, todo: Sequence[Point], n_points: int, ex, store: ResultStore, out: Path) -> None:
+    """Keep up to `ex.slots` of `todo` running until all have ended, recording each outcome.
+
+    The bar counts every point that has ended, failed ones too (it stopped short of 100%
+    when one failed); the first SIGINT/SIGTERM stops the points (they checkpoint), a second
+    one stops them at once (train.py exits without a checkpoint on its second signal)."""
+    from tqdm.auto import tqdm
+
+    from scaling.executors import error_line
+
+    queue, running, failed = list(todo), {}, []
+    bar = tqdm(total=n_points, initial=n_points - len(todo), desc=name, unit="point", dynamic_ncols=True, file=sys.stderr)
+
+    def show() -> None:
+        bar.set_postfix_str(" | ".join(x for x in (", ".join(running), f"{len(failed)} failed" if failed else "") if x))
+
+    def record(pid: str, outcome) -> None:
+        store.finish(pid, outcome)
+        loss = f" loss {outcome.final_loss:.4f}" if outcome.final_loss is not None else ""
+        ev = f" eval {outcome.eval_loss:.4f}" if outcome.eval_loss is not None else ""
+        bar.write(f"{pid}: {outcome.status}{loss}{ev} ({outcome.wall_time:.0f} s)")
+        if outcome.status == "failed":
+            failed.append(pid)
+            bar.write(f"{pid}: {error_line(outcome.error)}")
+        if outcome.status != "interrupted":  # (an interrupted point is still to train)
+            bar.update(1)
+        show()
+
+    stop: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        stop.append(signal.Signals(signum).name)
+        if len(stop) > 1:  # a second Ctrl-C: don't wait for the checkpoints
+            bar.write(f"{stop[-1]} again: stopping the points now, without a checkpoint")
+            for h in list(running.values()):
+                h.cancel()
+
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        while (queue or running) and not stop:
+            while queue and len(running) < ex.slots and not stop:
+                p = queue.pop(0)
+                handle = _launch(p, ex, store, out, bar.write)
+                if handle is None:
+                    failed.append(p.id)
+                    bar.update(1)
+                else:
+                    running[p.id] = handle
+                show()
+            for pid, handle in list(running.items()):
+                outcome = handle.poll()
+                if outcome is not None:
+                    del running[pid]
+                    record(pid, outcome)
+            time.sleep(0.2)
+        if stop:
+            bar.write(f"{stop[0]}: stopping the running points (they checkpoint; {stop[0]} again stops them at once); re-run to resume")
+            ex.shutdown()
+            for pid, handle in list(running.items()):
+                outcome = None
+                for _ in range(600):  # train.py checkpoints, then exits
+                    outcome = handle.poll()
+                    if outcome is not None:
+                        break
+                    time.sleep(0.2)
+                if outcome is not None:
+                    record(pid, outcome)
+    except BaseException:  # a runner error: stop the points (they checkpoint) rather than orphan them
+        ex.shutdown()
+        raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        bar.close()
+
+
+def _launch(p: Point, ex, store: ResultStore, out: Path, write):
+    """Start point `p` and mark it running; None when the executor cannot start it (sbatch
+    refused the job, a spawn failed): the point is recorded as failed and the others go on."""
+    from scaling.executors import Outcome, PointTask
+
+    run_dir = out / "points" / p.id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "point.yaml"
+    cfg_path.write_text(dump_yaml(p.cfg))
+    note = resume_note(p, store.row(p.id), run_dir)
+    if note:
+        write(f"{p.id}: {note}")
+    try:
+        handle = ex.submit(PointTask(p.id, str(cfg_path), str(run_dir), p.steps, cwd=os.getcwd()))
+    except Exception as e:
+        error = f"could not start: {type(e).__name__}: {e}"
+        store.start(p.id, None)
+        store.finish(p.id, Outcome("failed", None, None, 0, 0.0, None, error))
+        write(f"{p.id}: failed: {error}")
+        return None
+    store.start(p.id, handle.job_id)
+    return handle
+
+
+def resume_note(p: Point, row: Mapping[str, Any] | None, run_dir: Path) -> str | None:
+    """What a start of `p` in `run_dir` does, when it is not a first start: `train` resumes
+    from the latest complete checkpoint, or trains from step 0 without one."""
+    from scaling.checkpoint import complete_steps
+    from scaling.executors import read_metrics
+
+    steps = complete_steps(run_dir / "checkpoints")
+    attempts = (row or {}).get("attempts") or 0
+    if not attempts and not steps:
+        return None
+    # (the metrics, not the row: a killed runner's row never got the step its point reached)
+    before = f" (attempt {attempts + 1}; the last one logged step {read_metrics(run_dir)[0]})" if attempts else ""
+    if not p.cfg.checkpoint.enabled:
+        return f"restarting from step 0 (checkpoint.enabled=false){before}"
+    if not steps:
+        return f"restarting from step 0: no checkpoint in its run dir{before}"
+    if steps[-1] >= p.steps:
+        return f"its checkpoint is at the last step, {steps[-1]}: collecting its result{before}"
+    return f"resuming from its checkpoint at step {steps[-1]} of {p.steps}{before}"
 
 
 def _make_executor(name: str, workers: int, folder: Path, cluster: str | None, options: Mapping[str, Any]):
@@ -943,6 +1010,11 @@ def summary_table(rows: Sequence[dict]) -> str:
         )
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "interrupted", "running", "pending")}
     lines.append(", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    # Why each unfinished point stopped: the per-point lines above it have scrolled away
+    # by the end of a long sweep (the full stderr tail is in the store's `error`).
+    from scaling.executors import error_line
+
+    lines += [f"  {r['id']} {r['status']}: {error_line(r['error'])}" for r in rows if r["status"] != "done" and r["error"]]
     return "\n".join(lines)
 
 
