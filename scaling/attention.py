@@ -56,12 +56,36 @@ def xla_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=No
     return out.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
+def cudnn_unsupported(dtype, head_dim: int | None) -> str | None:
+    """Why cuDNN's flash attention cannot take q of this dtype and head dim (None: not known), or
+    None. Its limits (jax's cudnn check_is_flash_attention): float16/bfloat16 only, head dims a
+    multiple of 8 up to 128, or 256 from Hopper on. Past them it raised NotImplementedError from
+    inside jax."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"q/k/v dtype is {jnp.dtype(dtype).name} (model.compute_dtype); cuDNN takes bfloat16 or float16"
+    if head_dim is None:
+        return None
+    max_dim = 256 if _hopper_or_later() else 128
+    if head_dim % 8 or head_dim > max_dim:
+        return f"head dim is {head_dim} (model.head_dim); cuDNN takes multiples of 8 up to {max_dim} on this GPU"
+    return None
+
+
+def _hopper_or_later() -> bool:
+    from scaling.kernels.flash_attention import is_hopper  # lazily: the kernels are optional
+
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return is_hopper() or (capability is not None and float(capability) >= 9.0)
+
+
 def cudnn_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
     if jax.default_backend() != "gpu":
         raise ValueError(
             f"attention.impl=cudnn needs a GPU (backend is {jax.default_backend()!r}); use attention.impl=xla or auto"
         )
     check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
+    if (why := cudnn_unsupported(q_btnh.dtype, q_btnh.shape[-1])) is not None:
+        raise ValueError(f"attention.impl=cudnn cannot run this call: {why}; use attention.impl=xla, pallas or auto")
     mask = None
     if segment_ids is not None:
         mask = _segment_mask(segment_ids)[:, None]
@@ -119,13 +143,15 @@ AUTO_PALLAS_MAX_LEN: dict[int, int] = {64: 8192, 128: 8192}
 
 
 def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: bool = False,
-                 head_dim: int | None = None) -> AttentionImpl:
+                 head_dim: int | None = None, dtype=None) -> AttentionImpl:
     """`auto` picks the fastest implementation measured on the current backend for this call:
     the xla reference off GPU; on a Hopper GPU our Pallas kernels for rows up to
     AUTO_PALLAS_MAX_LEN[head_dim] tokens without segment ids (their Mosaic kernels take none; the
-    Triton fallback is slower than cuDNN), cuDNN otherwise; cuDNN on other GPUs. With seq_len
-    None (not known yet) the answer is for a short row; with head_dim None, for the strictest
-    head dim of the table."""
+    Triton fallback is slower than cuDNN), cuDNN otherwise; cuDNN on other GPUs; the xla
+    reference where cuDNN would be picked but cannot take the dtype or head dim
+    (`cudnn_unsupported`: float32 compute, say). With seq_len None (not known yet) the answer is
+    for a short row; with head_dim None, for the strictest head dim of the table; with dtype
+    None, for a dtype cuDNN takes."""
     if impl != AttentionImpl.auto:
         return impl
     if jax.default_backend() != "gpu":
@@ -135,6 +161,8 @@ def resolve_impl(impl: AttentionImpl, *, seq_len: int | None = None, segmented: 
     limit = min(AUTO_PALLAS_MAX_LEN.values()) if head_dim is None else AUTO_PALLAS_MAX_LEN.get(head_dim, 0)
     if is_hopper() and not segmented and limit and (seq_len is None or seq_len <= limit):
         return AttentionImpl.pallas
+    if dtype is not None and cudnn_unsupported(dtype, head_dim) is not None:
+        return AttentionImpl.xla
     return AttentionImpl.cudnn
 
 
@@ -160,7 +188,7 @@ def auto_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=N
     """The `auto` core: resolved per call (shapes are static under jit)."""
     check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
     impl = resolve_impl(AttentionImpl.auto, seq_len=max(q_btnh.shape[1], k_bskh.shape[1]),
-                        segmented=segment_ids is not None, head_dim=q_btnh.shape[-1])
+                        segmented=segment_ids is not None, head_dim=q_btnh.shape[-1], dtype=q_btnh.dtype)
     kw = dict(bwd_workspace_mb=bwd_workspace_mb) if impl == AttentionImpl.pallas and bwd_workspace_mb is not None else {}
     return ATTENTION_CORES[impl](q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids, **kw)
 

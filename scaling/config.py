@@ -46,7 +46,7 @@ class AttentionImpl(StrEnum):
     xla = "xla"  # reference einsum + softmax, runs anywhere
     cudnn = "cudnn"  # jax.nn.dot_product_attention(implementation="cudnn"), GPU only
     pallas = "pallas"  # our Pallas flash-attention kernel (scaling.kernels)
-    auto = "auto"  # per call (attention.resolve_impl): ours on Hopper up to 8k tokens, cuDNN on other GPUs and beyond, xla elsewhere
+    auto = "auto"  # per call (attention.resolve_impl): ours on Hopper up to 8k tokens, cuDNN on other GPUs and beyond, xla elsewhere and where cuDNN cannot take the call
 
 
 class RematPolicyName(StrEnum):
@@ -96,7 +96,7 @@ class ModelConfig:
     num_kv_heads: int = 2  # K, GQA key/value heads (K == N is MHA)
     head_dim: int | None = None  # H; defaults to D / N
     mlp_dim: int = 384  # F, SwiGLU hidden width
-    max_seq_len: int = 2048  # RoPE table length; train.seq_len must not exceed it
+    max_seq_len: int = 2048  # the longest row trained on (RoPE is computed per position); train.seq_len must not exceed it
     rope_theta: float = 10000.0
     # Llama 3.x frequency scaling ("llama3" rope_type); factor 0 means off.
     rope_scaling_factor: float = 0.0
@@ -525,9 +525,24 @@ def _float_fields(node: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
             yield f"{prefix}{f.name}", value
 
 
-def validate(cfg: Config) -> None:
-    m, t, o, d, mesh = cfg.model, cfg.train, cfg.optimizer, cfg.data, cfg.mesh
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "max_seq_len"):
+_MODEL_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "max_seq_len")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def validate_model(m: ModelConfig) -> None:
+    """The model section's checks. scaling.model.Transformer runs them too: a ModelConfig built in
+    Python skips load_config, and its mistakes failed at the first call, deep inside jnp
+    (ZeroDivisionError for num_heads=0 or num_layers=0, an attention-shape error for num_kv_heads=3)."""
+    for name in (*_MODEL_SIZES, "rope_original_max_len"):
+        _require(_is_int(getattr(m, name)), f"model.{name}", f"must be an integer, got {getattr(m, name)!r}")
+    _require(m.head_dim is None or _is_int(m.head_dim), "model.head_dim", f"must be an integer or None, got {m.head_dim!r}")
+    for name in ("param_dtype", "compute_dtype"):
+        _require(getattr(m, name) in {x.value for x in DType}, f"model.{name}",
+                 f"{getattr(m, name)!r} is not allowed; allowed values: {', '.join(x.value for x in DType)}")
+    for name in _MODEL_SIZES:
         _require(getattr(m, name) > 0, f"model.{name}", f"must be a positive integer, got {getattr(m, name)}")
     _require(
         m.num_heads % m.num_kv_heads == 0,
@@ -535,21 +550,23 @@ def validate(cfg: Config) -> None:
         f"{m.num_heads} heads is not divisible by model.num_kv_heads={m.num_kv_heads}; "
         "GQA needs num_heads to be a multiple of num_kv_heads",
     )
+    if m.head_dim is not None:
+        _require(m.head_dim > 0, "model.head_dim", f"must be positive, got {m.head_dim}")
+    derived = "" if m.head_dim is not None else f" (model.hidden_size={m.hidden_size} // model.num_heads={m.num_heads}; set model.head_dim)"
+    _require(m.resolved_head_dim >= 2 and m.resolved_head_dim % 2 == 0, "model.head_dim",
+             f"RoPE rotates pairs of dimensions and needs an even head_dim >= 2, got {m.resolved_head_dim}{derived}")
     if m.head_dim is None:
         _require(
             m.hidden_size % m.num_heads == 0,
             "model.hidden_size",
             f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}; set model.head_dim explicitly",
         )
-    else:
-        _require(m.head_dim > 0, "model.head_dim", f"must be positive, got {m.head_dim}")
-    _require(m.resolved_head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {m.resolved_head_dim}")
     for name in ("rope_theta", "norm_eps", "init_std"):
         _require(_positive(getattr(m, name)), f"model.{name}", f"must be a positive finite number, got {getattr(m, name)}")
     _require(
         m.rope_scaling_factor == 0 or (math.isfinite(m.rope_scaling_factor) and m.rope_scaling_factor >= 1),
         "model.rope_scaling_factor",
-        f"must be 0 (off) or a finite factor >= 1 (Llama 3's long-context scaling divides frequencies by it), got {m.rope_scaling_factor}",
+        f"must be 0 (off) or a finite factor >= 1, got {m.rope_scaling_factor} (Llama 3's long-context scaling divides frequencies by it)",
     )
     if m.rope_scaling_factor:
         # (layers.rope_frequencies divides by the low factor and by high - low)
@@ -561,6 +578,20 @@ def validate(cfg: Config) -> None:
         _require(m.rope_original_max_len > 0, "model.rope_original_max_len", f"must be positive with rope scaling on, got {m.rope_original_max_len}")
     _require(m.param_dtype != DType.auto, "model.param_dtype", "must be float32, bfloat16 or float16 (not auto)")
 
+
+def validate_attention(a: AttentionConfig) -> None:
+    """The attention section's checks (also run by scaling.model.Transformer, as validate_model)."""
+    _require(a.impl in {x.value for x in AttentionImpl}, "attention.impl",
+             f"{a.impl!r} is not allowed; allowed values: {', '.join(x.value for x in AttentionImpl)}")
+    _require(_is_int(a.bwd_workspace_mb) and a.bwd_workspace_mb >= 0, "attention.bwd_workspace_mb",
+             f"must be an int >= 0 (MiB; 0 keeps the backward's split kernels), got {a.bwd_workspace_mb!r}")
+
+
+def validate(cfg: Config) -> None:
+    m, t, o, d, mesh = cfg.model, cfg.train, cfg.optimizer, cfg.data, cfg.mesh
+    validate_model(m)
+    validate_attention(cfg.attention)
+
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name}", f"must be a positive integer, got {getattr(t, name)}")
     _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 disables eval), got {t.eval_every}")
@@ -568,16 +599,13 @@ def validate(cfg: Config) -> None:
     _require(
         t.seq_len <= m.max_seq_len,
         "train.seq_len",
-        f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len} (the RoPE table length)",
+        f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len} (the longest row the model is configured for)",
     )
     _require(
         t.batch_size % t.grad_accum == 0,
         "train.batch_size",
         f"{t.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
     )
-    _require(isinstance(cfg.attention.bwd_workspace_mb, int) and cfg.attention.bwd_workspace_mb >= 0,
-             "attention.bwd_workspace_mb",
-             f"must be an int >= 0 (MiB; 0 keeps the backward's split kernels), got {cfg.attention.bwd_workspace_mb!r}")
     _require(t.loss_chunk >= 0, "train.loss_chunk", f"must be >= 0 (0 turns chunking off), got {t.loss_chunk}")
     _require(
         t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0,

@@ -1035,7 +1035,7 @@ class Decoder:
             prime_lowering()
         # The prefill's attention core; `auto` is resolved per prompt length (attention.resolve_impl).
         self.core_impl = model.attention_cfg.impl
-        prefill_core = resolve_impl(self.core_impl, seq_len=max_len, head_dim=self.cfg.resolved_head_dim)
+        prefill_core = resolve_impl(self.core_impl, seq_len=max_len, head_dim=self.cfg.resolved_head_dim, dtype=self.dtype)
         if jnp.dtype(self.dtype) == jnp.float32 and prefill_core == AttentionImpl.cudnn:
             self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
         if not _is_int(chunk) or chunk < 1:  # (a float failed inside the trace)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scaling.config import ConfigError, ModelConfig
+from scaling.config import ModelConfig, validate_model
 from scaling.sharding import axes as A
 from scaling.sharding import constrain
 
@@ -62,7 +62,12 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
-        x_btd = jnp.take(self.table_vd[...].astype(dtype), tokens_bt, axis=0)
+        """Rows of the table; an id outside [0, V) gives a row of NaN. jnp.take fills ids >= V
+        with NaN but wraps negative ones (-1 read the last row): they are sent past V first (in
+        int32: V may not fit the ids' own dtype)."""
+        tokens_bt = tokens_bt.astype(jnp.int32)
+        tokens_bt = jnp.where(tokens_bt < 0, self.table_vd.shape[0], tokens_bt)
+        x_btd = jnp.take(self.table_vd[...].astype(dtype), tokens_bt, axis=0, mode="fill", fill_value=jnp.nan)
         return constrain(x_btd, (A.BATCH, A.SEQ, A.ACT_EMBED))
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
@@ -75,25 +80,10 @@ class Embed(nnx.Module):
 
 
 def check_rope(cfg: ModelConfig) -> None:
-    """The RoPE settings this module can compute with, checked here too: a ModelConfig built in
+    """The model config's checks (head dim, RoPE scaling), run here too: a ModelConfig built in
     Python skips the config file's validation (an odd head dim failed deep in jnp.split; low >=
     high, or a factor below 1, gave frequencies that are not Llama 3's, without a word)."""
-    head_dim = cfg.resolved_head_dim
-    if head_dim < 2 or head_dim % 2:
-        derived = ("" if cfg.head_dim is not None else
-                   f" (model.hidden_size={cfg.hidden_size} // model.num_heads={cfg.num_heads}; set model.head_dim)")
-        raise ConfigError(f"model.head_dim: RoPE rotates pairs of dimensions and needs an even head_dim >= 2, "
-                          f"got {head_dim}{derived}")
-    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    if factor == 0:
-        return
-    if not (math.isfinite(factor) and factor >= 1):
-        raise ConfigError(f"model.rope_scaling_factor: must be 0 (off) or a finite factor >= 1, got {factor}")
-    if not (0 < low < high and math.isfinite(high)):
-        raise ConfigError(f"model.rope_low_freq_factor/rope_high_freq_factor: need 0 < low < high with rope scaling on, "
-                          f"got {low}, {high}")
-    if not cfg.rope_original_max_len > 0:
-        raise ConfigError(f"model.rope_original_max_len: must be positive with rope scaling on, got {cfg.rope_original_max_len}")
+    validate_model(cfg)
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from scaling import layers, remat
 from scaling.attention import Attention, attention_core
-from scaling.config import AttentionConfig, DType, ModelConfig, RematConfig
+from scaling.config import AttentionConfig, DType, ModelConfig, RematConfig, validate_attention, validate_model
 from scaling.sharding import axes as A
 from scaling.sharding import constrain
 
@@ -49,6 +49,9 @@ class Transformer(nnx.Module):
         remat_cfg: RematConfig = RematConfig(),
         rngs: nnx.Rngs,
     ):
+        # Checked here too: configs built in Python skip load_config's validation.
+        validate_model(cfg)
+        validate_attention(attention)
         self.cfg = cfg
         self.attention_cfg = attention
         self.remat_cfg = remat_cfg
@@ -72,15 +75,14 @@ class Transformer(nnx.Module):
         return resolve_dtype(self.cfg.compute_dtype)
 
     def hidden_states(self, tokens_bt, positions_bt=None, segment_ids=None):
-        """Final-normed hidden states [B, T, D] in the compute dtype."""
+        """Final-normed hidden states [B, T, D] in the compute dtype (arguments: see __call__)."""
         cfg = self.cfg
+        tokens_bt = check_tokens(tokens_bt, cfg.vocab_size)
         b, t = tokens_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        elif jnp.ndim(positions_bt) != 2 or jnp.shape(positions_bt)[1] != t or jnp.shape(positions_bt)[0] not in (1, b):
-            # A [T] or [B, 1] array broadcast silently (or failed deep in RoPE): [B, 1] gave every
-            # token the same position.
-            raise ValueError(f"positions_bt must have shape [B, T]={(b, t)} (or [1, T]), got {jnp.shape(positions_bt)}")
+        else:
+            positions_bt = check_positions(positions_bt, b, t)
         inv_freq = layers.rope_frequencies(cfg)
         core = attention_core(self.attention_cfg.impl, bwd_workspace_mb=self.attention_cfg.bwd_workspace_mb)
         x_btd = self.embed(tokens_bt, self.compute_dtype)
@@ -118,8 +120,46 @@ class Transformer(nnx.Module):
         return self.head_dv[...].astype(dt), "dv"
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids=None):
-        """tokens [B, T] int32 -> logits [B, T, V] float32."""
+        """tokens [B, T] integer ids in [0, V) -> logits [B, T, V] float32.
+
+        positions_bt: [B, T] or [1, T] integers (default 0..T-1 in every row). segment_ids: None,
+        or [B, T] integers; a token attends only to earlier tokens of its own segment (packed rows).
+        T may exceed cfg.max_seq_len: RoPE is computed per position, but the model was not
+        trained there. Ids outside [0, V) raise ValueError when the tokens are concrete; under
+        jit (traced) they cannot be checked, and give NaN logits in their row (Embed).
+        """
         return self.logits(self.hidden_states(tokens_bt, positions_bt, segment_ids))
+
+
+def check_tokens(tokens_bt, vocab_size: int) -> jax.Array:
+    """tokens as a [B, T] integer array; ids checked against [0, vocab_size) when concrete.
+
+    Float ids failed deep inside jnp.take, bool ids or ids of another rank ran or failed on an
+    unpacking; ids >= V gave NaN logits and ids < 0 another token's row, without a word."""
+    tokens_bt = jnp.asarray(tokens_bt)
+    if tokens_bt.ndim != 2:
+        raise ValueError(f"tokens_bt must be 2-D [B, T], got shape {tokens_bt.shape}")
+    if not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
+        raise TypeError(f"tokens_bt.dtype={tokens_bt.dtype} must be an integer type (int32)")
+    # (Traced ids cannot be read; nor can a multi-host array's from one process.)
+    if not isinstance(tokens_bt, jax.core.Tracer) and tokens_bt.is_fully_addressable and tokens_bt.size:
+        lo, hi = int(jnp.min(tokens_bt)), int(jnp.max(tokens_bt))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"tokens_bt: ids must be in [0, model.vocab_size={vocab_size}), got min {lo}, max {hi}")
+    return tokens_bt
+
+
+def check_positions(positions_bt, b: int, t: int) -> jax.Array:
+    """positions as a [B, T] or [1, T] integer array."""
+    positions_bt = jnp.asarray(positions_bt)
+    if positions_bt.ndim != 2 or positions_bt.shape[1] != t or positions_bt.shape[0] not in (1, b):
+        # A [T] or [B, 1] array broadcast silently (or failed deep in RoPE): [B, 1] gave every
+        # token the same position.
+        raise ValueError(f"positions_bt must have shape [B, T]={(b, t)} (or [1, T]), got {positions_bt.shape}")
+    if not jnp.issubdtype(positions_bt.dtype, jnp.integer):
+        # Float positions ran: bfloat16 ones are rounded (to multiples of 2 past 256) without a word.
+        raise TypeError(f"positions_bt.dtype={positions_bt.dtype} must be an integer type (int32)")
+    return positions_bt
 
 
 def build_model(cfg: ModelConfig, *, attention: AttentionConfig = AttentionConfig(), remat_cfg: RematConfig = RematConfig(), seed: int = 0) -> Transformer:

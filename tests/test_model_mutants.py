@@ -232,8 +232,8 @@ def on_hopper(monkeypatch):
     monkeypatch.setattr(importlib.import_module("scaling.kernels.flash_attention"), "is_hopper", lambda: True)
 
 
-def _shapes(t, s, d=64, n=2, kh=1):
-    return jnp.zeros((1, t, n, d), jnp.float32), jnp.zeros((1, s, kh, d), jnp.float32), jnp.zeros((1, s, kh, d), jnp.float32)
+def _shapes(t, s, d=64, n=2, kh=1):  # bf16: a call cuDNN can take (auto leaves f32 to xla)
+    return jnp.zeros((1, t, n, d), jnp.bfloat16), jnp.zeros((1, s, kh, d), jnp.bfloat16), jnp.zeros((1, s, kh, d), jnp.bfloat16)
 
 
 def test_auto_reads_the_longer_of_the_query_and_key_rows(monkeypatch, recorded):
