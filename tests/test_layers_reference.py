@@ -13,17 +13,22 @@ from scaling.config import DType, ModelConfig
 from scaling.model import build_model
 
 
-def numpy_llama(p, tokens_bt, positions_bt, cfg: ModelConfig):
+def numpy_llama(p, tokens_bt, positions_bt, cfg: ModelConfig, *, segments_bt=None, inv_freq=None):
     """Pre-norm Llama in float64: RMSNorm (eps inside the sqrt), rotate-half RoPE with
-    inv_freq theta^(-2i/H) at each row's own positions, causal GQA where query head h reads KV
-    head h // (N/K), SwiGLU down(silu(x W_gate) * (x W_up)), final norm, (tied) head."""
+    inv_freq theta^(-2i/H) (or the given ones: Llama 3's scaled) at each row's own positions,
+    causal GQA where query head h reads KV head h // (N/K), within each segment when segment
+    ids are given, SwiGLU down(silu(x W_gate) * (x W_up)), final norm, (tied) head."""
     n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     b, t = tokens_bt.shape
+    visible = np.tril(np.ones((t, t), bool))[None]
+    if segments_bt is not None:
+        visible = visible & (segments_bt[:, :, None] == segments_bt[:, None, :])
 
     def rms(x, w):
         return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * w
 
-    inv_freq = cfg.rope_theta ** (-2.0 * np.arange(hd // 2) / hd)
+    if inv_freq is None:
+        inv_freq = cfg.rope_theta ** (-2.0 * np.arange(hd // 2) / hd)
     ang = positions_bt[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
     cos, sin = np.cos(ang), np.sin(ang)
 
@@ -42,7 +47,7 @@ def numpy_llama(p, tokens_bt, positions_bt, cfg: ModelConfig):
         for head in range(n):
             g = head // (n // kv)
             s = np.einsum("bth,bsh->bts", q[:, :, head], k[:, :, g]) / math.sqrt(hd)
-            s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+            s = np.where(visible, s, -np.inf)
             e = np.exp(s - s.max(-1, keepdims=True))
             out[:, :, head] = np.einsum("bts,bsh->bth", e / e.sum(-1, keepdims=True), v[:, :, g])
         x = x + np.einsum("btnh,nhd->btd", out, w["attn"]["o_nhd"])

@@ -6,7 +6,6 @@ with Llama 3 RoPE scaling, packed segments, GQA and either head."""
 from __future__ import annotations
 
 import importlib
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 from flax import nnx
 
 from rope_reference import meta_llama3_inv_freq  # noqa: E402
+from test_layers_reference import numpy_llama  # noqa: E402
 from scaling import attention
 from scaling.config import AttentionConfig, AttentionImpl, ConfigError, DType, ModelConfig, load_config
 from scaling.model import build_model
@@ -182,46 +182,6 @@ def test_auto_does_not_pick_cudnn_for_calls_it_cannot_run(monkeypatch, hopper, d
 # ------------------------------------------------------------------- against numpy
 
 
-def numpy_llama(p, tokens, positions, segments, cfg: ModelConfig, inv_freq):
-    """Pre-norm Llama in float64, written from the definition: RMSNorm, rotate-half RoPE with the
-    given inverse frequencies, causal attention within each segment where query head h reads KV
-    head h // (N / K), SwiGLU, final norm, head (tied: the embedding table transposed)."""
-    n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    b, t = tokens.shape
-
-    def rms(x, w):
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * w
-
-    ang = positions[:, :, None, None] * inv_freq
-    cos, sin = np.cos(ang), np.sin(ang)
-
-    def rope(x):
-        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-    visible = np.tril(np.ones((t, t), bool))[None] & (segments[:, :, None] == segments[:, None, :])
-    x = p["embed"]["table_vd"][tokens]
-    for layer in range(cfg.num_layers):
-        w = jax.tree.map(lambda a: a[layer], p["blocks"])
-        h = rms(x, w["attn_norm"]["scale"])
-        q = rope(np.einsum("btd,dnh->btnh", h, w["attn"]["q_dnh"]))
-        k = rope(np.einsum("btd,dkh->btkh", h, w["attn"]["k_dkh"]))
-        v = np.einsum("btd,dkh->btkh", h, w["attn"]["v_dkh"])
-        out = np.zeros((b, t, n, hd))
-        for head in range(n):
-            g = head // (n // kv)
-            s = np.einsum("bth,bsh->bts", q[:, :, head], k[:, :, g]) / math.sqrt(hd)
-            s = np.where(visible, s, -np.inf)
-            e = np.exp(s - s.max(-1, keepdims=True))
-            out[:, :, head] = np.einsum("bts,bsh->bth", e / e.sum(-1, keepdims=True), v[:, :, g])
-        x = x + np.einsum("btnh,nhd->btd", out, w["attn"]["o_nhd"])
-        h = rms(x, w["mlp_norm"]["scale"])
-        gate, up = h @ w["mlp"]["gate_df"], h @ w["mlp"]["up_df"]
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ w["mlp"]["down_fd"]
-    x = rms(x, p["final_norm"]["scale"])
-    return x @ (p["embed"]["table_vd"].T if cfg.tie_embeddings else p["head_dv"])
-
-
 @pytest.mark.parametrize("tie", [True, False])
 def test_packed_rows_with_llama3_rope_match_float64_numpy(tie):
     """GQA (6 query heads over 2 KV heads), Llama 3 RoPE scaling with all three bands in use,
@@ -251,7 +211,8 @@ def test_packed_rows_with_llama3_rope_match_float64_numpy(tie):
                           for seg, start in zip(segments, starts)])
     got = np.asarray(model(jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
                            jnp.asarray(segments, jnp.int32)))
-    want = numpy_llama(jax.tree.map(lambda a: a.astype(np.float64), p), tokens, positions, segments, cfg, inv_freq)
+    want = numpy_llama(jax.tree.map(lambda a: a.astype(np.float64), p), tokens, positions, cfg, segments_bt=segments,
+                       inv_freq=inv_freq)
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
     # The segments are separate: the second document's logits do not depend on the first's tokens.
