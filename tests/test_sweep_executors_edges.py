@@ -9,7 +9,6 @@ metrics.jsonl and committed checkpoint folders the way train.py does. A few seco
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
+import fake_trainer
 import pytest
 
-import scaling
 from scaling import executors as ex_mod
 from scaling.checkpoint import COMMIT_SUCCESS_FILE
 from scaling.executors import LocalExecutor, LocalHandle, PointTask, collect_outcome, error_line
@@ -80,15 +79,7 @@ train(steps)
 
 @pytest.fixture
 def fake_train(tmp_path, monkeypatch):
-    root = tmp_path / "fake-root"
-    (root / "scaling").mkdir(parents=True)
-    (root / "scaling" / "__main__.py").write_text(FAKE_TRAIN)
-    (root / "scaling" / "__init__.py").write_text(f"__path__.append({str(Path(scaling.__file__).parent)!r})\n")
-    plan = tmp_path / "plan.json"
-    plan.write_text("{}")
-    monkeypatch.setenv("FAKE_PLAN", str(plan))
-    monkeypatch.chdir(root)
-    return lambda modes: plan.write_text(json.dumps(modes))
+    return fake_trainer.install(tmp_path, monkeypatch, FAKE_TRAIN)
 
 
 def _quiet(_msg):

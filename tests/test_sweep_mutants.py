@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import fake_trainer
 import pytest
 
 import scaling
@@ -121,21 +122,8 @@ train(steps // 2 if mode == "short" else steps)
 
 @pytest.fixture
 def fake_train(tmp_path, monkeypatch):
-    """Run from a folder whose scaling/__main__.py is the fake trainer; the rest of the
-    package is the real one (__path__ extended), so submitit's jobs unpickle run_point."""
-    root = tmp_path / "fake-root"
-    (root / "scaling").mkdir(parents=True)
-    (root / "scaling" / "__main__.py").write_text(FAKE_TRAIN)
-    (root / "scaling" / "__init__.py").write_text(f"__path__.append({str(Path(scaling.__file__).parent)!r})\n")
-    plan = tmp_path / "plan.json"
-    plan.write_text("{}")
-    monkeypatch.setenv("FAKE_PLAN", str(plan))
-    monkeypatch.chdir(root)
-
-    def set_plan(modes: dict[str, str]):
-        plan.write_text(json.dumps(modes))
-
-    return set_plan
+    """Run from a folder whose scaling/__main__.py is the fake trainer (tests/fake_trainer.py)."""
+    return fake_trainer.install(tmp_path, monkeypatch, FAKE_TRAIN)
 
 
 def _launches(out: Path, pid: str) -> list[str]:
