@@ -188,9 +188,9 @@ def bench(label: str, n: int, data: int, fsdp: int, tensor: int, batch_per_devic
             state, metrics = step(state, batches[i % 2])
         jax.block_until_ready((state, metrics))
         dt = time.perf_counter() - t0
-        traced = profile(label, step, state, batches, setup) if ARGS.profile else None
-        if traced:
-            state = traced.pop("state")
+        traced = None
+        if ARGS.profile:
+            state, traced = profile(label, step, state, batches)
     loss = float(metrics["loss"])
     if not np.isfinite(loss):
         raise RuntimeError(f"{label}: non-finite loss {loss}")
@@ -209,8 +209,8 @@ def bench(label: str, n: int, data: int, fsdp: int, tensor: int, batch_per_devic
 PROFILED_STEPS = 3
 
 
-def profile(label, step, state, batches, setup) -> dict:
-    """Collective kernel time per step per device and idle time per step, from a trace of
+def profile(label, step, state, batches) -> tuple:
+    """(state, {collective kernel time per step per device, idle time per step}) from a trace of
     PROFILED_STEPS steps (the kernels of all devices are summed in the trace's totals)."""
     from scaling import profile_summary as ps
 
@@ -222,8 +222,8 @@ def profile(label, step, state, batches, setup) -> dict:
     s, _ = ps.summarize_path(folder, steps=PROFILED_STEPS)
     (folder / "summary.md").write_text(ps.to_markdown(s, title=f"{label}: {PROFILED_STEPS} steps"))
     devices = max(1, s["devices"])
-    return {"state": state, "traced_collectives": s["categories"][ps.COLLECTIVE]["us"] / PROFILED_STEPS / devices * 1e-6,
-            "traced_idle": s["idle_us"] / PROFILED_STEPS * 1e-6}
+    return state, {"traced_collectives": s["categories"][ps.COLLECTIVE]["us"] / PROFILED_STEPS / devices * 1e-6,
+                   "traced_idle": s["idle_us"] / PROFILED_STEPS * 1e-6}
 
 
 def table(results: list[Result], header: str) -> str:
