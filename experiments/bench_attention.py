@@ -83,12 +83,19 @@ def time_fn(fn, *args, warmup: int = 2, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def time_interleaved(calls: dict, warmup: int = 2, reps: int = 10) -> dict[str, list[float]]:
+def time_interleaved(calls: dict, warmup: int = 2, reps: int = 10, queue: int = 1) -> dict[str, list[float]]:
     """Seconds of each call per round, {name: [reps floats]}; `calls` maps a name to a
     zero-argument callable. Every round runs every call once, each synchronised, in an order
     rotated by one place per round, so a slow drift of the card's clocks or temperature lands on
     all of them alike (timing one implementation's reps and then the next one's put the drift
-    into their ratio: about ±5% between calls, docs/benchmarks.md)."""
+    into their ratio: about ±5% between calls, docs/benchmarks.md).
+
+    queue > 1: a round's sample of a call is `queue` calls issued back to back and synchronised
+    once, divided by `queue`. A single synchronised call adds the host's dispatch and round trip
+    to the kernels' time, which is a large share of a sub-millisecond kernel (the forty-ninth
+    session: the 350m's attention core timed at 0.78 ms alone, 0.36 ms a layer inside the step)."""
+    if queue < 1:
+        raise ValueError(f"queue must be >= 1, got {queue}")
     names = list(calls)
     for name in names:
         for _ in range(warmup):
@@ -98,8 +105,10 @@ def time_interleaved(calls: dict, warmup: int = 2, reps: int = 10) -> dict[str, 
         k = r % len(names)
         for name in names[k:] + names[:k]:
             t0 = time.perf_counter()
-            jax.block_until_ready(calls[name]())
-            times[name].append(time.perf_counter() - t0)
+            out = [calls[name]() for _ in range(queue)]
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / queue)
+            del out
     return times
 
 
@@ -163,7 +172,7 @@ def fwd_and_fwdbwd(fn):
     return fwd, fwdbwd
 
 
-def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
+def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10, queue=1):
     """Rows of {impl, tflops_fwd, tflops_fwdbwd, err_*, vs_cudnn_*} for one shape; cuDNN first as
     the check. All implementations are compiled and checked first, then timed together in
     interleaved rounds (`time_interleaved`): times are medians over rounds, and each ratio to
@@ -203,7 +212,7 @@ def bench_shape(b, t, h, kv, d, causal, impls, block_sizes=None, reps=10):
         except Exception as e:  # keep the table going: a failure is a row, not a crash
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     outs.clear()
-    times = time_interleaved(calls, reps=reps) if calls else {}
+    times = time_interleaved(calls, reps=reps, queue=queue) if calls else {}
     for row in rows:
         name = row["impl"]
         if (name, "fwd") not in times:
@@ -345,6 +354,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check", nargs="?", const="all",
                    help=f"run the GPU correctness suite first (or cases i,j of 0..{CHECK_CASES - 1})")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--queue", type=int, default=10,
+                   help="calls issued back to back per timed sample, synchronised once (1: each call waited for, "
+                        "which adds the host's round trip; the default before the forty-ninth session)")
     p.add_argument("--block-sizes", help="JSON of BlockSizes fields for ours (default: the tuned table)")
     p.add_argument("--block-sizes-from", help="tune_attention.json: use its best BlockSizes per head dim")
     args = p.parse_args(argv)
@@ -358,6 +370,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _check_args(args) -> None:
     if args.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    if args.queue < 1:
+        raise ValueError(f"--queue must be >= 1, got {args.queue}")
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", args.out_name):
         raise ValueError(f"--out-name {args.out_name!r}: a file name stem, of letters, digits, '.', '_' and '-' "
                          "(no '/')")
@@ -443,7 +457,8 @@ def main(argv=None) -> int:
     rows = []
     for b, t, h, kv, d in args.shapes:
         for causal in args.causals:
-            for r in bench_shape(b, t, h, kv, d, causal, args.impl_list, per_dim.get(d, block_sizes), reps=args.reps):
+            for r in bench_shape(b, t, h, kv, d, causal, args.impl_list, per_dim.get(d, block_sizes), reps=args.reps,
+                                 queue=args.queue):
                 rows.append(r)
                 print("row", json.dumps(r), flush=True)
     table = format_table(rows)

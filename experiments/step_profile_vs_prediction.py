@@ -3,7 +3,7 @@
     python experiments/step_profile_vs_prediction.py docs/results/matmul_session48/profile_*.json
 
 Reads the summaries `bench_train.py --profile-variant` writes (`profile_<model>-<seq>-<batch>_<variant>.json`,
-one device, remat none) and prints, per step: bf16 matmul kernels (the matmul category without
+one device; remat none, dots, selective or full) and prints, per step: bf16 matmul kernels (the matmul category without
 the f32 head-backward `f32f32` kernels) and the TFLOP/s they ran at; the f32 ones; attention
 (the attention category plus Pallas/Mosaic kernels, which the summary files under "other");
 the memory-bound kernels (elementwise fusions + copies); each beside the prediction at the
@@ -34,13 +34,16 @@ def measured(summary: dict) -> dict[str, float]:
             "window": summary["window_us"] / steps * 1e-6}
 
 
-def predicted(model: str, seq: int, batch: int, layers: str, hw_name: str):
+POLICIES = ("none", "dots", "selective", "full")  # the ones a file name can say in full (names needs its list)
+
+
+def predicted(model: str, seq: int, batch: int, layers: str, hw_name: str, remat: str = "none"):
     from scaling import accounting as acc
     from scaling.config import load_config
     from scaling.hardware import get_hardware
 
     cfg = load_config(ROOT / "configs" / "models" / f"{model}.yaml", [
-        "--data.source=synthetic", f"--train.seq_len={seq}", f"--train.batch_size={batch}", "--remat.policy=none",
+        "--data.source=synthetic", f"--train.seq_len={seq}", f"--train.batch_size={batch}", f"--remat.policy={remat}",
         f"--model.scan_layers={'true' if layers == 'scan' else 'false'}"])
     st = acc.training_time(cfg, acc.MeshShape(), get_hardware(hw_name))
     terms = {"bf16 matmul": st.matmul_flops / st.rates.matmul, "f32 matmul": st.matmul_seconds - st.matmul_flops / st.rates.matmul,
@@ -56,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| step | term | measured ms | predicted ms | predicted / measured |\n|---|---|---:|---:|---:|")
     for path in args.profiles:
         m = NAME.search(Path(path).name)
-        if not m or m["remat"] != "none":
-            print(f"error: {path}: expected profile_<model>-<seq>-<batch>_<attn>-none-<scan|unrolled>.json",
+        if not m or m["remat"] not in POLICIES:
+            print(f"error: {path}: expected profile_<model>-<seq>-<batch>_<attn>-<{'|'.join(POLICIES)}>-"
+                  "<scan|unrolled>.json",
                   file=sys.stderr)
             return 2
         meas = measured(json.loads(Path(path).read_text()))
-        pred, flops = predicted(m["model"], int(m["seq"]), int(m["batch"]), m["layers"], args.hardware)
-        step = f"{m['model']} {m['seq']}x{m['batch']} {m['layers']}"
+        pred, flops = predicted(m["model"], int(m["seq"]), int(m["batch"]), m["layers"], args.hardware, m["remat"])
+        step = f"{m['model']} {m['seq']}x{m['batch']} {m['layers']}" + ("" if m["remat"] == "none" else f" {m['remat']}")
         for term in meas:
             note = f" ({flops / meas[term] / 1e12:,.0f} TFLOP/s)" if term == "bf16 matmul" and meas[term] else ""
             print(f"| {step} | {term}{note} | {meas[term] * 1e3:,.1f} | {pred[term] * 1e3:,.1f} | "

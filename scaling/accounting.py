@@ -180,6 +180,9 @@ def gathered_params_per_device(m: ModelConfig, mesh: MeshShape) -> int:
 
 LAYER_WEIGHTS = ("blocks.attn.q_dnh", "blocks.attn.k_dkh", "blocks.attn.v_dkh", "blocks.attn.o_nhd",
                  "blocks.mlp.gate_df", "blocks.mlp.up_df", "blocks.mlp.down_fd")
+# Every per-layer parameter (the matmul weights and the two RMSNorm scales): what the backward
+# scan stacks its gradients into.
+LAYER_PARAMS = LAYER_WEIGHTS + ("blocks.attn_norm.scale", "blocks.mlp_norm.scale")
 
 
 def head_weight_name(m: ModelConfig) -> str:
@@ -1055,7 +1058,13 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         policy that recomputes (full re-runs the layer; dots / selective / names / offload keep
         matmul outputs but recompute the norms, RoPE, the residual add and the SwiGLU product);
       - scanned layers (`lax.scan`) copy every saved residual into the [L, ...] stack
-        (a dynamic-update-slice: read + write); unrolled layers keep them in place;
+        (a dynamic-update-slice: read + write); unrolled layers keep them in place. Before the
+        loops, XLA fills each stack with zeros: the forward scan's residual stacks and the
+        backward scan's stack of layer gradients (in the param dtype), one write each per
+        micro-batch (the broadcasts feeding both loops, in the H200's compiled HLO and in
+        XLA:CPU's: tests/test_accounting_xla.py; 0.8-1.1x of the scan-only kernels' measured
+        time in five profiled H200 steps, docs/benchmarks.md "Forty-ninth session", where the
+        copy alone had been 1.25-1.67x under);
       - the f32 -> c weight casts (forward; again backward unless `none` saved them) and the
         c -> f32 conversion of weight gradients, when c != p, per micro-batch, on each
         device's stored shard (XLA:GPU casts before FSDP's gather, converts after its reduction);
@@ -1128,6 +1137,9 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         "layer elementwise backward": e["backward"] * shard_tokens * layers,
         "recomputed elementwise forward": e["forward"] * shard_tokens * layers if recomputes else 0.0,
         "saved residuals copied into the scan stack": 2 * mem.activations.layers * accum if m.scan_layers else 0.0,
+        "scan stacks zero-filled before the loops": (
+            (mem.activations.layers + p * weight_elems_per_device(m, mesh, LAYER_PARAMS, gathered=False)) * accum
+            if m.scan_layers else 0.0),
         "final norm, embedding gather": 6 * m.hidden_size * c * shard_tokens,
     }
     v_dev = m.vocab_size / mesh.split(A.ACT_VOCAB)

@@ -133,6 +133,53 @@ def test_saved_residual_stack_per_device_matches_xla(devices, mesh, policy):
     assert act.layers == xla, (act.layers, xla)
 
 
+def zero_filled_stacks(hlo: str, layers: int, backward: bool) -> int:
+    """Bytes of the [L, ...] buffers a layer scan's while loop starts from that are broadcasts of
+    a constant (through copies), not parameters: the stacks XLA fills before the loop (the
+    forward's residual stacks, the backward's gradient stacks)."""
+    comps = computations(hlo)
+    defs = {}
+    for lines in comps.values():
+        for line in lines:
+            if m := _INSTR.match(line):
+                defs[m.group(1)] = (m.group(2), m.group(3), m.group(4))
+    tag = "transpose(jvp())/while" if backward else "jvp()/while"
+    loops = [line for lines in comps.values() for line in lines
+             if " while(" in line and tag in line and (backward or "transpose(" not in line)]
+    assert len(loops) == 1, loops
+    total = 0
+    for name in re.findall(r"%([\w.\-]+)", defs[re.search(r"while\(%([\w.\-]+)\)", loops[0]).group(1)][2]):
+        (dtype, dims), = arrays(defs[name][0])
+        root = name
+        while defs[root][1] in ("copy", "bitcast"):
+            root = re.search(r"%([\w.\-]+)", defs[root][2]).group(1)
+        _, op, args = defs[root]
+        filled = op == "broadcast" or (op == "fusion" and all(defs[a][1] == "constant"
+                                                               for a in re.findall(r"%([\w.\-]+)", args.split(")")[0])))
+        if dims[:1] == (layers,) and filled:
+            total += math.prod(dims) * _DTYPE[dtype]
+    return total
+
+
+@pytest.mark.parametrize("policy", ["none", "dots"])
+def test_scan_stacks_are_zero_filled_before_the_loops(devices, policy):
+    """lax.scan's stacked outputs start as zeros: the forward loop starts from zero-filled residual
+    stacks (the saved residuals, per device), the backward loop from zero-filled gradient stacks
+    (every layer parameter, per device, in the param dtype). training_time's zero-fill term is
+    those bytes; on an H200 the same broadcasts ran before the loops (docs/benchmarks.md,
+    "Forty-ninth session")."""
+    mesh = (1, 8, 1)
+    cfg, compiled = compiled_step(mesh, policy, BF16)
+    hlo, layers = compiled.as_text(), cfg.model.num_layers
+    fwd, bwd = zero_filled_stacks(hlo, layers, backward=False), zero_filled_stacks(hlo, layers, backward=True)
+    shape = acc.MeshShape(*mesh)
+    act = acc.activation_bytes(cfg.model, T, B, R(policy), c=2, p=4, mesh=shape)
+    assert fwd == act.layers > 0
+    assert bwd == 4 * acc.weight_elems_per_device(cfg.model, shape, acc.LAYER_PARAMS, gathered=False) > 0
+    st = acc.training_time(cfg, shape, rates=acc.Rates(1e12, 1e12, 1e12), accelerator=False)
+    assert st.traffic["scan stacks zero-filled before the loops"] == fwd + bwd
+
+
 # ------------------------------------------------------- the layer backward's weights in use
 
 

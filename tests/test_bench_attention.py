@@ -21,6 +21,25 @@ def test_time_interleaved_rotates_the_order_and_times_every_call():
     assert all(t >= 0 for v in times.values() for t in v)
 
 
+def test_time_interleaved_queues_calls_and_divides_by_the_queue(monkeypatch):
+    """queue=q: each sample issues q calls and waits once; the sample is the time per call."""
+    log, waits, clock = [], [], [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def call(name):
+        log.append(name)
+        clock[0] += 2.0  # every call costs 2 s of the fake clock
+        return name
+
+    monkeypatch.setattr(bench.jax, "block_until_ready", lambda x: waits.append(x) or x)
+    times = bench.time_interleaved({n: (lambda n=n: call(n)) for n in "ab"}, warmup=1, reps=2, queue=3)
+    assert log == ["a", "b"] + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+    assert waits[2:] == [["a"] * 3, ["b"] * 3, ["b"] * 3, ["a"] * 3]  # one wait per sample, on all q outputs
+    assert times == {"a": [2.0, 2.0], "b": [2.0, 2.0]}
+    with pytest.raises(ValueError, match="queue must be >= 1, got 0"):
+        bench.time_interleaved({"a": lambda: None}, queue=0)
+
+
 def test_ratio_stats_is_the_median_of_per_round_ratios():
     rng = np.random.default_rng()
     base, other = rng.uniform(1, 2, 11), rng.uniform(1, 2, 11)
@@ -95,6 +114,7 @@ TINY = ["--shape", "1,128,2,2,16", "--impls", "xla", "--causal", "yes", "--reps"
     (["--head-dims", "16,x", "--impls", "xla"], "--head-dims: 'x' is not an integer"),
     (TINY + ["--seq-lens", "1024"], "--head-dims and --seq-lens set the sweep, which --shape and --quick replace"),
     (TINY + ["--reps", "0"], "--reps must be >= 1, got 0"),
+    (TINY + ["--queue", "0"], "--queue must be >= 1, got 0"),
     (TINY + ["--out-name", "runs/a"], "--out-name 'runs/a': a file name stem"),
     (TINY + ["--check", "9"], "--check '9': 'all' or comma-separated case numbers in 0..7"),
     (TINY + ["--block-sizes", '{"bogus": 1}'], "--block-sizes '{\"bogus\": 1}': a JSON object of BlockSizes fields"),

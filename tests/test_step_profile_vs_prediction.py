@@ -49,7 +49,7 @@ def test_predicted_terms_are_training_times(tmp_path, capsys):
     assert "| tiny 64x2 unrolled | memory-bound | 0.3 |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["profile_tiny-64-2_xla-full-scan.json", "summary.json"])
+@pytest.mark.parametrize("name", ["profile_tiny-64-2_xla-names-scan.json", "summary.json"])
 def test_a_file_it_cannot_place_exits_2(tmp_path, name):
     path = tmp_path / name
     path.write_text(json.dumps(summary()))
