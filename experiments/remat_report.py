@@ -89,7 +89,8 @@ def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: flo
         "overlap); MFU: model FLOPs / (datasheet peak x measured step). Errors are predicted / measured - 1.",
         "",
         f"| policy | peak {unit} | XLA {unit} | predicted {unit} | error | predicted peak phase | step ms | predicted ms "
-        f"(matmul + attn + memory) | error | predicted ms, {cal.get('matmul_n', 8192) if cal else 8192}^3 rate | roofline ms | MFU | "
+        f"(matmul at the {cal.get('matmul_n', 8192) if cal else 8192}^3 rate + attn + memory) | error | predicted ms, "
+        f"layer-matmul rate | roofline ms | MFU | "
         f"largest batch (measured) | predicted largest | peak {unit} at largest |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -98,7 +99,7 @@ def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: flo
         if "seconds" not in r:
             lines.append(f"| {r['policy']} | {cell(r.get('error', 'failed'))} | | {fmt(pr.get('memory'), 1 / ub)} | | "
                          f"{pr.get('phase', '')} | | {fmt(pr.get('seconds'), 1e3, ',.1f')} | | "
-                         f"{fmt(pr.get('seconds_square'), 1e3, ',.1f')} | {fmt(pr.get('roofline'), 1e3, ',.1f')} | | | "
+                         f"{fmt(pr.get('seconds_layer_rate'), 1e3, ',.1f')} | {fmt(pr.get('roofline'), 1e3, ',.1f')} | | | "
                          f"{pr.get('largest', 'n/a')} | |")
             continue
         meas_mem = r.get("peak") or r.get("xla")
@@ -113,7 +114,7 @@ def report(args, cal: dict | None, rows: list[dict], notes: list[str], wall: flo
             f"| {r['policy']} | {fmt(r.get('peak'), 1 / ub)} | {fmt(r['xla'], 1 / ub)} | {fmt(pr.get('memory'), 1 / ub)} | "
             f"{err(pr.get('memory'), meas_mem)} | {pr.get('phase', '')} | {r['seconds'] * 1e3:,.1f} | "
             f"{fmt(pr.get('seconds'), 1e3, ',.1f')}{parts} | {err(pr.get('seconds'), r['seconds'])} | "
-            f"{fmt(pr.get('seconds_square'), 1e3, ',.1f')} ({err(pr.get('seconds_square'), r['seconds'])}) | "
+            f"{fmt(pr.get('seconds_layer_rate'), 1e3, ',.1f')} ({err(pr.get('seconds_layer_rate'), r['seconds'])}) | "
             f"{fmt(pr.get('roofline'), 1e3, ',.1f')} | {fmt(mfu, 100, '.1f')}{'%' if mfu else ''} | {cell(largest)} | "
             f"{pr.get('largest', 'n/a')} | {fmt(peak_at, 1 / ub)} |"
         )

@@ -238,3 +238,20 @@ def test_compute_dtype_reaches_the_config_and_the_f32_prediction(monkeypatch, ca
     with pytest.raises(SystemExit) as e:
         br.main(["--compute-dtype", "fp8"])
     assert e.value.code == 2 and "--compute-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_the_prediction_prices_matmuls_at_the_square_rate_and_the_layer_rate_beside_it():
+    """The headline prediction uses the square product's rate (the hardware table's method; the
+    step's own matmuls ran near it), the layer shapes' rate goes in the side column, and without a
+    square measurement the layer rate is used."""
+    import types
+
+    args = types.SimpleNamespace(model="tiny", seq=128, steps=2, max_batch=8)
+    cal = {"device": "NVIDIA H100 80GB HBM3", "backend": "gpu", "matmul": 5e14, "matmul_square": 8e14,
+           "attention": 2e14, "copy": 3e12, "host": 5e10, "f32_matmul": 2e14}
+    a = br.predictions(args, "none", 2, cal, None)
+    b = br.predictions(args, "none", 2, {**cal, "matmul_square": 4e14}, None)
+    layer_only = br.predictions(args, "none", 2, {k: v for k, v in cal.items() if k != "matmul_square"}, None)
+    assert b["seconds"] > a["seconds"] and b["seconds_layer_rate"] == a["seconds_layer_rate"]
+    assert layer_only["seconds"] == pytest.approx(a["seconds_layer_rate"], rel=1e-12)
+    assert "seconds_layer_rate" in layer_only and a["seconds"] < a["seconds_layer_rate"]
