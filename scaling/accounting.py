@@ -915,17 +915,24 @@ def training_roofline(cfg: Config, mesh: MeshShape, hw: Hardware, *, policy: Rem
                     hw.bf16_flops)
 
 
-def critical_tokens_per_device(hw: Hardware, *, bytes_per_param: int = 2) -> dict[str, float]:
+def critical_tokens_per_device(hw: Hardware, *, bytes_per_param: int = 2, rates: Rates | None = None
+                               ) -> dict[str, float]:
     """Tokens per device above which a step is compute-bound [HSM-R, HSM-TR].
 
     HBM: a bf16 matmul of a [B, D] batch against a [D, F] weight does 2·B·D·F FLOPs over
     2·D·F weight bytes, so B > C / W_hbm. FSDP: 6·B·P FLOPs against 3 weight-sized
     collectives of P·b bytes, so B > b·C / (2·W_ici) (= C / W_ici for bf16) per axis.
+    With `rates`, the same bounds at the achievable rates instead of the datasheet's: the matmul
+    rate for C, the copy bandwidth for W_hbm, the measured in-node link rate for W_ici (the
+    across-nodes line keeps the datasheet's NIC, which is unmeasured).
     """
+    flops, hbm, ring = hw.bf16_flops, hw.hbm_bandwidth, hw.ring_bandwidth
+    if rates is not None:
+        flops, hbm, ring = rates.matmul, rates.hbm, rates.link or ring * hw.link_fraction
     return {
-        "hbm": hw.bf16_flops / hw.hbm_bandwidth,
-        "fsdp (intra-node)": bytes_per_param * hw.bf16_flops / (2 * hw.ring_bandwidth),
-        "fsdp (across nodes)": bytes_per_param * hw.bf16_flops / (2 * hw.dcn_bandwidth),
+        "hbm": flops / hbm,
+        "fsdp (intra-node)": bytes_per_param * flops / (2 * ring),
+        "fsdp (across nodes)": bytes_per_param * flops / (2 * hw.dcn_bandwidth),
     }
 
 

@@ -90,8 +90,12 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
     mem, act, roof, st = c.memory, c.memory.activations, c.roofline, c.time
     # FSDP's threshold in the dtype the gathers carry on a GPU: XLA:GPU casts each weight shard
     # to the compute dtype before gathering it, as training_comms prices it [XLA-GPU].
-    crit = acc.critical_tokens_per_device(hw, bytes_per_param=min(acc.dtype_bytes(m.param_dtype),
-                                                                  acc.dtype_bytes(m.compute_dtype)))
+    gathered_bytes = min(acc.dtype_bytes(m.param_dtype), acc.dtype_bytes(m.compute_dtype))
+    crit = acc.critical_tokens_per_device(hw, bytes_per_param=gathered_bytes)
+    # (f32 compute runs every matmul at the f32 rate: training_time prices them so.)
+    f32_compute = acc.dtype_bytes(m.compute_dtype) == acc.F32
+    crit_rates = dataclasses.replace(st.rates, matmul=st.rates.f32_matmul or st.rates.matmul) if f32_compute else st.rates
+    crit_measured = acc.critical_tokens_per_device(hw, bytes_per_param=gathered_bytes, rates=crit_rates)
     # A device holds its batch shard's tokens: tensor parallelism splits the weights, not the batch.
     tokens_dev = t.batch_size * t.seq_len / mesh.split("batch") / t.grad_accum
     lines = [
@@ -151,6 +155,11 @@ def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
         *_traffic_rows(st),
         f"  step: {_t(st.seconds)}; predicted MFU {roof.model_flops / (hw.bf16_flops * st.seconds):.1%}; "
         f"{roof.tokens_per_step / st.seconds:,.0f} tokens/s",
+        # The book's thresholds at the achievable rates: the matmul rate falls less than the
+        # link's, so FSDP needs more tokens per device than the datasheet line says.
+        "  compute-bound above, at these rates: "
+        + ", ".join(f"{k} {v:,.0f}" for k, v in crit_measured.items() if k != "fsdp (across nodes)")
+        + " tokens/device (on 2 H200s the collectives did not overlap the compute at all: docs/benchmarks.md)",
     ]
     return "\n".join(lines)
 

@@ -605,6 +605,15 @@ def test_critical_tokens_h100():
     b, p = crit["fsdp (intra-node)"], 8e9
     assert 6 * b * p / 989e12 == pytest.approx(3 * p * 4 / 450e9)
     assert acc.critical_tokens_per_device(hw)["fsdp (intra-node)"] == pytest.approx(989e12 / 450e9)
+    # At achievable rates: the matmul rate over the copy bandwidth and over the measured link.
+    rates = acc.Rates(744e12, 287e12, 2.91e12, link=222e9)
+    at = acc.critical_tokens_per_device(hw, rates=rates)
+    assert at["hbm"] == pytest.approx(744e12 / 2.91e12)
+    assert at["fsdp (intra-node)"] == pytest.approx(2 * 744e12 / (2 * 222e9))
+    assert at["fsdp (across nodes)"] == pytest.approx(2 * 744e12 / (2 * 50e9))  # the NIC is unmeasured
+    # No measured link: the table's link fraction of the ring bandwidth.
+    no_link = acc.critical_tokens_per_device(hw, rates=acc.Rates(744e12, 287e12, 2.91e12))
+    assert no_link["fsdp (intra-node)"] == pytest.approx(744e12 / (450e9 * hw.link_fraction))
 
 
 def test_plan_prints_the_fsdp_threshold_for_the_dtype_the_gathers_carry(capsys):
@@ -616,7 +625,23 @@ def test_plan_prints_the_fsdp_threshold_for_the_dtype_the_gathers_carry(capsys):
     assert f"fsdp (intra-node) {989e12 / 450e9:,.0f}," in capsys.readouterr().out  # 2,198
     assert plan.main(["--config", f"{PRESETS}/llama3_8b.yaml", "--hardware", "h100", "--devices", "8",
                       "--train.batch_size=16", "--train.seq_len=1024", "--model.compute_dtype=float32"]) == 0
-    assert f"fsdp (intra-node) {4 * 989e12 / (2 * 450e9):,.0f}," in capsys.readouterr().out  # 4,396
+    f32_out = capsys.readouterr().out
+    assert f"fsdp (intra-node) {4 * 989e12 / (2 * 450e9):,.0f}," in f32_out  # 4,396
+
+
+def test_plan_prints_the_fsdp_threshold_at_the_calibrated_rates(capsys):
+    """The same bound at the achievable rates (on an H100, the H200's measured fractions): the
+    matmul rate for C (the f32 rate under f32 compute, as the calibrated line prices them), the
+    measured link for W; bf16 gathers carry 2 bytes a weight, f32 ones 4."""
+    hw = get_hardware("h100")
+    w = hw.ring_bandwidth * hw.link_fraction
+    for extra, c, b in (([], hw.bf16_flops * hw.matmul_fraction, 2),
+                        (["--model.compute_dtype=float32"], hw.bf16_flops * hw.f32_matmul_fraction, 4)):
+        assert plan.main(["--config", f"{PRESETS}/llama3_8b.yaml", "--hardware", "h100", "--devices", "8",
+                          "--train.batch_size=16", "--train.seq_len=1024", *extra]) == 0
+        out = capsys.readouterr().out
+        assert (f"compute-bound above, at these rates: hbm {c / (hw.hbm_bandwidth * hw.hbm_fraction):,.0f}, "
+                f"fsdp (intra-node) {b * c / (2 * w):,.0f} tokens/device") in out, out[-400:]
 
 
 # ----------------------------------------------------------------- calibrated time
