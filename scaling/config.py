@@ -3,7 +3,9 @@
 A run's config is the defaults below, updated by a YAML file that holds only the deltas,
 updated by dotted command-line overrides (`--model.num_layers=4`). draccus decodes the
 merged dict into the dataclasses (typed, unknown keys rejected); `validate` then checks
-what types cannot express (divisibility, lengths, signs) before anything compiles.
+what types cannot express (divisibility, lengths, signs) before anything compiles. A Config
+built in Python (`Config(...)`, `dataclasses.replace`) gets the same checks when constructed,
+and its values are normalised as decoding would (enum members, tuples, int/float, str paths).
 
 A YAML file may name another one to start from with `inherit: relative/path.yaml`
 (experiment configs inherit a model preset from `configs/models/`).
@@ -224,6 +226,13 @@ class Config:
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     run_dir: str | None = None  # None: runs/<config name>-<timestamp>
 
+    def __post_init__(self) -> None:
+        # A Config built in Python (Config(...), dataclasses.replace) skips load_config; train()
+        # took it unchecked (a "5" for an int, a plain "byte" that data.py's `.value` failed on,
+        # seq_len over max_seq_len). Check and normalise it here, for every path alike.
+        _normalise_sections(self)
+        validate(self)
+
 
 # --------------------------------------------------------------------------- loading
 
@@ -270,9 +279,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    parent = data.pop("inherit", None)
-    if parent is None:
+    if "inherit" not in data:
         return data
+    parent = data.pop("inherit")  # (`inherit:` left empty is refused below, not read as "no parent")
     if not isinstance(parent, str) or not parent.strip():
         raise ConfigError(f"{path}: inherit must be the path of a YAML file (relative to this one), got {parent!r}")
     base = _read_yaml(path.parent / parent, seen + (path,))
@@ -322,6 +331,11 @@ def parse_overrides(overrides: Iterable[str], schema: type | None = None) -> dic
     optional one). A mapping value (`--model={num_layers: 4}`) updates that section field
     by field. A key given twice: the last one wins, as with argparse.
     """
+    # (a str is iterable too: each character became an "override", and the error showed '-')
+    if not isinstance(overrides, (str, bytes)):
+        overrides = list(overrides)  # (read once: it may be a generator)
+    if isinstance(overrides, (str, bytes)) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"overrides must be a list of strings such as ['--train.steps=5'], got {overrides!r}")
     tree: dict[str, Any] = {}
     for raw in overrides:
         item = raw[2:] if raw.startswith("--") else raw
@@ -428,19 +442,63 @@ def _check_keys(cls: type, data: Mapping[str, Any], prefix: str = "") -> None:
             continue
         if isinstance(value, Mapping):
             raise ConfigError(f"{where} is a single value, not a section: got {dict(value)!r}; it takes {_describe(tp)}")
-        why = _type_error(tp, value)
-        if why is None and typing.get_origin(_optional_of(tp)[0]) is tuple and value is not None:
-            elem = typing.get_args(_optional_of(tp)[0])[0]
-            for i, v in enumerate(value):
-                bad = _type_error(elem, v) if not isinstance(v, Mapping) else f"got {v!r}"
-                if bad is not None:
-                    raise ConfigError(f"{where}[{i}]: {bad}; it takes {_describe(elem)}")
-        if why is not None:
-            base, optional = _optional_of(tp)
-            if isinstance(base, type) and issubclass(base, enum.Enum):  # (the wording tests and users grep for)
-                allowed = ", ".join(m.value for m in base) + (", null" if optional else "")
-                raise ConfigError(f"{where}: {why}; allowed values: {allowed}")
-            raise ConfigError(f"{where}: {why}; it takes {_describe(tp)}")
+        _check_value(where, tp, value)
+
+
+def _check_value(where: str, tp: Any, value: Any) -> None:
+    """Raise a ConfigError naming `where` if `value` cannot be a `tp` (list elements too)."""
+    why = _type_error(tp, value)
+    if why is None and typing.get_origin(_optional_of(tp)[0]) is tuple and value is not None:
+        elem = typing.get_args(_optional_of(tp)[0])[0]
+        for i, v in enumerate(value):
+            bad = _type_error(elem, v) if not isinstance(v, Mapping) else f"got {v!r}"
+            if bad is not None:
+                raise ConfigError(f"{where}[{i}]: {bad}; it takes {_describe(elem)}")
+    if why is not None:
+        base, optional = _optional_of(tp)
+        if isinstance(base, type) and issubclass(base, enum.Enum):  # (the wording tests and users grep for)
+            allowed = ", ".join(m.value for m in base) + (", null" if optional else "")
+            raise ConfigError(f"{where}: {why}; allowed values: {allowed}")
+        raise ConfigError(f"{where}: {why}; it takes {_describe(tp)}")
+
+
+def _normalised(tp: Any, value: Any) -> Any:
+    """A value `_check_value` accepted, as decoding would hold it: an enum member for its value
+    string, a tuple for a list, int/float for numpy scalars (or a number string), str for a path."""
+    base, _ = _optional_of(tp)
+    if value is None or base is bool:
+        return value
+    if (isinstance(base, type) and issubclass(base, enum.Enum)) or base in (int, float):
+        return base(value)
+    if base is str:
+        return os.fspath(value)
+    if typing.get_origin(base) is tuple:
+        return tuple(_normalised(typing.get_args(base)[0], v) for v in value)
+    return value
+
+
+def _normalise_sections(cfg: "Config") -> None:
+    """Check the types of a Config's fields and normalise them in place (at construction)."""
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(cfg):
+        value, tp = getattr(cfg, f.name), hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(f"{f.name}: got {type(value).__name__} {value!r}; it takes a {tp.__name__} "
+                                  "(load_config and replace take mappings)")
+            inner = typing.get_type_hints(tp)
+            changes = {}
+            for g in dataclasses.fields(value):
+                v = getattr(value, g.name)
+                _check_value(f"{f.name}.{g.name}", inner[g.name], v)
+                n = _normalised(inner[g.name], v)
+                if type(n) is not type(v) or n != v:
+                    changes[g.name] = n
+            if changes:
+                object.__setattr__(cfg, f.name, dataclasses.replace(value, **changes))
+        else:
+            _check_value(f.name, tp, value)
+            object.__setattr__(cfg, f.name, _normalised(tp, value))
 
 
 def _enum_hint(cls: type, dotted: str) -> str:
@@ -464,13 +522,13 @@ def _enum_hint(cls: type, dotted: str) -> str:
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     _check_keys(Config, data)
     try:
-        cfg = draccus.decode(Config, dict(data))
+        return draccus.decode(Config, dict(data))  # Config.__post_init__ validates
     except Exception as e:  # draccus.utils.DecodingError, names the key as `a.b`
+        if isinstance(e.__cause__, ConfigError):  # ours, wrapped by draccus ("Couldn't instantiate ...")
+            raise e.__cause__ from None
         msg = str(e)
         key = msg.split("`")[1] if msg.count("`") >= 2 else ""
         raise ConfigError(f"invalid config value: {msg}{_enum_hint(Config, key)}") from None
-    validate(cfg)
-    return cfg
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -496,9 +554,10 @@ def dump_yaml(cfg: Config) -> str:
 
 
 def replace(cfg: Config, **sections: Mapping[str, Any]) -> Config:
-    """Copy with some fields changed, e.g. replace(cfg, train={"steps": 5}); re-validated."""
+    """Copy with some fields changed, e.g. replace(cfg, train={"steps": 5}) or
+    replace(cfg, model=dataclasses.replace(cfg.model, num_layers=4)); re-validated."""
     data = to_dict(cfg)
-    data = _deep_merge(data, sections)
+    data = _deep_merge(data, {k: to_dict(v) if dataclasses.is_dataclass(v) else v for k, v in sections.items()})
     return config_from_dict(data)
 
 
