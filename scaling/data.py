@@ -6,9 +6,10 @@ Documents are joined with EOS separators and cut into windows of seq_len + 1 tok
 (input and shifted target share seq_len of them). A held-out tail of the token stream
 is the eval split.
 
-The loader's whole state is the index of the next batch: batch i is a deterministic
-function of (seed, i), so resuming means restoring one integer. Each process builds only
-its own rows of the global batch (multi-host ready).
+The loader's position is the flat index of the next window in a seeded order of all windows
+(per-epoch permutations seeded by (seed, epoch)), so resuming means restoring one integer
+(`next_row`; a checkpoint also keeps the batch count). Each process builds only its own rows of
+the global batch (multi-host ready).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import numbers
 import os
 import sys
 import sysconfig
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +31,12 @@ import numpy as np
 from scaling.config import Config, ConfigError, DataSource, TokenizerKind
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".html", ".tex", ".csv"}
+TOKEN_SUFFIXES = {".npy", ".bin"}  # what data.source=tokens reads
 DATA_SEED = 1234  # document shuffle before packing; part of the cache key
 RANGE_CHECK_CHUNK = 1 << 24  # tokens per read when checking a token file's ids
+# Characters of text encoded per call when building a token cache: bounds the memory of the ids
+# (Python lists, ~30 bytes a token) and gives a progress line per chunk on a large corpus.
+ENCODE_CHUNK_CHARS = 1 << 24
 
 
 class DataError(ConfigError):
@@ -68,6 +75,9 @@ def text_files(path: Path, exclude: Path | None = None) -> list[Path]:
     (`.git`, `.venv`, ...) and everything under `exclude` (the token cache: its own
     tokenizer.json would otherwise join the corpus and change its key on every run)."""
     if path.is_file():
+        if path.suffix in TOKEN_SUFFIXES:  # (read as text it trained a BPE on binary garbage)
+            raise DataError(f"data.path={str(path)!r} is a token file ({path.suffix}), but data.source=text tokenizes "
+                            f"text; set data.source=tokens to train on its ids (data.source: text, tokens or synthetic)")
         return [path]
     if path.is_dir():
         skip = exclude.resolve() if exclude is not None else None
@@ -102,6 +112,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -183,10 +196,25 @@ class TokenStore:
         return self.tokens[: self.eval_start] if name == "train" else self.tokens[self.eval_start :]
 
 
+@contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    """A fresh temporary path beside `path` to write; on success it is synced and replaces `path`
+    (never a half-written file under the real name), on an error it is removed. Unique per call
+    (a uuid: a pid alone repeats across hosts sharing a cache), so no two writers share one."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # on disk before meta.json, written last, says the entry is complete
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    with _atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def _corpus_key(cfg: Config, files: list[Path]) -> str:
@@ -194,8 +222,9 @@ def _corpus_key(cfg: Config, files: list[Path]) -> str:
     h = hashlib.sha256()
     for p in files:
         st = p.stat()
-        h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}\n".encode())
-    h.update(f"{d.tokenizer.value}|{cfg.model.vocab_size}|{d.eval_fraction}|{DATA_SEED}|v1".encode())
+        # (ns: whole seconds kept a file rewritten at the same size within a second on the old tokens)
+        h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(f"{d.tokenizer.value}|{cfg.model.vocab_size}|{d.eval_fraction}|{DATA_SEED}|v2".encode())
     return h.hexdigest()[:16]
 
 
@@ -210,6 +239,8 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
         log(f"data: the token cache {directory} is damaged ({damage}); tokenizing again")
     if not meta_path.exists() or damage:
         directory.mkdir(parents=True, exist_ok=True)
+        if damage:  # incomplete while rebuilt: a crash must not leave it marked complete
+            meta_path.unlink(missing_ok=True)
         what = f"Python {sys.version.split()[0]} stdlib sources" if d.path is None else d.path
         log(f"data: tokenizing {len(files)} files from {what} into {directory} (once)")
         docs = read_documents(files)
@@ -221,24 +252,25 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
         docs = [docs[i] for i in order]
         if d.tokenizer == TokenizerKind.byte:
             tok = ByteTokenizer()
-            ids = [tok.encode(doc) for doc in docs]
         else:
+            log(f"data: training a byte-level BPE of {cfg.model.vocab_size:,} tokens on {len(docs):,} documents")
             tok = BPETokenizer.train(docs, cfg.model.vocab_size)
-            ids = tok.encode_batch(docs)
+            # The text "<|eos|>" inside a document is text: matched as the special token it put a
+            # document boundary mid-document, and decoding the stream dropped it.
+            tok.tok.encode_special_tokens = True  # (not saved in tokenizer.json)
         if tok.vocab_size > cfg.model.vocab_size:
             raise DataError(f"tokenizer has {tok.vocab_size} tokens > model.vocab_size={cfg.model.vocab_size}")
-        flat = np.fromiter(
-            (t for doc in ids for t in (*doc, tok.eos_id)), dtype=np.uint32, count=sum(len(x) + 1 for x in ids)
-        )
         dtype = np.uint16 if cfg.model.vocab_size <= 2**16 else np.uint32
-        tok.save(directory / "tokenizer.json")
-        _atomic_write_bytes(directory / "tokens.bin", flat.astype(dtype).tobytes())
+        with _atomic_path(directory / "tokenizer.json") as tmp:
+            tok.save(tmp)
+        with _atomic_path(directory / "tokens.bin") as tmp:
+            num_tokens = _encode_to_file(tok, docs, tmp, dtype, log)
         meta = {
-            "num_tokens": int(flat.size),
+            "num_tokens": num_tokens,
             "dtype": np.dtype(dtype).name,
             "eos_id": int(tok.eos_id),
             "vocab_size": int(tok.vocab_size),
-            "eval_start": int(flat.size * (1 - d.eval_fraction)),
+            "eval_start": int(num_tokens * (1 - d.eval_fraction)),
             "num_documents": len(docs),
             "source": what,
         }
@@ -246,6 +278,30 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
     meta = json.loads(meta_path.read_text())
     tokens = np.memmap(directory / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],))
     return TokenStore(directory, tokens, meta["eos_id"], meta["vocab_size"], meta["eval_start"])
+
+
+def _encode_to_file(tok, docs: list[str], path: Path, dtype, log) -> int:
+    """Write the documents' ids, each document followed by EOS, to `path`; return the count.
+    A chunk of ENCODE_CHUNK_CHARS at a time, with a progress line per chunk when there are several."""
+    total = sum(len(doc) for doc in docs)
+    eos = np.array([tok.eos_id], dtype)
+    count = done = start = 0
+    with open(path, "wb") as f:
+        while start < len(docs):
+            end, chars = start + 1, len(docs[start])
+            while end < len(docs) and chars + len(docs[end]) <= ENCODE_CHUNK_CHARS:
+                chars += len(docs[end])
+                end += 1
+            parts = []
+            for ids in tok.encode_batch(docs[start:end]):
+                parts += [np.asarray(ids, dtype), eos]
+            flat = np.concatenate(parts)
+            f.write(flat.tobytes())
+            count, done, start = count + flat.size, done + chars, end
+            if chars < total:
+                log(f"data: tokenized {end:,}/{len(docs):,} documents ({done / max(total, 1):.0%} of the text, "
+                    f"{count:,} tokens)")
+    return count
 
 
 def _cache_damage(directory: Path) -> str | None:
@@ -261,8 +317,10 @@ def _cache_damage(directory: Path) -> str | None:
     if not tokens.is_file() or tokens.stat().st_size != want:
         have = f"{tokens.stat().st_size:,} bytes" if tokens.is_file() else "missing"
         return f"tokens.bin: {have}, meta.json says {want:,}"
-    if not (directory / "tokenizer.json").is_file():
-        return "tokenizer.json missing"
+    try:  # (a half-written one, from before it was written atomically, failed only in `generate`)
+        json.loads((directory / "tokenizer.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"tokenizer.json unreadable: {e}"
     return None
 
 
@@ -275,8 +333,11 @@ def load_token_file(cfg: Config) -> TokenStore:
     """
     path = Path(cfg.data.path)  # type: ignore[arg-type]
     if not path.is_file():
-        raise DataError(f"data.path={str(path)!r} is not a file")
+        raise DataError(f"data.path={str(path)!r} is not a file (data.source=tokens reads one .npy or raw .bin token file)")
     where = f"data.path={str(path)!r}"
+    if path.suffix in TEXT_SUFFIXES:  # (its bytes read as uint16 ids: ASCII pairs all pass a GPT-2 range check)
+        raise DataError(f"{where} is a text file ({path.suffix}), but data.source=tokens reads .npy or raw .bin token "
+                        f"ids; set data.source=text to tokenize it (data.source: text, tokens or synthetic)")
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r")
@@ -295,6 +356,13 @@ def load_token_file(cfg: Config) -> TokenStore:
                 f"{dtype.name} ids (uint16 when model.vocab_size <= 65536, else uint32)"
             )
         tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+        head = np.asarray(tokens[:RANGE_CHECK_CHUNK])
+        # uint32 ids below 65536 read as uint16 are (id, 0) pairs: every one in range, all wrong
+        if dtype == np.uint16 and head.size >= 64 and not head[1::2].any():
+            raise DataError(
+                f"{where}: every second uint16 is 0, as in uint32 ids; a raw .bin holds uint16 ids when "
+                f"model.vocab_size={cfg.model.vocab_size} <= 65536 (write it as uint16, or as .npy, which keeps its dtype)"
+            )
     if tokens.size == 0:
         raise DataError(f"{where} holds no tokens")
     check_token_range(tokens, cfg.model.vocab_size, where)
@@ -344,8 +412,7 @@ class Batches:
         self.num_windows = (len(self.tokens) - 1) // self.seq_len
         if self.num_windows < 1:
             raise DataError(f"{len(self.tokens)} tokens are fewer than one sequence of train.seq_len={self.seq_len} + 1")
-        if self.global_batch % self.process_count:
-            raise DataError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
+        _check_processes(self)
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -400,6 +467,17 @@ class Batches:
         self.next_index, self.next_row = int(index), int(row)
 
 
+def _check_processes(b: Batches) -> None:
+    # (a 1-based rank, process_index == process_count, read the next batch's rows: windows that
+    # another process also trains on, silently)
+    if not (isinstance(b.process_count, numbers.Integral) and b.process_count >= 1
+            and isinstance(b.process_index, numbers.Integral) and 0 <= b.process_index < b.process_count):
+        raise DataError(f"process_index={b.process_index!r} must be an integer in [0, process_count={b.process_count!r}) "
+                        f"(jax.process_index() of jax.process_count())")
+    if b.global_batch % b.process_count:
+        raise DataError(f"train.batch_size={b.global_batch} is not divisible by the {b.process_count} processes")
+
+
 def _count(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
@@ -411,8 +489,7 @@ class SyntheticBatches(Batches):
     vocab_size: int = 0
 
     def __post_init__(self):
-        if self.global_batch % self.process_count:
-            raise DataError(f"train.batch_size={self.global_batch} is not divisible by the {self.process_count} processes")
+        _check_processes(self)
 
     def _next_rows(self) -> np.ndarray:
         # (by batch index: each batch is its own draw, whatever the batch size before it)
