@@ -186,6 +186,7 @@ class Checkpointer:
             create=True,
             cleanup_tmp_directories=False,  # we report partial saves (below) before removing them
         )
+        self._check_shared()
         # A partial save is never restorable; removing it lets the same step be saved again.
         self.partial = partial_checkpoints(self.directory)
         if jax.process_index() == 0:
@@ -196,6 +197,31 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._last_saved: int | None = None
         self._unchecked: int | None = None  # the step of the last save whose outcome is not known yet
+
+    def _check_shared(self) -> None:
+        """Multi-host: every process must see the directory process 0 writes to (one shared
+        filesystem). Otherwise Orbax's first save hung for 10 minutes and then failed with
+        "Timed out waiting for array_metadatas base directory creation" on the others."""
+        if jax.process_count() == 1:
+            return
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        token = int(multihost_utils.broadcast_one_to_all(np.int32(uuid.uuid4().int % 2**31)))
+        marker = self.directory / f".shared-by-all-processes-{token}"  # (a new name: nothing stale matches)
+        if jax.process_index() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        ocp.multihost.sync_global_processes(f"scaling_checkpoint_shared_{token}")
+        seen = multihost_utils.process_allgather(np.int32(marker.exists()))
+        ocp.multihost.sync_global_processes(f"scaling_checkpoint_shared_checked_{token}")
+        if jax.process_index() == 0:
+            marker.unlink()
+        missing = [i for i, ok in enumerate(np.asarray(seen).ravel()) if not ok]
+        if missing:  # (raised on every process alike: none is left waiting in a collective)
+            raise CheckpointError(f"{self.directory}: process(es) {missing} do not see the files process 0 writes "
+                                  "there; every process of a multi-host run needs the run directory on one shared "
+                                  "filesystem (give --run_dir a path on it)")
 
     def latest_step(self) -> int | None:
         steps = complete_steps(self.directory)
@@ -310,6 +336,9 @@ class Checkpointer:
         if jax.process_index() == 0:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(self.directory / str(step)), dest)
+        # Every process reloads only after the move: one that reloaded before still listed the
+        # step, skipped its collective save when training reached it again, and the others hung.
+        ocp.multihost.sync_global_processes(f"scaling_checkpoint_move_aside_{step}")
         self.manager.reload()
         return dest
 
@@ -331,11 +360,12 @@ class Checkpointer:
     def _save_failed(self, e: Exception, step: int | None = None) -> CheckpointError:
         step = self._unchecked if step is None else step
         latest = self.latest_step()
-        kept = f"the newest complete checkpoint is step {latest}" if latest is not None else "no checkpoint is complete"
+        kept = (f"the newest complete checkpoint is step {latest}, and a restart resumes from it" if latest is not None
+                else "no checkpoint is complete, and a restart trains from step 0")
         # The whole message on one line: Orbax puts the OS's reason ("No space left on device") last.
         why = " ".join(f"{type(e).__name__}: {e}".split())
         return CheckpointError(f"saving the checkpoint of step {step} in {self.directory} failed ({why}); "
-                               f"{kept}, and a restart resumes from it")
+                               f"{kept}")
 
     def close(self) -> None:
         try:
