@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scaling import accounting, attention, hardware, remat, strict_json
-from scaling.checkpoint import Checkpointer, complete_steps
+from scaling.checkpoint import CheckpointError, Checkpointer, complete_steps
 from scaling.config import AttentionImpl, Config, ConfigError, NonFinitePolicy, RematPolicyName, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer, build_model
@@ -843,14 +844,17 @@ def _train(cfg: Config, run_dir_path: Path, is_main: bool, log, devices) -> dict
         nf = jax.device_get(state["nonfinite"])
         if int(nf["count"]) and cfg.train.nonfinite == NonFinitePolicy.stop:
             kind = "loss" if int(nf["kind"]) == NONFINITE_LOSS else "gradients"
-            kept = "no checkpoint was written"
+            kept, failed_save = "no checkpoint was written", ""
             if ckpt is not None:
-                ckpt.wait()
+                try:
+                    ckpt.wait()
+                except CheckpointError as e:  # (it had replaced the non-finite report, exit 1 for 3)
+                    failed_save = f"; also, {e}"
                 good = ckpt.latest_step()
                 kept = f"the last good checkpoint (step {good}) is kept" if good is not None else kept
             raise NonFiniteError(
                 f"non-finite {kind} at step {int(nf['first_step'])}; the update was not applied and {kept} "
-                f"(train.nonfinite=skip drops such steps instead)"
+                f"(train.nonfinite=skip drops such steps instead){failed_save}"
             )
 
     summary: dict[str, Any] = {"run_dir": str(run_dir_path), "start_step": start_step}
@@ -963,12 +967,21 @@ def _train(cfg: Config, run_dir_path: Path, is_main: bool, log, devices) -> dict
                     write(msg)
                     break
     finally:
+        propagating = sys.exc_info()[1]
         if profiling:
             jax.profiler.stop_trace()
         if bar is not None:
             bar.close()
         if ckpt is not None:
-            ckpt.close()
+            try:
+                ckpt.close()
+            except CheckpointError as e:
+                if propagating is None:
+                    raise
+                # An error already on its way out (a non-finite loss's exit 3, an out-of-memory
+                # message) had been replaced by this one: report the failed save beside it instead.
+                log(f"warning: {e}")
+                propagating.add_note(f"also: {e}")
         logger.close()
     summary.update(step=int(state["step"]), eval_loss=eval_loss, exit=exit_reason, state=state, setup=setup)
     return summary

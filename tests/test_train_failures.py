@@ -119,6 +119,47 @@ def test_a_failed_background_save_stops_training_at_once_with_exit_1(tmp_path, m
     assert [r["step"] for r in _records(run)] == list(range(1, 13))
 
 
+def test_an_error_on_its_way_out_is_not_replaced_by_a_failed_save(tmp_path, monkeypatch, capsys):
+    """A run that stops on an error (here the step-3 batch raising, as an out-of-memory would)
+    while a background save fails: closing the checkpointer raised the save's CheckpointError,
+    which replaced the error (the CLI then said only "saving ... failed" and exited 1). The
+    error now leaves as it was, with the failed save as a note and a warning line."""
+    from scaling import train as T
+
+    _fail_saving(monkeypatch, 2)
+    real, calls = T.global_batch, []
+
+    def batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (stand-in)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(T, "global_batch", batch)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED") as e:
+        main(["train", "--config", TINY, "--run_dir", str(tmp_path / "run"), *SMALL, "--train.steps=6",
+              "--checkpoint.every=2"])
+    notes = getattr(e.value, "__notes__", [])
+    assert any("saving the checkpoint of step 2" in n and "No space left on device" in n for n in notes), notes
+    assert "warning: saving the checkpoint of step 2" in capsys.readouterr().out
+
+
+def test_a_non_finite_stop_still_says_so_when_the_save_before_it_failed(tmp_path, monkeypatch, capsys):
+    """lr 1e30 makes step 2's loss NaN; step 1's background save fails. The non-finite check waits
+    for that save, and its CheckpointError had replaced the NaN report (exit 1, not 3). Now exit 3
+    with both. (Checkpointer.check, which may see the failure a step earlier, is stubbed so the
+    failure reaches the non-finite check.)"""
+    _fail_saving(monkeypatch, 1)
+    monkeypatch.setattr(C.Checkpointer, "check", lambda self: None)
+    argv = ["train", "--config", TINY, "--run_dir", str(tmp_path / "run"), *SMALL, "--train.steps=4",
+            "--train.log_every=1", "--train.nonfinite=stop", "--optimizer.learning_rate=1e30",
+            "--optimizer.warmup_steps=0", "--checkpoint.every=1"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("error: non-finite loss at step 2") and "no checkpoint was written" in err, err
+    assert "also, saving the checkpoint of step 1" in err and "No space left on device" in err, err
+
+
 @pytest.mark.parametrize("override", ["--optimizer.weight_decay=.inf", "--optimizer.clip_norm=.inf",
                                       "--data.max_corpus_mb=.inf", "--model.rope_low_freq_factor=.nan"])
 def test_every_non_finite_number_is_refused_at_load(override):
