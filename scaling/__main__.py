@@ -9,18 +9,30 @@ import sys
 from scaling.config import ConfigError, load_config
 
 
+class _Once(argparse.Action):
+    """An option that may be given once: a second --config replaced the first silently
+    (a user layering two files got only the second; `inherit:` layers them)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)}, {values}); give one "
+                         "(a YAML file can start from another with `inherit: other.yaml`)")
+        setattr(namespace, self.dest, values)
+
+
 def _config_args(argv: list[str], prog: str, extra=None):
     """--config FILE [--run_dir DIR] then dotted overrides (--model.num_layers=4 ...)."""
     import dataclasses
 
-    from scaling.config import Config
+    from scaling.config import _SECTIONS, Config
 
-    sections = ", ".join(f.name for f in dataclasses.fields(Config) if f.name != "run_dir")
+    sections = ", ".join(f.name for f in dataclasses.fields(Config) if f.name in _SECTIONS)
     parser = argparse.ArgumentParser(
         prog=f"python -m scaling {prog}", allow_abbrev=False,
         epilog=f"Config overrides follow as --section.key=value or --section.key value (sections: {sections}; "
-               "fields and defaults in scaling/config.py), e.g. --train.steps=50 --model.num_layers=4.")
-    parser.add_argument("--config", default=None, help="YAML file of deltas from the defaults")
+               "fields and defaults in scaling/config.py), e.g. --train.steps=50 --model.num_layers=4; "
+               "a boolean alone is true (--train.show_shardings).")
+    parser.add_argument("--config", default=None, action=_Once, help="YAML file of deltas from the defaults")
     if extra:
         extra(parser)
     args, overrides = parser.parse_known_args(argv)
@@ -31,21 +43,23 @@ def _config_args(argv: list[str], prog: str, extra=None):
             merged[-1] += "=" + item
         else:
             merged.append(item)
-    bad = [o for o in merged if not o.startswith("--") or "." not in o.split("=", 1)[0]]
+    # (a whole section, `--model={num_layers: 4}`, is an override too: README and parse_overrides)
+    bad = [o for o in merged if not o.startswith("--") or
+           ("." not in o.split("=", 1)[0] and o[2:].split("=", 1)[0] not in _SECTIONS)]
     if bad:
         parser.error(f"unrecognised arguments {bad}; overrides look like --section.key=value")
     return args, load_config(args.config, merged)
 
 
 def cmd_train(argv: list[str]) -> int:
-    from scaling.train import NonFiniteError, train
-
     def flags(p):
         p.add_argument("--run_dir", default=None, help="where the run writes (default: runs/<config name>-<timestamp>); "
                        "the same --run_dir again resumes from its latest checkpoint")
         p.add_argument("--profile", action="store_true", help="trace steps [5, 8) unless --profile.steps is given")
 
     args, cfg = _config_args(argv, "train", flags)
+    from scaling.train import NonFiniteError, train  # (after the arguments: `--help` needs no JAX)
+
     if args.profile and not cfg.profile.steps:
         from scaling.config import replace
 
@@ -75,12 +89,6 @@ def _job_processes(cfg) -> int:
 
 
 def cmd_shardings(argv: list[str]) -> int:
-    import jax
-
-    from scaling.sharding import MeshError
-    from scaling.sharding.report import abstract_layout, sharding_report
-    from scaling.train import make_setup
-
     def flags(p):
         p.add_argument("--devices", type=int, default=None, metavar="N",
                        help="lay the params out over N devices that need not be here (an abstract mesh): "
@@ -88,6 +96,12 @@ def cmd_shardings(argv: list[str]) -> int:
                             "default: this machine's devices")
 
     args, cfg = _config_args(argv, "shardings", flags)  # (an unknown mesh.rules is a ConfigError: exit 2)
+    import jax  # (after the arguments: `--help` needs no JAX)
+
+    from scaling.sharding import MeshError
+    from scaling.sharding.report import abstract_layout, sharding_report
+    from scaling.train import make_setup
+
     if args.devices is not None and args.devices < 1:
         print(f"error: --devices must be an int >= 1, got {args.devices}", file=sys.stderr)
         return 2
@@ -146,11 +160,26 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _unknown(argv: list[str]) -> str:
+    """The error line for an argv[0] that is no command, with the likely fix."""
+    import difflib
+    import shlex
+
+    allowed = f"allowed: {', '.join(COMMANDS)}"
+    if argv[0].startswith("-"):  # options before the command (`--config F train`)
+        if (later := next((a for a in argv if a in COMMANDS), None)) is None:
+            return f"no command before {argv[0]}; {allowed}"
+        rest = argv[:argv.index(later)] + argv[argv.index(later) + 1:]
+        return f"the command comes first: python -m scaling {later} {shlex.join(rest)}"
+    near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+    return f"unknown command {argv[0]!r}; {allowed}" + (f"; did you mean {near[0]!r}?" if near else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"error: unknown command {argv[0]!r}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
+            print(f"error: {_unknown(argv)}", file=sys.stderr)
         print(_usage(), file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
@@ -176,6 +205,9 @@ def _run() -> int:
         rc = main()
         sys.stdout.flush()  # (inside the try: a piped stdout is block-buffered, written here)
         return rc
+    except KeyboardInterrupt:  # Ctrl-C outside train's own handler (setup, generate, plan): no traceback
+        print("interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
     except BrokenPipeError:
         # The reader went away (`python -m scaling fit ... | head`): stop quietly, as Unix tools
         # do. stdout goes to devnull so that the interpreter's own flush at exit raises nothing.

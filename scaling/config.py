@@ -236,6 +236,8 @@ class Config:
 
 # --------------------------------------------------------------------------- loading
 
+_SECTIONS = frozenset(k for k, tp in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(tp))
+
 
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, but a key repeated in one mapping is an error (PyYAML keeps
@@ -268,6 +270,8 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"inherit cycle: {' -> '.join(map(str, seen + (path,)))}")
     if not path.is_file():
         by = f" (inherited by {seen[-1]})" if seen else ""
+        if path.is_dir():  # (it said "not found" of a folder that is there)
+            raise ConfigError(f"config file {path}{by} is a directory; name a YAML file in it")
         raise ConfigError(f"config file not found: {path}{by}")
     try:
         with open(path, "rb") as f:
@@ -279,6 +283,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    # A section left empty (`model:` with its keys commented out) reads as null: it changes
+    # nothing (dropped here, before an inherited file's section could be replaced by it).
+    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS)}
     if "inherit" not in data:
         return data
     parent = data.pop("inherit")  # (`inherit:` left empty is refused below, not read as "no parent")
@@ -329,7 +336,8 @@ def parse_overrides(overrides: Iterable[str], schema: type | None = None) -> dic
     except that a field `schema` (a config dataclass) declares as a string takes the text
     as written (`--run_dir=017` is '017', not YAML 1.1's octal 15; `null` still unsets an
     optional one). A mapping value (`--model={num_layers: 4}`) updates that section field
-    by field. A key given twice: the last one wins, as with argparse.
+    by field. A key given twice: the last one wins, as with argparse. A boolean field given
+    alone (`--train.show_shardings`) is set true, as an argparse flag would be.
     """
     # (a str is iterable too: each character became an "override", and the error showed '-')
     if not isinstance(overrides, (str, bytes)):
@@ -340,7 +348,9 @@ def parse_overrides(overrides: Iterable[str], schema: type | None = None) -> dic
     for raw in overrides:
         item = raw[2:] if raw.startswith("--") else raw
         if "=" not in item:
-            raise ConfigError(f"override {raw!r} must look like --section.key=value")
+            if _optional_of(_field_type(schema, item.split(".")) if schema is not None else None)[0] is not bool:
+                raise ConfigError(f"override {raw!r} has no value; overrides look like --section.key=value")
+            item += "=true"  # a bare boolean flag, as argparse users write it
         dotted, text = item.split("=", 1)
         parts = dotted.split(".")
         if not all(parts):
@@ -356,9 +366,9 @@ def parse_overrides(overrides: Iterable[str], schema: type | None = None) -> dic
                 value = text
         node = tree
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {raw!r} conflicts with an earlier one")
+            if not isinstance(node.get(part), dict):  # (absent, or a value an earlier key set: the last wins)
+                node[part] = {}
+            node = node[part]
         last = parts[-1]
         if isinstance(value, dict) and isinstance(node.get(last), dict):
             node[last] = _deep_merge(node[last], value)
@@ -388,8 +398,9 @@ def _describe(tp: Any) -> str:
     return f"{words} or null" if optional else words
 
 
-def _type_error(tp: Any, value: Any) -> str | None:
-    """Why `value` (from YAML or an override) cannot be a `tp`, or None if it can."""
+def _type_error(tp: Any, value: Any, read: bool = True) -> str | None:
+    """Why `value` cannot be a `tp`, or None if it can. `read`: the value came from YAML or an
+    override (not from Python), so a YAML reading may explain it."""
     base, optional = _optional_of(tp)
     if value is None:
         return None if optional else "cannot be null"
@@ -413,7 +424,7 @@ def _type_error(tp: Any, value: Any) -> str | None:
     if base is str:
         if isinstance(value, (str, os.PathLike)):
             return None
-        hint = " (YAML read it as a number or a boolean; quote it)" if isinstance(value, (int, float, bool)) else ""
+        hint = " (YAML read it as a number or a boolean; quote it)" if read and isinstance(value, (int, float, bool)) else ""
         return f"got {type(value).__name__} {value!r}{hint}"
     if typing.get_origin(base) is tuple:
         if not isinstance(value, (list, tuple)):
@@ -445,13 +456,13 @@ def _check_keys(cls: type, data: Mapping[str, Any], prefix: str = "") -> None:
         _check_value(where, tp, value)
 
 
-def _check_value(where: str, tp: Any, value: Any) -> None:
+def _check_value(where: str, tp: Any, value: Any, read: bool = True) -> None:
     """Raise a ConfigError naming `where` if `value` cannot be a `tp` (list elements too)."""
-    why = _type_error(tp, value)
+    why = _type_error(tp, value, read)
     if why is None and typing.get_origin(_optional_of(tp)[0]) is tuple and value is not None:
         elem = typing.get_args(_optional_of(tp)[0])[0]
         for i, v in enumerate(value):
-            bad = _type_error(elem, v) if not isinstance(v, Mapping) else f"got {v!r}"
+            bad = _type_error(elem, v, read) if not isinstance(v, Mapping) else f"got {v!r}"
             if bad is not None:
                 raise ConfigError(f"{where}[{i}]: {bad}; it takes {_describe(elem)}")
     if why is not None:
@@ -490,14 +501,14 @@ def _normalise_sections(cfg: "Config") -> None:
             changes = {}
             for g in dataclasses.fields(value):
                 v = getattr(value, g.name)
-                _check_value(f"{f.name}.{g.name}", inner[g.name], v)
+                _check_value(f"{f.name}.{g.name}", inner[g.name], v, read=False)  # (built in Python)
                 n = _normalised(inner[g.name], v)
                 if type(n) is not type(v) or n != v:
                     changes[g.name] = n
             if changes:
                 object.__setattr__(cfg, f.name, dataclasses.replace(value, **changes))
         else:
-            _check_value(f.name, tp, value)
+            _check_value(f.name, tp, value, read=False)
             object.__setattr__(cfg, f.name, _normalised(tp, value))
 
 
