@@ -722,13 +722,22 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     is_main = jax.process_index() == 0
     log = log or (lambda msg: print(msg, flush=True) if is_main else None)
     run_dir_path = Path(run_dir or cfg.run_dir or default_run_dir(config_path))
+    created = not run_dir_path.exists()
     try:
         run_dir_path.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission, ...: bad input, not a crash
         why = "it is a file" if run_dir_path.is_file() else (e.strerror or str(e))
         raise ConfigError(f"run_dir: cannot use {str(run_dir_path)!r} as the run directory ({why})") from None
-    with _run_dir_lock(run_dir_path):
-        return _train(cfg, run_dir_path, is_main, log, devices)
+    try:
+        with _run_dir_lock(run_dir_path):
+            return _train(cfg, run_dir_path, is_main, log, devices)
+    except BaseException:
+        # A start refused before writing anything (missing data, a mesh that does not fit) had left
+        # a directory holding only .lock. Only one this call made, and only when nothing else is in it.
+        if created and jax.process_count() == 1 and {p.name for p in run_dir_path.iterdir()} <= {".lock"}:
+            (run_dir_path / ".lock").unlink(missing_ok=True)
+            run_dir_path.rmdir()
+        raise
 
 
 @contextlib.contextmanager

@@ -282,3 +282,16 @@ def test_gradient_accumulation_sums_in_float32_for_bfloat16_params():
     exact = np.asarray(out["w"], np.float64) == ref.astype(jnp.bfloat16).astype(np.float64)
     assert exact.mean() > 0.999, exact.mean()
     assert float(loss) == pytest.approx(grads.astype(np.float64).sum() / accum, rel=1e-6)
+
+
+def test_a_start_refused_before_writing_anything_leaves_no_run_directory(tmp_path, capsys):
+    """Missing data: exit 2, and the run directory this start created (which held only .lock) is
+    gone. A directory that existed before is kept, even empty."""
+    run = tmp_path / "new" / "run"
+    argv = ["train", "--config", TINY, "--run_dir", str(run), *SMALL[1:], "--data.source=tokens",
+            f"--data.path={tmp_path / 'missing.npy'}"]
+    assert main(argv) == 2
+    assert "missing.npy" in capsys.readouterr().err and not run.exists()
+    run.mkdir(parents=True)
+    assert main(argv) == 2
+    assert run.is_dir()
