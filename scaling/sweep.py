@@ -1022,10 +1022,11 @@ def summary_table(rows: Sequence[dict]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    from scaling.__main__ import _Once  # (a second --config had replaced the first silently)
     from scaling.executors import EXECUTORS, SUBMITIT_CLUSTERS
 
     p = argparse.ArgumentParser(prog="python -m scaling sweep", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--config", required=True, help="sweep spec YAML (configs/sweeps/NAME.yaml)")
+    p.add_argument("--config", required=True, action=_Once, help="sweep spec YAML (configs/sweeps/NAME.yaml)")
     p.add_argument("--out", default=None, help="output dir (default: sweeps/<spec name>)")
     p.add_argument("--dry-run", action="store_true", help="list the points with N, D, C and predicted time; run nothing")
     p.add_argument("--workers", type=int, default=1, help="points at once (GPU machines: one GPU each, shared beyond the count)")

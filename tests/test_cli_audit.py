@@ -109,3 +109,13 @@ def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
         pytest.fail("KeyboardInterrupt escaped _run: a traceback for Ctrl-C")
     assert rc == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_sweep_refuses_a_second_config(tmp_path, capsys):
+    """As train does: a second --config had replaced the first silently."""
+    from scaling.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--config", "configs/sweeps/tiny_cpu.yaml", "--config", "configs/sweeps/other.yaml",
+              "--dry-run"])
+    assert e.value.code == 2 and "--config given twice" in capsys.readouterr().err
