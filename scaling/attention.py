@@ -28,7 +28,8 @@ from scaling.sharding import constrain, logical_to_spec
 def _segment_mask(segment_ids):
     if segment_ids is None:
         return None
-    q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    # A list pair too: check_attention_args and the other cores take one (a list was read as ids).
+    q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
     return q_seg[:, :, None] == kv_seg[:, None, :]  # [B, T, S]
 
 

@@ -9,19 +9,30 @@ Pallas kernels and the XLA core must not need them.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_attention_args(q, k, v, *, causal: bool, segment_ids) -> None:
-    """Raise ValueError for ranks and shapes, TypeError for segment ids that are not integers.
+    """Raise ValueError for ranks and shapes, TypeError for a causal flag that is not a bool, for
+    q/k/v that are not arrays of one floating dtype, and for segment ids that are not integers.
 
     q [B, T, H, D]; k and v [B, S, KV, D], the same shape, with H a multiple of KV. causal needs
     T == S: the cores disagreed on where the diagonal lies otherwise (the XLA core bottom-right,
     jax.nn.dot_product_attention behind the cuDNN core top-left). Segment ids: None, one [B, T]
     array (needs T == S) or a (q [B, T], kv [B, S]) pair of integer arrays.
     """
+    # The flash kernels refused these; the xla core read causal="no" or None by truthiness.
+    if not (isinstance(causal, (bool, np.bool_)) or (isinstance(causal, int) and causal in (0, 1))):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
     for name, x, layout in (("q", q, "[B, T, H, D]"), ("k", k, "[B, S, KV, D]"), ("v", v, "[B, S, KV, D]")):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array {layout}, got {type(x).__name__}")
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must be 4-D {layout}, got shape {getattr(x, 'shape', None)}")
+    # The xla core rounded an int32 result silently and promoted mixed dtypes, which the cuDNN
+    # and Pallas cores refuse: one rule for all.
+    if not jnp.issubdtype(q.dtype, jnp.floating) or not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape [B, S, KV, D], got {k.shape} and {v.shape}")
     b, t, h, d = q.shape

@@ -301,6 +301,12 @@ def _mask(plan: _Plan, q_pos, k_pos, q_seg, kv_seg):
     return mask
 
 
+def _div(x, n: int):
+    """x // n for x >= 0 in int32: with jax_enable_x64 lax.div(int32 x, Python n) raised a dtype
+    mismatch (n became int64), so every causal call failed under x64."""
+    return lax.div(lax.convert_element_type(x, jnp.int32), np.int32(n))
+
+
 def _kv_ranges(plan: _Plan, t0, q_tokens: int, block_k: int):
     """(unmasked, masked) ranges of K/V tile indices for the q tile starting at token t0.
 
@@ -308,8 +314,8 @@ def _kv_ranges(plan: _Plan, t0, q_tokens: int, block_k: int):
     skipped by the loop bound (FlashAttention-2 section 3.1.1, "causal masking").
     """
     if plan.causal:
-        hi = lax.div(t0 + q_tokens + block_k - 1, block_k)  # last tile holding a key <= t0 + q_tokens - 1
-        full = lax.div(t0 + 1, block_k)  # tiles whose last key is <= t0
+        hi = _div(t0 + q_tokens + block_k - 1, block_k)  # last tile holding a key <= t0 + q_tokens - 1
+        full = _div(t0 + 1, block_k)  # tiles whose last key is <= t0
     else:  # tiles past the last real key (padding only) are never visited
         hi = -(-plan.kv_len // block_k)
         full = plan.kv_len // block_k
@@ -322,8 +328,8 @@ def _q_ranges(plan: _Plan, s0, q_tokens: int, block_k: int):
     """(unmasked, masked) ranges of q tile indices for the K/V tile starting at key s0."""
     num_q = plan.q_pad // q_tokens
     if plan.causal:
-        lo = lax.div(s0, q_tokens)  # first q tile holding a query >= s0
-        full = jnp.minimum(lax.div(s0 + block_k - 1 + q_tokens - 1, q_tokens), num_q)  # t0 >= s0 + block_k - 1
+        lo = _div(s0, q_tokens)  # first q tile holding a query >= s0
+        full = jnp.minimum(_div(s0 + block_k - 1 + q_tokens - 1, q_tokens), num_q)  # t0 >= s0 + block_k - 1
     elif plan.tail:
         # A K/V tile holding padded keys runs masked; one holding only padding does not run.
         # (Arithmetic, not jnp.where: a select of two Python ints lowers to an i1 loop bound.)
@@ -750,10 +756,12 @@ def _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes):
         raise ValueError(f"k head dim {kd} must equal q head dim {d} ({q.shape=}, {k.shape=})")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {d=} must be in [1, {MAX_HEAD_DIM}] (64, 128 and 256 are tuned)")
-    if h % kv:
-        raise ValueError(f"q heads {h=} must be a multiple of k/v heads {kv=} (GQA groups)")
+    if kv < 1 or h % kv:  # (kv 0 was a ZeroDivisionError)
+        raise ValueError(f"q heads {h=} must be a multiple of k/v heads {kv=} >= 1 (GQA groups)")
     if min(t, s) < 1:
         raise ValueError(f"sequence lengths must be >= 1, got q length {t=} and kv length {s=}")
+    if min(b, h) < 1:  # were a ZeroDivisionError / a Pallas slice error from inside the kernel
+        raise ValueError(f"batch and head counts must be >= 1, got batch {b=}, q heads {h=}")
     if causal and t != s:
         raise ValueError(f"causal=True needs equal q and kv lengths, got {t=} and {s=}; "
                          "use causal=False for cross attention")
@@ -771,11 +779,17 @@ def _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes):
                                  f"{name} must have shape [B, S]={want}, got {getattr(ids, 'shape', None)}")
             if not jnp.issubdtype(ids.dtype, jnp.integer):
                 raise TypeError(f"{name}.dtype={ids.dtype} must be an integer type (int32)")
-    if sm_scale is not None and not (isinstance(sm_scale, numbers.Real) and math.isfinite(sm_scale) and sm_scale > 0):
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not (  # True would read as 1.0
+            isinstance(sm_scale, numbers.Real) and math.isfinite(sm_scale) and sm_scale > 0)):
         raise ValueError(f"sm_scale must be a finite Python number > 0 or None, got {sm_scale!r}")
     if block_sizes is not None:
         if not isinstance(block_sizes, BlockSizes):
             raise TypeError(f"block_sizes must be a BlockSizes or None, got {type(block_sizes).__name__}")
+        for f in dataclasses.fields(block_sizes):
+            value = getattr(block_sizes, f.name)
+            if f.name != "fused_dq" and (isinstance(value, bool) or not isinstance(value, int)):
+                # A numpy int (a tuning sweep's np.arange) read "block_q=32 must be a power of two".
+                raise TypeError(f"block_sizes.{f.name}={value!r} must be a Python int, got {type(value).__name__}")
         for name, size in block_sizes.tiles().items():
             if not _is_pow2(size) or size < MIN_TILE:
                 raise ValueError(f"block_sizes.{name}={size} must be a power of two >= {MIN_TILE}")
@@ -853,7 +867,8 @@ def flash_attention(
         raise TypeError(f"mosaic_bwd_config must be a MosaicBwdConfig or None, got {type(mosaic_bwd_config).__name__}")
     if mosaic_bwd_config is not None:
         mgpu_bwd.validate_config(mosaic_bwd_config)
-    if bwd_workspace_bytes is not None and (not isinstance(bwd_workspace_bytes, int) or bwd_workspace_bytes < 0):
+    if bwd_workspace_bytes is not None and (isinstance(bwd_workspace_bytes, bool) or not isinstance(bwd_workspace_bytes, int)
+                                            or bwd_workspace_bytes < 0):  # (True read as 1 byte)
         raise ValueError(f"bwd_workspace_bytes must be None or an int >= 0 (0: no dS workspace), got {bwd_workspace_bytes!r}")
     _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes)
     seg = split_segment_ids(segment_ids)

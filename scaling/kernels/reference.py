@@ -36,7 +36,8 @@ def attention_reference(
     segment_ids: SegmentIds = None,
     sm_scale: float | None = None,
 ) -> jax.Array:
-    """softmax(q kᵀ · sm_scale + mask) v, computed in f32 (f64 if any input is f64).
+    """softmax(q kᵀ · sm_scale + mask) v, computed in f32 (f64 for f64 inputs; q, k and v share a
+    floating dtype).
 
     Returns [B, T, H, D] in the compute dtype (f32 or f64), not the input dtype, so tests can
     compare a low-precision kernel against it without a second rounding. Rows whose every
