@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import optax
 
-from scaling.config import OptimizerConfig, Schedule
+from scaling.config import ConfigError, OptimizerConfig, Schedule
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -16,6 +18,7 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     at the last step), and the decay lands on min_lr_ratio x peak exactly at the last step,
     total_steps - 1, staying there beyond it. `constant` holds the peak after the warmup.
     """
+    _check_schedule(cfg)
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     # The last step is total_steps - 1, so the decay spans total_steps - 1 - warmup steps.
@@ -31,13 +34,32 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
-def decay_mask(params: dict, decay_embeddings: bool) -> dict:
+def _check_schedule(cfg: OptimizerConfig) -> None:
+    """Config's checks (same messages) of the schedule's fields, for a bare OptimizerConfig,
+    which only a whole Config checks when built: a misspelt schedule ran as `constant`, a
+    negative warmup started the run part-way down the decay, min_lr_ratio > 1 rose."""
+    if cfg.schedule not in {s.value for s in Schedule}:
+        raise ConfigError(f"optimizer.schedule: {cfg.schedule!r} is not allowed; allowed values: {', '.join(s.value for s in Schedule)}")
+    if isinstance(cfg.warmup_steps, bool) or not isinstance(cfg.warmup_steps, numbers.Integral):
+        raise ConfigError(f"optimizer.warmup_steps: got {cfg.warmup_steps!r}; it takes an integer")
+    if cfg.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {cfg.warmup_steps}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError(f"optimizer.min_lr_ratio: must be in [0, 1], got {cfg.min_lr_ratio}")
+
+
+def decay_mask(params, decay_embeddings: bool):
     """Decay matrices only: not norm scales (1-D, or [L, D] stacked over layers), and not
     the embedding table unless asked. An untied output head (`head_dv`) is a matrix and is
-    decayed; a tied head is the embedding table, so follows decay_embeddings."""
+    decayed; a tied head is the embedding table, so follows decay_embeddings. `params` is a
+    pure dict (train.py) or an nnx.State (nnx.split), with the same mask."""
 
     def keep(path, p) -> bool:
-        keys = [str(getattr(k, "key", k)) for k in path]
+        # Names of dict keys and attributes alike. An nnx.State (params from nnx.split, used
+        # with tx.update directly) ends each path in the Variable's `.value`, no parameter
+        # name: read as one, the stacked [L, D] norm scales were decayed.
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path
+                if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
         if p.ndim <= 1 or (keys[-1] == "scale"):
             return False
         if "embed" in keys and not decay_embeddings:
