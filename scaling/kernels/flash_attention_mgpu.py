@@ -68,6 +68,17 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 CONSUMERS = 2  # compute warpgroups per CTA; the producer is warpgroup CONSUMERS
 
 
+def _div(x, y):
+    """Index division in int32. lax.div of an int32 index and a Python int raised a dtype
+    mismatch under jax_enable_x64 (the int became int64): every Mosaic call failed there."""
+    return lax.div(lax.convert_element_type(x, jnp.int32), lax.convert_element_type(y, jnp.int32))
+
+
+def _rem(x, y):
+    """Index remainder in int32 (as `_div`)."""
+    return lax.rem(lax.convert_element_type(x, jnp.int32), lax.convert_element_type(y, jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Tiling of the Mosaic forward.
@@ -136,7 +147,7 @@ def sm_count() -> int:
 def persistent_items(total: int, num_ctas: int):
     """How many of `total` work items this CTA of a persistent grid ("c") runs: every
     num_ctas-th from its own index on."""
-    return lax.div(total - lax.axis_index("c") + num_ctas - 1, num_ctas)
+    return _div(total - lax.axis_index("c") + num_ctas - 1, num_ctas)
 
 
 def item_of(c, k, *, tiles: int, heads: int, num_ctas: int, paired: bool = False):
@@ -157,14 +168,14 @@ def item_of(c, k, *, tiles: int, heads: int, num_ctas: int, paired: bool = False
     Works on Python ints (tests) and traced int32 scalars (kernels): non-negative operands."""
     if paired:
         half = tiles // 2
-        w = c + lax.div(k, 2) * num_ctas
-        r = lax.rem(w, half)
-        rank = r + lax.rem(k, 2) * (tiles - 1 - 2 * r)  # k odd: the mirror tile
-        rest = lax.div(w, half)
+        w = c + _div(k, 2) * num_ctas
+        r = _rem(w, half)
+        rank = r + _rem(k, 2) * (tiles - 1 - 2 * r)  # k odd: the mirror tile
+        rest = _div(w, half)
     else:
         w = c + k * num_ctas
-        rank, rest = lax.rem(w, tiles), lax.div(w, tiles)
-    return rank, lax.rem(rest, heads), lax.div(rest, heads)
+        rank, rest = _rem(w, tiles), _div(w, tiles)
+    return rank, _rem(rest, heads), _div(rest, heads)
 
 
 def work_item(k, *, tiles: int, heads: int, persistent: bool, num_ctas: int = 1, paired: bool = False,
@@ -357,7 +368,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
 
     def kv_steps_for(q_end):  # K/V tiles that rows < q_end can see
         if geo.causal:
-            return lax.div(q_end + bkv - 1, bkv)
+            return _div(q_end + bkv - 1, bkv)
         return geo.kv_len // bkv
 
     def rendezvous():  # both consumers arrive, both wait: the ping-pong hand-over point
@@ -390,11 +401,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
             plgpu.barrier_wait(q_full.at[wg])
             my_steps = kv_steps_for(q0 + bq)
             # K/V tiles entirely at or below the diagonal need no mask.
-            unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps
+            unmasked_steps = _div(q0, bkv) if geo.causal else my_steps
 
             def step(j, carry, *, masked: bool):
                 o_acc, m, l = carry
-                slot = lax.rem(base + j, cfg.stages)
+                slot = _rem(base + j, cfg.stages)
                 plgpu.barrier_wait(k_full.at[slot])
 
                 def logits(s_ref):
@@ -450,7 +461,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
                 # Two rendezvous per skipped step keep the ping-pong count equal to the partner's.
                 @pl.loop(my_steps, cta_steps)
                 def _skip(j):
-                    slot = lax.rem(base + j, cfg.stages)
+                    slot = _rem(base + j, cfg.stages)
                     plgpu.barrier_wait(k_full.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_wait(v_full.at[slot])
@@ -493,7 +504,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
             @pl.loop(0, cta_steps)
             def _fetch(j):
                 step = base + j
-                slot = lax.rem(step, cfg.stages)
+                slot = _rem(step, cfg.stages)
                 rows = (b, pl.ds(j * bkv, bkv), kv_head)
 
                 @pl.when(step >= cfg.stages)  # the slot's previous tile has been released
@@ -515,7 +526,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref,
         # interpret mode's barrier checker satisfied).
         @pl.loop(jnp.maximum(total - cfg.stages, 0), total)
         def _drain(j):
-            slot = lax.rem(j, cfg.stages)
+            slot = _rem(j, cfg.stages)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 

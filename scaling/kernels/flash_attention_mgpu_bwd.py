@@ -74,7 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from scaling.kernels.flash_attention_mgpu import (LOG2_E, common_unsupported_reason, interpret_params,
+from scaling.kernels.flash_attention_mgpu import (LOG2_E, _div, _rem, common_unsupported_reason, interpret_params,
                                                   persistent_items, sm_count, work_item)
 
 HEAD_DIMS = (64, 128)
@@ -376,7 +376,7 @@ def _ds_row(geo: "_Geometry", i, j):
     """First workspace row of the dSᵀ tile of q tile i and key tile j (tiles of block_kv_dkv):
     q-tile-major, so the dQ kernel reads each q tile's key tiles in one contiguous run."""
     if geo.causal:
-        index = lax.div(i * (i + 1), 2) + j
+        index = _div(i * (i + 1), 2) + j
     else:
         index = i * (geo.kv_len // geo.cfg.block_kv_dkv) + j
     return index * geo.cfg.block_kv_dkv
@@ -468,7 +468,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
                                        num_ctas=geo.dkv_ctas if persistent else 1, names=("s", "h", "b"))
         cta_s0 = s_tile * (CONSUMERS * bkv)
         # Causal: q tiles wholly above this CTA's first key see none of its keys (FA2 section 3.1.1).
-        first = lax.div(cta_s0, bq) if geo.causal else 0
+        first = _div(cta_s0, bq) if geo.causal else 0
         per_head = num_q - first  # ring steps per query head of the group (>= 1)
         return b, kv_head, s_tile, cta_s0, first, per_head, geo.group * per_head
 
@@ -537,7 +537,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
 
             def step(i, carry, *, base, masked, g=None):
                 dk, dv = carry
-                slot = lax.rem(base + i, stages)
+                slot = _rem(base + i, stages)
                 wait_slot(slot)
                 q_s, do_s = q_ring.at[slot], do_ring.at[slot]
                 st, dpt = _two_scores(my_k, q_s.T, my_v, do_s.T, (bkv, bq))  # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
@@ -557,7 +557,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile has left
                         my_ds[...] = dst_lo
                         plgpu.commit_smem()
-                        ds_rows = pl.ds(_ds_row(geo, i, lax.div(s0, bkv)), bkv)
+                        ds_rows = pl.ds(_ds_row(geo, i, _div(s0, bkv)), bkv)
                         plgpu.copy_smem_to_gmem(my_ds, ds_ref.at[b, kv_head * geo.group + g, ds_rows])
 
                     if geo.cfg.dq_from_ds and geo.in_place:
@@ -578,7 +578,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 # Both consumers run every ring step in lockstep (a fully masked step gives dSᵀ = 0),
                 # so ring step j uses dSᵀ buffer j % 2: a consumer rewrites a buffer only after the
                 # next step's barrier, which its partner reaches after finishing its dS K reads.
-                parity = lax.rem(base + i, 2)
+                parity = _rem(base + i, 2)
                 ds_all = ds_smem.at[parity]
                 ds_all.at[pl.ds(wg * bkv, bkv)][...] = dst_lo  # this consumer's keys of dSᵀ
                 plgpu.commit_smem()
@@ -601,7 +601,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 return dk, dv
 
             def skip(i, carry, *, base):  # a slot the partner consumer needs but this one does not
-                slot = lax.rem(base + i, stages)
+                slot = _rem(base + i, stages)
                 wait_slot(slot)
                 plgpu.barrier_arrive(slot_free.at[slot])
                 return carry
@@ -613,8 +613,8 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 if not geo.causal:
                     return lax.fori_loop(0, num_q, part(step_g, masked=False), carry)
                 # first q tile holding a query >= s0; fused: none skipped, the partner needs this dSᵀ
-                skip_end = first if fused else lax.div(s0, bq)
-                mask_end = jnp.minimum(lax.div(s0 + bkv - 1 + bq - 1, bq), num_q)  # first with t0 >= s0 + bkv - 1
+                skip_end = first if fused else _div(s0, bq)
+                mask_end = jnp.minimum(_div(s0 + bkv - 1 + bq - 1, bq), num_q)  # first with t0 >= s0 + bkv - 1
                 carry = lax.fori_loop(first, skip_end, part(skip), carry)
                 carry = lax.fori_loop(skip_end, mask_end, part(step_g, masked=True), carry)
                 return lax.fori_loop(mask_end, num_q, part(step_g, masked=False), carry)
@@ -629,7 +629,7 @@ def _dkv_kernel(*refs, geo: _Geometry):
                 out_k, out_v = dk_stage.at[wg], dv_stage.at[wg]
             else:
                 if fused:  # the partner's last dS K reads every key of K: one more ds_ready phase first
-                    last = lax.rem(ib + total, 2)
+                    last = _rem(ib + total, 2)
                     plgpu.barrier_arrive(ds_ready.at[last])
                     plgpu.barrier_wait(ds_ready.at[last])
                 out_k, out_v = my_k, my_v  # K, V are dead: stage the outputs there
@@ -656,8 +656,8 @@ def _dkv_kernel(*refs, geo: _Geometry):
             b, kv_head = geo.input_batch(b), geo.input_kv_head(kv_head)
 
             def fetch(j, slot):
-                head = kv_head * geo.group + lax.div(j, per_head)
-                t = pl.ds((first + lax.rem(j, per_head)) * bq, bq)
+                head = kv_head * geo.group + _div(j, per_head)
+                t = pl.ds((first + _rem(j, per_head)) * bq, bq)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, t, head], q_ring.at[slot], q_full.at[slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, head, t], lse_ring.at[slot], lse_full.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[b, t, head], do_ring.at[slot], do_full.at[slot])
@@ -684,13 +684,13 @@ def _produce(fetch, free, total, stages: int, max_steps: int | None = None):
 
     @pl.loop(stages, jnp.maximum(total, stages))
     def _refill(j):
-        slot = lax.rem(j, stages)
+        slot = _rem(j, stages)
         plgpu.barrier_wait(free.at[slot])
         fetch(j, slot)
 
     @pl.loop(jnp.maximum(total - stages, 0), total)
     def _drain(j):
-        plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+        plgpu.barrier_wait(free.at[_rem(j, stages)])
 
 
 def _produce_items(fetcher, num_items, free, stages: int):
@@ -702,7 +702,7 @@ def _produce_items(fetcher, num_items, free, stages: int):
 
         @pl.loop(0, steps)
         def _(j):
-            slot = lax.rem(base + j, stages)
+            slot = _rem(base + j, stages)
 
             @pl.when(base + j >= stages)  # the slot's previous tile has been released
             def _():
@@ -715,7 +715,7 @@ def _produce_items(fetcher, num_items, free, stages: int):
 
     @pl.loop(jnp.maximum(total - stages, 0), total)
     def _drain(j):
-        plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+        plgpu.barrier_wait(free.at[_rem(j, stages)])
 
 
 def _grid(dims: dict[str, int], *, tiles_outermost: bool) -> dict:
@@ -837,7 +837,7 @@ def _dq_kernel(*refs, geo: _Geometry):
         num_items = persistent_items(geo.dq_items, geo.dq_ctas)
 
     def kv_steps(q_end):  # K/V tiles that rows < q_end can see
-        return lax.div(q_end + bkv - 1, bkv) if geo.causal else geo.kv_len // bkv
+        return _div(q_end + bkv - 1, bkv) if geo.causal else geo.kv_len // bkv
 
     def item(k):
         """(b, head, kv head, first query row, K/V steps) of this CTA's k-th item (`work_item`)."""
@@ -846,7 +846,7 @@ def _dq_kernel(*refs, geo: _Geometry):
         # Heavy causal tiles (high token index) first: the last to start are the short ones.
         tile = num_tiles - 1 - rank if geo.causal else rank
         cta_q0 = tile * (CONSUMERS * bq)
-        return b, head, lax.div(head, geo.group), cta_q0, kv_steps(cta_q0 + CONSUMERS * bq)
+        return b, head, _div(head, geo.group), cta_q0, kv_steps(cta_q0 + CONSUMERS * bq)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -887,10 +887,10 @@ def _dq_kernel(*refs, geo: _Geometry):
             else:
                 delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             my_steps = kv_steps(q0 + bq)
-            unmasked_steps = lax.div(q0, bkv) if geo.causal else my_steps  # tiles wholly at or below the diagonal
+            unmasked_steps = _div(q0, bkv) if geo.causal else my_steps  # tiles wholly at or below the diagonal
 
             def step(j, dq, *, masked):
-                slot = lax.rem(ib + j, stages)
+                slot = _rem(ib + j, stages)
                 plgpu.barrier_wait(k_full.at[slot])
                 plgpu.barrier_wait(v_full.at[slot])
                 k_s, v_s = k_ring.at[slot], v_ring.at[slot]
@@ -912,7 +912,7 @@ def _dq_kernel(*refs, geo: _Geometry):
 
                 @pl.loop(my_steps, cta_steps)  # the partner's extra tile: wait and release it
                 def _skip(j):
-                    slot = lax.rem(ib + j, stages)
+                    slot = _rem(ib + j, stages)
                     plgpu.barrier_wait(k_full.at[slot])
                     plgpu.barrier_wait(v_full.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -954,7 +954,7 @@ def _dq_kernel(*refs, geo: _Geometry):
                 @pl.loop(0, cta_steps)
                 def _(j):
                     step, rows = base + j, (b, pl.ds(j * bkv, bkv), kv_head)
-                    slot = lax.rem(step, stages)
+                    slot = _rem(step, stages)
                     pl.when(step >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                     load_v(rows, slot)
                     pl.when(step >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
@@ -977,7 +977,7 @@ def _dq_kernel(*refs, geo: _Geometry):
 
             @pl.loop(stages, jnp.maximum(total, stages))
             def _refill(j):  # K and V slots are released separately: V first (after dP)
-                slot = lax.rem(j, stages)
+                slot = _rem(j, stages)
                 rows = (b, pl.ds(j * bkv, bkv), kv_head)
                 plgpu.barrier_wait(v_free.at[slot])
                 load_v(rows, slot)
@@ -986,7 +986,7 @@ def _dq_kernel(*refs, geo: _Geometry):
 
         @pl.loop(jnp.maximum(total - stages, 0), total)
         def _drain(j):
-            slot = lax.rem(j, stages)
+            slot = _rem(j, stages)
             plgpu.barrier_wait(v_free.at[slot])
             plgpu.barrier_wait(k_free.at[slot])
 
@@ -1052,7 +1052,7 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
     num_tiles = geo.q_len // (geo.cfg.ds_dq_tiles * tile)
     rank, head, b = work_item(0, tiles=num_tiles, heads=geo.heads, persistent=False)
     cta_tile = num_tiles - 1 - rank if geo.causal else rank  # heavy causal tiles first
-    kv_head = geo.input_kv_head(lax.div(head, geo.group))  # K is read from the full input
+    kv_head = geo.input_kv_head(_div(head, geo.group))  # K is read from the full input
 
     def q_tile(c, a):
         return cta_tile * geo.cfg.ds_dq_tiles + c + CONSUMERS * a
@@ -1077,7 +1077,7 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
         mine = steps(wg, per - 1)
 
         def operands(j, active):
-            slot = lax.rem(j, stages)
+            slot = _rem(j, stages)
             plgpu.barrier_wait(k_full.at[slot])
             for a in active:
                 plgpu.barrier_wait(ds_barrier(slot, wg, a))
@@ -1094,12 +1094,12 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
 
                         @pl.when(j > 0)
                         def _():
-                            plgpu.barrier_arrive(free.at[lax.rem(j + stages - 1, stages)])
+                            plgpu.barrier_arrive(free.at[_rem(j + stages - 1, stages)])
                         return carry
 
                     lax.fori_loop(lo, hi, step, None)
                 plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(free.at[lax.rem(mine - 1, stages)])  # mine >= 1
+                plgpu.barrier_arrive(free.at[_rem(mine - 1, stages)])  # mine >= 1
                 return tuple(acc[...] for acc in acc_refs)
 
             dqs = pl.run_scoped(products, *[plgpu.ACC((tile, geo.head_dim), jnp.float32)] * per)
@@ -1111,14 +1111,14 @@ def _dq_from_ds_kernel(ds_ref, k_ref, dq_ref, k_ring, ds_ring, dq_stage, k_full,
                     dqs = list(dqs)
                     for a, ds_a in zip(active, ds_s):
                         dqs[a] = dqs[a] + jnp.dot(ds_a[...].T, k_s[...], preferred_element_type=jnp.float32)
-                    plgpu.barrier_arrive(free.at[lax.rem(j, stages)])
+                    plgpu.barrier_arrive(free.at[_rem(j, stages)])
                     return tuple(dqs)
 
                 dqs = lax.fori_loop(lo, hi, step, dqs)
 
         @pl.loop(mine, total)  # the partner's extra tiles: wait for them and release them
         def _skip(j):
-            slot = lax.rem(j, stages)
+            slot = _rem(j, stages)
             plgpu.barrier_wait(k_full.at[slot])
             plgpu.barrier_arrive(free.at[slot])
 
