@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -77,6 +78,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, *, a
     Explicit axes are refused unless `allow_explicit` (see EXPLICIT_UNSUPPORTED); sharded
     init and `constrain` do work with them, the train step does not.
     """
+    if cfg.axis_type not in tuple(AxisType):  # a MeshConfig built in Python skips config validation
+        raise MeshError(f"mesh.axis_type={cfg.axis_type!r} is not an axis type; allowed: {', '.join(AxisType)}")
     if cfg.axis_type == AxisType.explicit and not allow_explicit:
         raise MeshError(EXPLICIT_UNSUPPORTED)
     devices = list(devices) if devices is not None else jax.devices()
@@ -106,8 +109,8 @@ def use_sharding(mesh: Mesh, rules: RuleSet | str) -> Iterator[None]:
 @contextlib.contextmanager
 def sharding_rules(mesh: Mesh, rules: RuleSet | str) -> Iterator[None]:
     """The mesh + rule set for `constrain`, without JAX's ambient mesh: usable inside a function
-    being traced by jit (jax.set_mesh is refused there). Enough for Auto axes, whose
-    constraints name the mesh themselves."""
+    being traced by jit (jax.set_mesh is refused there). Enough for `constrain` on Auto and
+    Explicit axes alike: its constraints name the mesh themselves."""
     rules = get_rule_set(rules) if isinstance(rules, str) else rules
     token = _ACTIVE.set((mesh, rules))
     try:
@@ -135,7 +138,10 @@ def logical_to_spec(names: Sequence[str | None], mapping, mesh: Mesh | None = No
     used: set[str] = set()
     out: list[tuple[str, ...] | str | None] = []
     for name in names:
-        axes = tuple(a for a in _mesh_axes_of(name, mapping) if a not in used) if name is not None else ()
+        named = _mesh_axes_of(name, mapping) if name is not None else ()
+        if len(set(named)) != len(named):  # ("data", "data"), a typo: jax refuses the spec without naming the rule
+            raise MeshError(f"logical axis {name!r} maps to {named}, which names a mesh axis twice; name each once")
+        axes = tuple(a for a in named if a not in used)
         if mesh is not None:
             unknown = [a for a in axes if a not in mesh.shape]
             if unknown:
@@ -151,11 +157,19 @@ def logical_to_spec(names: Sequence[str | None], mapping, mesh: Mesh | None = No
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names (identity outside `use_sharding`)."""
+    # One name per dimension, checked in or out of a context: jax pads a short spec with None
+    # (the trailing dimensions silently replicated), as parameters' names may not (spec_for).
+    if not isinstance(names, str) and len(names) != jnp.ndim(x):
+        raise MeshError(
+            f"constrain: {len(names)} logical axis names {tuple(names)} for a rank-{jnp.ndim(x)} array of shape "
+            f"{jnp.shape(x)}; give one name (or None) per dimension"
+        )
     ctx = _ACTIVE.get()
     if ctx is None:
         return x
     mesh, rules = ctx
     spec = logical_to_spec(names, rules.activations, mesh)
     if mesh.axis_types and mesh.axis_types[0] == jax.sharding.AxisType.Explicit:
-        return jax.sharding.reshard(x, spec)
+        # A NamedSharding, not a bare spec: under `sharding_rules` inside jit there is no ambient mesh.
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

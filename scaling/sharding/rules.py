@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from scaling.sharding import axes as A
 
@@ -28,6 +29,15 @@ class RuleSet:
     params: Mapping[str, MeshAxes]
     activations: Mapping[str, MeshAxes]
     description: str = ""
+
+    def __post_init__(self):
+        # Read-only copies: the built-in sets share their dicts (fsdp_tp is default), so an edit
+        # through get_rule_set("default").params would change every later user in the process.
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "activations", MappingProxyType(dict(self.activations)))
+
+    def __reduce__(self):  # a mappingproxy does not pickle or deepcopy; rebuild from plain dicts
+        return RuleSet, (self.name, dict(self.params), dict(self.activations), self.description)
 
 
 _BATCH_AXES: MeshAxes = ("data", "fsdp")
