@@ -7,14 +7,10 @@ import optax
 import pytest
 from flax import nnx
 
-from scaling.config import ModelConfig, OptimizerConfig, Schedule
+from scaling.config import OptimizerConfig, Schedule
 from scaling.model import build_model
 from scaling.optim import decay_mask, learning_rate_schedule, make_optimizer
-
-
-def _tiny(tie: bool) -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, mlp_dim=24,
-                       tie_embeddings=tie)
+from test_optim import _tiny
 
 
 @pytest.mark.parametrize("tie", [False, True])
