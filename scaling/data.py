@@ -231,8 +231,12 @@ def _corpus_key(cfg: Config, files: list[Path]) -> str:
 def build_token_store(cfg: Config, log=print) -> TokenStore:
     """Tokenize and pack the text corpus once; later calls memory-map the cached file."""
     d = cfg.data
-    files = default_corpus_files(d.max_corpus_mb) if d.path is None else text_files(Path(d.path), Path(d.cache_dir))
-    directory = Path(d.cache_dir) / f"{'stdlib' if d.path is None else Path(d.path).name}-{_corpus_key(cfg, files)}"
+    # Absolute, `~` expanded: a relative and an absolute path to the same files had two cache
+    # entries, `data.path=.` named its entry "-<key>", and "~/corpus" was a missing folder.
+    source = None if d.path is None else Path(d.path).expanduser().resolve()
+    cache = Path(d.cache_dir).expanduser()
+    files = default_corpus_files(d.max_corpus_mb) if source is None else text_files(source, cache)
+    directory = cache / f"{'stdlib' if source is None else source.name or 'root'}-{_corpus_key(cfg, files)}"
     meta_path = directory / "meta.json"
     damage = _cache_damage(directory) if meta_path.exists() else None
     if damage:
@@ -331,7 +335,7 @@ def load_token_file(cfg: Config) -> TokenStore:
     [0, model.vocab_size) (the whole file, read in chunks: an id out of range would index past
     the embedding table, which on an accelerator does not fail but reads a clamped row).
     """
-    path = Path(cfg.data.path)  # type: ignore[arg-type]
+    path = Path(cfg.data.path).expanduser()  # type: ignore[arg-type]
     if not path.is_file():
         raise DataError(f"data.path={str(path)!r} is not a file (data.source=tokens reads one .npy or raw .bin token file)")
     where = f"data.path={str(path)!r}"

@@ -178,3 +178,25 @@ def test_a_raw_bin_of_uint32_ids_for_a_uint16_vocabulary_is_refused(tmp_path):
         D.make_dataset(load_config(TINY, [*args, f"--data.path={tmp_path / 'u32.bin'}"]), log=lambda m: None)
     data = D.make_dataset(load_config(TINY, [*args, f"--data.path={tmp_path / 'u16.bin'}"]), log=lambda m: None)
     np.testing.assert_array_equal(np.asarray(data.train.tokens), ids[: int(3000 * 0.95)])
+
+
+def test_one_corpus_by_a_relative_an_absolute_or_a_home_path_is_one_cache_entry(tmp_path, monkeypatch):
+    """`data.path` is resolved before it names and keys the cache: a relative and an absolute
+    path to the same folder had two entries, `data.path=.` named its entry "-<key>", and
+    `~/corpus` was not found. The tokens are the same whichever way the folder is named."""
+    home = tmp_path / "home"
+    corpus = home / "corpus"
+    corpus.mkdir(parents=True)
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 40)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(corpus)
+    cache = tmp_path / "cache"
+    stores = []
+    for given in (str(corpus), ".", "~/corpus", "../corpus"):
+        cfg = load_config(None, ["--data.tokenizer=byte", "--model.vocab_size=257", f"--data.path={given}",
+                                 f"--data.cache_dir={cache}"])
+        stores.append(D.build_token_store(cfg, log=lambda m: None))
+    assert len({s.directory for s in stores}) == 1 and stores[0].directory.name.startswith("corpus-")
+    assert all(np.array_equal(np.asarray(s.tokens), np.asarray(stores[0].tokens)) for s in stores)
+    assert [p.name for p in cache.iterdir()] == [stores[0].directory.name]
