@@ -778,6 +778,10 @@ def _train(cfg: Config, run_dir_path: Path, is_main: bool, log, devices) -> dict
     check_runnable(setup)
     data = make_dataset(cfg, process_index=jax.process_index(), process_count=jax.process_count(), log=log)
 
+    if cfg.remat.names and cfg.remat.policy not in (RematPolicyName.names, RematPolicyName.offload):
+        # Not an error: one YAML file may list the names while the command line switches policy.
+        log(f"remat: remat.names {list(cfg.remat.names)} is read only by the names and offload policies; "
+            f"remat.policy={cfg.remat.policy.value} ignores it")
     if cfg.train.show_shardings and is_main:
         from scaling.sharding.report import sharding_report
 

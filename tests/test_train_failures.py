@@ -295,3 +295,15 @@ def test_a_start_refused_before_writing_anything_leaves_no_run_directory(tmp_pat
     run.mkdir(parents=True)
     assert main(argv) == 2
     assert run.is_dir()
+
+
+def test_remat_names_under_a_policy_that_ignores_them_is_said(tmp_path, capsys):
+    """remat.names is read by `names` and `offload` only: under `full` the run says it ignores
+    them (a YAML file may keep the list while the command line switches the policy)."""
+    argv = ["train", "--config", TINY, "--run_dir", str(tmp_path / "run"), *SMALL, "--train.steps=1",
+            "--remat.policy=full", "--remat.names=[query_proj]"]
+    assert main(argv) == 0
+    assert "remat.names ['query_proj'] is read only by the names and offload policies; remat.policy=full ignores it" \
+        in capsys.readouterr().out
+    assert main(argv[:-2] + ["--run_dir", str(tmp_path / "run2"), "--remat.policy=names", "--remat.names=[query_proj]"]) == 0
+    assert "remat.names" not in capsys.readouterr().out
