@@ -177,6 +177,8 @@ def _unknown(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["help"]:  # `help` and `help CMD`, as git and pip take them
+        argv = [argv[1], "--help"] if len(argv) > 1 and argv[1] in COMMANDS else ["--help"]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: {_unknown(argv)}", file=sys.stderr)

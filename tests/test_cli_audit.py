@@ -119,3 +119,14 @@ def test_sweep_refuses_a_second_config(tmp_path, capsys):
         main(["sweep", "--config", "configs/sweeps/tiny_cpu.yaml", "--config", "configs/sweeps/other.yaml",
               "--dry-run"])
     assert e.value.code == 2 and "--config given twice" in capsys.readouterr().err
+
+
+def test_help_as_a_command(capsys):
+    """`python -m scaling help` prints the usage (exit 0); `help train` is `train --help`."""
+    from scaling.__main__ import main
+
+    assert main(["help"]) == 0
+    assert "train" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["help", "train"])
+    assert e.value.code == 0 and "--run_dir" in capsys.readouterr().out
