@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from scaling.config import AttentionImpl, Config, DType, ModelConfig, RematPolicyName
 from scaling.hardware import Hardware
 from scaling.sharding import axes as A
+from scaling.sharding.mesh import mesh_axes_of  # (a bare-string rule is one axis, as in logical_to_spec)
 from scaling.sharding.rules import RuleSet, get_rule_set
 
 F32 = 4
@@ -138,7 +139,7 @@ class MeshShape:
         used: set[str] = set()
         out = []
         for name in names:
-            axes = tuple(a for a in mapping.get(name, ()) if a not in used and self.sizes[a] > 1) if name else ()
+            axes = tuple(a for a in mesh_axes_of(name, mapping) if a not in used and self.sizes[a] > 1) if name else ()
             used.update(axes)
             out.append(axes)
         return out
@@ -149,7 +150,7 @@ class MeshShape:
 
     def axes_of(self, name: str, params: bool) -> tuple[str, ...]:
         mapping = self.rule_set.params if params else self.rule_set.activations
-        return tuple(a for a in mapping.get(name, ()) if self.sizes[a] > 1)
+        return tuple(a for a in mesh_axes_of(name, mapping) if self.sizes[a] > 1)
 
     def split(self, name: str, params: bool = False) -> int:
         return math.prod(self.sizes[a] for a in self.axes_of(name, params))

@@ -95,3 +95,16 @@ def test_rule_sets_are_read_only_and_still_copy_and_pickle():
     for clone in (copy.deepcopy(default), pickle.loads(pickle.dumps(default))):
         assert clone.name == "default" and dict(clone.params) == dict(default.params)
         assert dict(clone.activations) == dict(default.activations)
+
+
+def test_the_accounting_reads_a_bare_string_rule_as_one_axis_as_the_mesh_does():
+    """accounting.MeshShape.dim_axes re-derived the specs and read a rule given as a bare string
+    ("fsdp") as its characters; logical_to_spec reads it as one axis. Both now agree."""
+    from scaling import accounting as acc
+    from scaling.sharding.mesh import logical_to_spec
+
+    mapping = {"embed": "fsdp", "mlp": ("tensor",)}
+    shape = acc.MeshShape(data=2, fsdp=2, tensor=2)
+    assert shape.dim_axes(["embed", "mlp"], mapping) == [("fsdp",), ("tensor",)]
+    assert tuple(logical_to_spec(["embed", "mlp"], mapping)) == ("fsdp", "tensor")
+    assert shape.shards(["embed", "mlp"], mapping) == [2, 2]

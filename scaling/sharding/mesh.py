@@ -123,7 +123,7 @@ def active() -> tuple[Mesh, RuleSet] | None:
     return _ACTIVE.get()
 
 
-def _mesh_axes_of(name: str, mapping) -> tuple[str, ...]:
+def mesh_axes_of(name: str, mapping) -> tuple[str, ...]:
     """The mesh axes a rule maps `name` to; a bare string is one axis (not its characters)."""
     axes = mapping.get(name, ())
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -138,7 +138,7 @@ def logical_to_spec(names: Sequence[str | None], mapping, mesh: Mesh | None = No
     used: set[str] = set()
     out: list[tuple[str, ...] | str | None] = []
     for name in names:
-        named = _mesh_axes_of(name, mapping) if name is not None else ()
+        named = mesh_axes_of(name, mapping) if name is not None else ()
         if len(set(named)) != len(named):  # ("data", "data"), a typo: jax refuses the spec without naming the rule
             raise MeshError(f"logical axis {name!r} maps to {named}, which names a mesh axis twice; name each once")
         axes = tuple(a for a in named if a not in used)
