@@ -20,6 +20,18 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def join_spaced_values(items: list[str]) -> list[str]:
+    """`--a.b value` (space-separated) -> `--a.b=value`, before the overrides are checked (a value
+    alone looked like a stray argument)."""
+    merged: list[str] = []
+    for item in items:
+        if merged and "=" not in merged[-1] and not item.startswith("--"):
+            merged[-1] += "=" + item
+        else:
+            merged.append(item)
+    return merged
+
+
 def _config_args(argv: list[str], prog: str, extra=None):
     """--config FILE [--run_dir DIR] then dotted overrides (--model.num_layers=4 ...)."""
     import dataclasses
@@ -36,13 +48,7 @@ def _config_args(argv: list[str], prog: str, extra=None):
     if extra:
         extra(parser)
     args, overrides = parser.parse_known_args(argv)
-    # `--a.b value` (space-separated) -> `--a.b=value`, before the check (a value alone looked bad)
-    merged: list[str] = []
-    for item in overrides:
-        if merged and "=" not in merged[-1] and not item.startswith("--"):
-            merged[-1] += "=" + item
-        else:
-            merged.append(item)
+    merged = join_spaced_values(overrides)
     # (a whole section, `--model={num_layers: 4}`, is an override too: README and parse_overrides)
     bad = [o for o in merged if not o.startswith("--") or
            ("." not in o.split("=", 1)[0] and o[2:].split("=", 1)[0] not in _SECTIONS)]

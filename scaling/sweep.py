@@ -1022,7 +1022,7 @@ def summary_table(rows: Sequence[dict]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    from scaling.__main__ import _Once  # (a second --config had replaced the first silently)
+    from scaling.__main__ import _Once, join_spaced_values  # (_Once: a second --config had replaced the first)
     from scaling.executors import EXECUTORS, SUBMITIT_CLUSTERS
 
     p = argparse.ArgumentParser(prog="python -m scaling sweep", description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -1038,6 +1038,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--mfu", type=float, default=None, help="dry run: assumed MFU (overrides estimate.mfu)")
     p.add_argument("--hardware", default=None, help="dry run: hardware for the MFU assumption (overrides estimate.hardware)")
     args, rest = p.parse_known_args(argv)
+    rest = join_spaced_values(rest)  # (`--isoflop.budgets [1e12]` as the other commands take it)
     bad = [o for o in rest if not o.startswith("--") or "=" not in o]
     if bad:
         p.error(f"unrecognised arguments {bad}; spec overrides look like --section.key=value")

@@ -130,3 +130,12 @@ def test_help_as_a_command(capsys):
     with pytest.raises(SystemExit) as e:
         main(["help", "train"])
     assert e.value.code == 0 and "--run_dir" in capsys.readouterr().out
+
+
+def test_sweep_takes_space_separated_overrides_as_the_other_commands_do():
+    """`--isoflop.budgets [1e12]` had been refused as an unrecognised argument by sweep only."""
+    from scaling.sweep import parse_args
+
+    _, rest = parse_args(["--config", "configs/sweeps/tiny_cpu.yaml", "--isoflop.budgets", "[1e12]",
+                          "--train.steps=3"])
+    assert rest == ["--isoflop.budgets=[1e12]", "--train.steps=3"]
