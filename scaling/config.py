@@ -657,6 +657,21 @@ def validate_attention(a: AttentionConfig) -> None:
              f"must be an int >= 0 (MiB; 0 keeps the backward's split kernels), got {a.bwd_workspace_mb!r}")
 
 
+def validate_optimizer(o: OptimizerConfig) -> None:
+    """The optimizer section's checks (also run by scaling.optim for a bare OptimizerConfig, which
+    only a whole Config checks when built: a misspelt schedule had run as `constant`)."""
+    _require(o.schedule in {x.value for x in Schedule}, "optimizer.schedule",
+             f"{o.schedule!r} is not allowed; allowed values: {', '.join(x.value for x in Schedule)}")
+    _require(_is_int(o.warmup_steps), "optimizer.warmup_steps", f"got {o.warmup_steps!r}; it takes an integer")
+    _require(_positive(o.learning_rate), "optimizer.learning_rate", f"must be a positive finite number, got {o.learning_rate}")
+    _require(_positive(o.eps), "optimizer.eps", f"must be a positive finite number (Adam divides by sqrt(v) + eps; v is 0 for unused rows), got {o.eps}")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", f"must be in [0, 1), got {o.b1}, {o.b2}")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _require(o.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0 (0 disables), got {o.clip_norm}")
+
+
 def validate(cfg: Config) -> None:
     m, t, o, d, mesh = cfg.model, cfg.train, cfg.optimizer, cfg.data, cfg.mesh
     validate_model(m)
@@ -688,13 +703,7 @@ def validate(cfg: Config) -> None:
         f"must be empty or [start, stop) with 0 <= start < stop, got {list(cfg.profile.steps)}",
     )
 
-    _require(_positive(o.learning_rate), "optimizer.learning_rate", f"must be a positive finite number, got {o.learning_rate}")
-    _require(_positive(o.eps), "optimizer.eps", f"must be a positive finite number (Adam divides by sqrt(v) + eps; v is 0 for unused rows), got {o.eps}")
-    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
-    _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-    _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", f"must be in [0, 1), got {o.b1}, {o.b2}")
-    _require(o.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
-    _require(o.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0 (0 disables), got {o.clip_norm}")
+    validate_optimizer(o)
 
     _require(0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
     _require(d.max_corpus_mb > 0, "data.max_corpus_mb", f"must be positive, got {d.max_corpus_mb}")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import optax
 
-from scaling.config import ConfigError, OptimizerConfig, Schedule
+from scaling.config import OptimizerConfig, Schedule, validate_optimizer
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -18,7 +16,7 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     at the last step), and the decay lands on min_lr_ratio x peak exactly at the last step,
     total_steps - 1, staying there beyond it. `constant` holds the peak after the warmup.
     """
-    _check_schedule(cfg)
+    validate_optimizer(cfg)  # a bare OptimizerConfig is checked nowhere else
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.min_lr_ratio
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     # The last step is total_steps - 1, so the decay spans total_steps - 1 - warmup steps.
@@ -32,20 +30,6 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     if warmup == 0:
         return decay
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
-
-
-def _check_schedule(cfg: OptimizerConfig) -> None:
-    """Config's checks (same messages) of the schedule's fields, for a bare OptimizerConfig,
-    which only a whole Config checks when built: a misspelt schedule ran as `constant`, a
-    negative warmup started the run part-way down the decay, min_lr_ratio > 1 rose."""
-    if cfg.schedule not in {s.value for s in Schedule}:
-        raise ConfigError(f"optimizer.schedule: {cfg.schedule!r} is not allowed; allowed values: {', '.join(s.value for s in Schedule)}")
-    if isinstance(cfg.warmup_steps, bool) or not isinstance(cfg.warmup_steps, numbers.Integral):
-        raise ConfigError(f"optimizer.warmup_steps: got {cfg.warmup_steps!r}; it takes an integer")
-    if cfg.warmup_steps < 0:
-        raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {cfg.warmup_steps}")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise ConfigError(f"optimizer.min_lr_ratio: must be in [0, 1], got {cfg.min_lr_ratio}")
 
 
 def decay_mask(params, decay_embeddings: bool):
