@@ -108,6 +108,26 @@ def read_metrics(run_dir: str | Path) -> tuple[int, float | None, float | None]:
     return step, loss, eval_loss
 
 
+def last_logged_step(run_dir: str | Path, tail_bytes: int = 8192) -> int:
+    """The last train step in the run's metrics.jsonl (0 without one), from the file's end only:
+    the sweep's progress bar asks every few seconds, and a long run's file is megabytes."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the seek or by a crash
+            continue
+        if isinstance(rec, dict) and "loss" in rec:
+            return int(rec["step"])
+    return 0
+
+
 def _tail(path: Path, offset: int) -> str:
     if not path.exists():
         return ""
@@ -211,22 +231,40 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def stopped_by_runner(out: Outcome, task: PointTask, how: str) -> Outcome:
+    """A point the runner itself stopped (Ctrl-C) is interrupted, not failed, however it died:
+    recorded as failed, a re-run with --no-retry-failed left it alone, and a SIGKILL after the
+    shutdown's wait read as the out-of-memory killer's."""
+    if out.status != "failed":
+        return out
+    return dataclasses.replace(out, status="interrupted", error=f"stopped at step {out.last_step} of {task.steps} ({how})")
+
+
 class LocalHandle:
     def __init__(self, task: PointTask, proc: subprocess.Popen, offset: int, gpu: str | None):
         self.point_id = task.point_id
         self.job_id = str(proc.pid)
         self.task, self.proc, self.offset, self.gpu = task, proc, offset, gpu
         self.t0 = time.perf_counter()
+        self.cancelled = False
 
     def poll(self) -> Outcome | None:
         rc = self.proc.poll()
         if rc is None:
             return None
-        return collect_outcome(self.task, rc, time.perf_counter() - self.t0, self.offset)
+        out = collect_outcome(self.task, rc, time.perf_counter() - self.t0, self.offset)
+        if self.cancelled and rc < 0:  # (a non-zero exit status after the stop is still the point's own failure)
+            return stopped_by_runner(out, self.task, f"{exit_text(rc).split(' (')[0]} after the runner's stop")
+        return out
 
     def cancel(self) -> None:
         if self.proc.poll() is None:
+            self.cancelled = True
             self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.cancelled = True
+        self.proc.kill()
 
 
 class LocalExecutor:
@@ -276,7 +314,7 @@ class LocalExecutor:
             try:
                 h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                h.proc.kill()
+                h.kill()
                 h.proc.wait()
 
 
@@ -289,6 +327,7 @@ class SubmititHandle:
         self.job_id = str(job.job_id)
         self.task, self.job = task, job
         self.t0 = time.perf_counter()
+        self.cancelled = False
 
     def poll(self) -> Outcome | None:
         if not self.job.done():
@@ -297,9 +336,13 @@ class SubmititHandle:
             return self.job.result()
         except Exception as e:  # the job itself died (node failure, timeout, cancel)
             out = collect_outcome(self.task, None, time.perf_counter() - self.t0)
-            return dataclasses.replace(out, status="failed", error=f"submitit job {self.job_id}: {str(e)[-STDERR_TAIL_CHARS:]}")
+            out = dataclasses.replace(out, status="failed", error=f"submitit job {self.job_id}: {str(e)[-STDERR_TAIL_CHARS:]}")
+            # A cancelled job raises (submitit's local jobs a KeyboardInterrupt, SLURM's a
+            # failed-job error) after its run checkpointed: the runner's Ctrl-C, not a failure.
+            return stopped_by_runner(out, self.task, f"the runner cancelled submitit job {self.job_id}") if self.cancelled else out
 
     def cancel(self) -> None:
+        self.cancelled = True
         try:
             self.job.cancel(check=False)
         except Exception:

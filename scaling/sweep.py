@@ -471,7 +471,27 @@ def generate_points(spec: SweepSpec, spec_dir: Path) -> tuple[list[Point], list[
                 emb = cfg.model.vocab_size * cfg.model.hidden_size * (1 if cfg.model.tie_embeddings else 2)
                 points.append(Point(pid, depth, seed, cfg, n, n - emb, d, fpt, d * fpt, float(target), error))
     _check_override_globs(spec, ids)
+    _check_duplicate_runs(spec, points)
     return points, dropped
+
+
+def _check_duplicate_runs(spec: SweepSpec, points: Sequence[Point]) -> None:
+    """Two points with one config are one training run made twice: budgets closer than a step
+    apart round to the same steps (ids keep 3 digits, so `1e4` and `1.01e4` are two ids), and
+    the fit then counted the same measurement twice."""
+    seen: dict[str, Point] = {}
+    key = "isoflop.budgets" if spec.isoflop is not None else "grid.tokens"
+    for p in points:
+        if p.error is not None:
+            continue
+        other = seen.setdefault(p.config_hash, p)
+        if other is not p:
+            c = p.cfg.train
+            raise SpecError(
+                f"{key}{' (or point_overrides)' if spec.point_overrides else ''}: points {other.id} and {p.id} would train "
+                f"the same run ({c.steps} steps of {c.batch_size}x{c.seq_len} tokens, the same model, learning rate and seed); "
+                f"make the budgets differ by more than a step ({c.batch_size * c.seq_len:,} tokens) at depth {p.depth}"
+            )
 
 
 def _check_override_globs(spec: SweepSpec, ids: Sequence[str]) -> None:
@@ -670,13 +690,56 @@ def _hms(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def _trained(row: Mapping[str, Any], run_dir: Path | None) -> bool:
+    """Has this point trained: finished, logged a step, or left a checkpoint in `run_dir`?"""
+    return row["status"] == "done" or bool(row["last_step"]) or (run_dir is not None and (run_dir / "checkpoints").exists())
+
+
+def _recorded_config(run_dir: Path | None) -> dict | None:
+    """The config the point last started with (its run dir's point.yaml, as written), or None."""
+    try:
+        data = yaml.safe_load((run_dir / "point.yaml").read_text()) if run_dir is not None else None
+    except (OSError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def same_config(p: Point, run_dir: Path | None) -> bool:
+    """Is the config the point last started with `p.cfg`, as this code reads it? The store's
+    hash is of the YAML text, which a config field added since (at its default) changes: after
+    a code update every trained point read as changed, and the runner refused the whole sweep."""
+    data = _recorded_config(run_dir)
+    if data is None:
+        return False
+    try:
+        return dump_yaml(config_from_dict(data)) == dump_yaml(p.cfg)
+    except ConfigError:  # a key this code no longer has: it cannot tell, so it is a change
+        return False
+
+
+def config_diff(p: Point, run_dir: Path | None, limit: int = 4) -> str:
+    """What changed in the point's config since it last started: `train.steps 44 -> 45, ...`."""
+    old = _recorded_config(run_dir)
+    if old is None:
+        return f"no {run_dir / 'point.yaml' if run_dir else 'point.yaml'} to compare with"
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, Mapping):
+            return {prefix[:-1]: d}
+        return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+
+    a, b = flat(old), flat(yaml.safe_load(dump_yaml(p.cfg)))
+    diff = [f"{k} {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    return ", ".join(diff[:limit]) + (f", and {len(diff) - limit} more" if len(diff) > limit else "") if diff else "the same settings"
+
+
 def trained_with_another_config(p: Point, row: Mapping[str, Any] | None, run_dir: Path | None) -> bool:
     """Did this point already train (finished, logged a step, or left a checkpoint in
     `run_dir`) with a config other than `p.cfg`? The runner refuses such points: resuming
     would mix two configs in one run dir."""
     if row is None or row["config_hash"] == p.config_hash:
         return False
-    return row["status"] == "done" or bool(row["last_step"]) or (run_dir is not None and (run_dir / "checkpoints").exists())
+    return _trained(row, run_dir) and not same_config(p, run_dir)
 
 
 def dry_run_table(points: Sequence[Point], tp: Throughput, workers: int, store_rows: Mapping[str, dict] | None = None,
@@ -811,68 +874,111 @@ def run_sweep(
             f"every point of the sweep was dropped for too few steps ({len(dropped)}, e.g. {dropped[0]}); "
             "raise isoflop.budgets (grid.tokens), or lower the batch size or isoflop.min_steps"
         )
+    spec_ids = {p.id for p in points}
     points = select_points(points, only)
     for note in dropped:
         log(f"dropped {note}")
     out = out.resolve()
     with runner_lock(out):
         ex = _make_executor(executor, workers, out / "submitit", cluster, spec.submitit)  # before any write: a bad option stops here
-        (out / "sweep.yaml").write_text(yaml.safe_dump(_plain(spec), sort_keys=False))
-        store = ResultStore(out / "results.sqlite")
-        changed = []
-        for p in points:
-            run_dir = out / "points" / p.id
-            store.add(spec.name, p, str(run_dir))
-            row = store.row(p.id)
-            if trained_with_another_config(p, row, run_dir):
-                changed.append(p.id)
-            elif row["config_hash"] != p.config_hash:  # never trained: take the new config
-                store.delete(p.id)
+        with contextlib.closing(ResultStore(out / "results.sqlite")) as store:
+            # Refuse before writing anything: a refused run had already replaced sweep.yaml with the
+            # spec it refused, and the never-trained rows with that spec's points.
+            changed = [p for p in points if trained_with_another_config(p, store.row(p.id), out / "points" / p.id)]
+            if changed:
+                first = changed[0]
+                raise SweepError(
+                    f"the spec changed the config of points that already ran: {', '.join(p.id for p in changed)}; "
+                    f"use a new --out directory (or delete those points' rows and run dirs in {out}); "
+                    f"{first.id}: {config_diff(first, out / 'points' / first.id)}"
+                )
+            (out / "sweep.yaml").write_text(yaml.safe_dump(_plain(spec), sort_keys=False))
+            for p in points:
+                run_dir = out / "points" / p.id
                 store.add(spec.name, p, str(run_dir))
-            if p.error is not None:
-                store.update(p.id, status="failed", error=p.error)
-        if changed:
-            raise SweepError(
-                f"the spec changed the config of points that already ran: {', '.join(changed)}; "
-                f"use a new --out directory (or delete those points' rows and run dirs in {out})"
-            )
-        _wait_for_orphans(store, log)
-        todo = []
-        for p in points:
-            status = store.row(p.id)["status"]
-            if p.error is not None:
-                log(f"{p.id}: failed: {p.error}")
-                continue
-            if status == "done" or (status == "failed" and not retry_failed):
-                continue
-            todo.append(p)
-        done_before = sum(store.row(p.id)["status"] == "done" for p in points)
-        if todo:
-            log(f"sweep {spec.name}: {len(points)} point{'s' * (len(points) != 1)}, {done_before} already finished, running {len(todo)} in {out}")
-            prepare_data(todo, log)
-        _run_points(spec.name, todo, len(points), ex, store, out)
-        rows = store.rows()
-        store.close()
+                row = store.row(p.id)
+                if row["config_hash"] != p.config_hash:
+                    if _trained(row, run_dir):  # the same config (same_config), hashed by an older code's YAML
+                        store.update(p.id, config_hash=p.config_hash)
+                    else:  # never trained: take the new config
+                        store.delete(p.id)
+                        store.add(spec.name, p, str(run_dir))
+                if p.error is not None:
+                    store.update(p.id, status="failed", error=p.error)
+            # Rows of points an earlier spec made (other budgets, depths or seeds) stay in the store,
+            # and `fit` reads every finished row: say so, since this spec no longer lists them.
+            others = [r["id"] for r in store.rows() if r["id"] not in spec_ids and r["status"] == "done"]
+            if others:
+                log(f"{out / 'results.sqlite'} also holds {len(others)} finished point{'s' * (len(others) != 1)} this spec does not make "
+                    f"({', '.join(others[:4])}{', ...' if len(others) > 4 else ''}); `fit --results {out}` reads them too")
+            _wait_for_orphans(store, log)
+            todo = []
+            for p in points:
+                status = store.row(p.id)["status"]
+                if p.error is not None:
+                    log(f"{p.id}: failed: {p.error}")
+                    continue
+                if status == "done" or (status == "failed" and not retry_failed):
+                    continue
+                todo.append(p)
+            done_before = sum(store.row(p.id)["status"] == "done" for p in points)
+            if todo:
+                log(f"sweep {spec.name}: {len(points)} point{'s' * (len(points) != 1)}, {done_before} already finished, running {len(todo)} in {out}")
+                prepare_data(todo, log)
+            _run_points(spec.name, todo, points, ex, store, out, throughput(spec.estimate))
+            rows = store.rows()
     return rows
 
 
-def _run_points(name: str, todo: Sequence[Point], n_points: int, ex, store: ResultStore, out: Path) -> None:
-    """Keep up to `ex.slots` of `todo` running until all have ended, recording each outcome.
+PROGRESS_EVERY_S = 2.0  # how often the bar reads the running points' metrics.jsonl
+STOP_WAIT_S = 120.0  # after a Ctrl-C, how long the runner waits for its points (all together) to checkpoint
 
-    The bar counts every point that has ended, failed ones too (it stopped short of 100%
-    when one failed); the first SIGINT/SIGTERM stops the points (they checkpoint), a second
-    one stops them at once (train.py exits without a checkpoint on its second signal)."""
+
+def _run_points(name: str, todo: Sequence[Point], points: Sequence[Point], ex, store: ResultStore, out: Path,
+                tp: Throughput | None = None) -> None:
+    """Keep up to `ex.slots` of `todo` (some of `points`, the sweep's selected points) running
+    until all have ended, recording each outcome.
+
+    The bar fills by predicted work (`tp.seconds`, the dry run's estimate; one unit a point
+    without `tp`), a running point's share by the steps it has logged. It counted points: a
+    long point held it still for hours, and, a sweep's budgets running smallest first, its
+    ETA took the 1e14 points for as long as the 1e13 ones. Its text counts the points that
+    have ended, failed ones too, then the running points' steps. The first SIGINT/SIGTERM
+    stops the points (they checkpoint), a second one stops them at once (train.py exits
+    without a checkpoint on its second signal)."""
     from tqdm.auto import tqdm
 
-    from scaling.executors import error_line
+    from scaling.executors import error_line, last_logged_step
 
     queue, running, failed = list(todo), {}, []
-    bar = tqdm(total=n_points, initial=n_points - len(todo), desc=name, unit="point", dynamic_ncols=True, file=sys.stderr)
+    weight = {p.id: tp.seconds(p) if tp is not None else 1.0 for p in points}
+    steps = {p.id: p.steps for p in points}
+    left = {p.id for p in todo}
+    ended = len(points) - len(left)
 
-    def show() -> None:
-        bar.set_postfix_str(" | ".join(x for x in (", ".join(running), f"{len(failed)} failed" if failed else "") if x))
+    def fraction(pid: str) -> float:  # of the point's steps, from its metrics.jsonl (a resumed point's too)
+        return min(1.0, last_logged_step(out / "points" / pid) / max(1, steps[pid]))
+
+    share = {pid: 1.0 if pid not in left else fraction(pid) for pid in weight}
+    bar = tqdm(total=sum(weight.values()), initial=sum(weight[k] * v for k, v in share.items()), desc=name, dynamic_ncols=True,
+               file=sys.stderr, bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
+    seen = [time.monotonic()]
+
+    tty = getattr(sys.stderr, "isatty", lambda: False)()
+
+    def show(read_steps: bool = False) -> None:
+        if read_steps:
+            new = {pid: fraction(pid) for pid in running}
+            if not tty and all(share[k] == v for k, v in new.items()):
+                return  # (a log file gets a line per refresh: only when a step moved)
+            share.update(new)
+        bar.n = sum(weight[k] * v for k, v in share.items())
+        now = [f"{pid} {round(share[pid] * steps[pid])}/{steps[pid]}" for pid in running]
+        text = f"{ended}/{len(points)} points" + (f", {len(failed)} failed" if failed else "")
+        bar.set_postfix_str(" | ".join([text, ", ".join(now)]) if now else text)  # (refreshes the bar)
 
     def record(pid: str, outcome) -> None:
+        nonlocal ended
         store.finish(pid, outcome)
         loss = f" loss {outcome.final_loss:.4f}" if outcome.final_loss is not None else ""
         ev = f" eval {outcome.eval_loss:.4f}" if outcome.eval_loss is not None else ""
@@ -881,7 +987,10 @@ def _run_points(name: str, todo: Sequence[Point], n_points: int, ex, store: Resu
             failed.append(pid)
             bar.write(f"{pid}: {error_line(outcome.error)}")
         if outcome.status != "interrupted":  # (an interrupted point is still to train)
-            bar.update(1)
+            ended += 1
+            share[pid] = 1.0
+        else:
+            share[pid] = fraction(pid)
         show()
 
     stop: list[str] = []
@@ -906,7 +1015,8 @@ def _run_points(name: str, todo: Sequence[Point], n_points: int, ex, store: Resu
                 handle = _launch(p, ex, store, out, bar.write)
                 if handle is None:
                     failed.append(p.id)
-                    bar.update(1)
+                    ended += 1
+                    share[p.id] = 1.0
                 else:
                     running[p.id] = handle
                 show()
@@ -915,19 +1025,25 @@ def _run_points(name: str, todo: Sequence[Point], n_points: int, ex, store: Resu
                 if outcome is not None:
                     del running[pid]
                     record(pid, outcome)
+            if time.monotonic() - seen[0] >= PROGRESS_EVERY_S:  # the running points' logged steps
+                seen[0] = time.monotonic()
+                show(read_steps=True)
             time.sleep(0.2)
         if stop:
             bar.write(f"{stop[0]}: stopping the running points (they checkpoint; {stop[0]} again stops them at once); re-run to resume")
             ex.shutdown()
-            for pid, handle in list(running.items()):
-                outcome = None
-                for _ in range(600):  # train.py checkpoints, then exits
+            # train.py checkpoints, then exits. One deadline for all the points: polled one after
+            # another, 120 s each, cluster jobs that never reported ended kept a Ctrl-C N x 120 s.
+            deadline = time.monotonic() + STOP_WAIT_S
+            while running and time.monotonic() < deadline:
+                for pid, handle in list(running.items()):
                     outcome = handle.poll()
                     if outcome is not None:
-                        break
-                    time.sleep(0.2)
-                if outcome is not None:
-                    record(pid, outcome)
+                        del running[pid]
+                        record(pid, outcome)
+                time.sleep(0.2)
+            for pid in running:
+                bar.write(f"{pid}: no outcome {STOP_WAIT_S:.0f} s after the stop; its row stays `running`")
     except BaseException:  # a runner error: stop the points (they checkpoint) rather than orphan them
         ex.shutdown()
         raise
