@@ -994,6 +994,40 @@ def elementwise_bytes_per_token(m: ModelConfig, seq_len: int, *, c: int, flash: 
     return {"forward": fwd + core, "backward": bwd + 2 * core}
 
 
+def recomputed_bytes_per_token(m: ModelConfig, seq_len: int, policy: RematPolicyName, names: Sequence[str] = (), *,
+                               c: int, flash: bool, tp: int = 1) -> float:
+    """HBM bytes per token per layer of the elementwise forward work a remat policy redoes in
+    the backward (0 for `none`).
+
+    JAX re-runs only the forward ops whose outputs the backward reads; no policy here saves an
+    elementwise output, so each recomputes the same four, counted in c like
+    `elementwise_bytes_per_token`:
+      RMSNorm 1 (read x, write y: 2·D); the mid-layer residual add with RMSNorm 2 (read x and
+      the out projection, write y: 3·D); RoPE on q and k (2·(N+K)·H); the SwiGLU product
+      h = silu(gate)·up, the down projection's dW input. With gate and up saved (dots,
+      selective, names/offload keeping both tags), XLA writes h as a third output of the SwiGLU
+      backward's fusion, which reads gate and up anyway: F. With them recomputed by matmuls
+      (full, or names/offload without both tags), h is a kernel of its own: read 2·F, write F.
+    The layer's last residual add feeds nothing in the backward: not recomputed.
+      dots: 5·D + 2·(N+K)·H + F;  full: 5·D + 2·(N+K)·H + 3·F
+    An XLA (non-flash) core adds its forward softmax passes again ((8 + c)·N·T).
+    Measured: H200 profiles of the 1b (8 x 2048) with each kernel placed by its op name
+    (`rematted_computation` in JAX's name stack), docs/benchmarks.md "Fiftieth session": the
+    recomputed kernels took 2.6 ms a step under dots and selective and 6.7 ms under full,
+    against 4.2 and 7.2 ms here at the table's copy rate; the whole forward (10·D + 2·(N+K)·H +
+    3·F, 9.0 ms), which this had been priced as, was 3.5x the measured dots recompute.
+    """
+    from scaling import layers as T  # tags only
+
+    if policy == RematPolicyName.none:
+        return 0.0
+    d, n, k, h, f = m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.mlp_dim
+    mlp_saved = policy in (RematPolicyName.dots, RematPolicyName.selective) or (
+        policy in (RematPolicyName.names, RematPolicyName.offload) and {T.MLP_GATE, T.MLP_UP} <= set(names))
+    core = 0.0 if flash else (8 + c) * n * seq_len / tp
+    return (5 * d + 2 * (n + k) * h / tp + (1 if mlp_saved else 3) * f / tp) * c + core
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """A calibrated step time prediction: work divided by measured (achievable) rates.
@@ -1062,9 +1096,9 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
          + memory-bound HBM traffic / achievable copy bandwidth
          + tensor-parallel all-reduces (StepTime says why these add and the others overlap)
     with the traffic counted kernel by kernel (`elementwise_bytes_per_token`):
-      - elementwise passes of each layer forward and backward, and the forward again for every
-        policy that recomputes (full re-runs the layer; dots / selective / names / offload keep
-        matmul outputs but recompute the norms, RoPE, the residual add and the SwiGLU product);
+      - elementwise passes of each layer forward and backward, and what a policy recomputes of
+        them: the norms, the mid-layer residual add, RoPE and the SwiGLU product, the forward
+        kernels whose outputs the backward reads (`recomputed_bytes_per_token`);
       - scanned layers (`lax.scan`) copy every saved residual into the [L, ...] stack
         (a dynamic-update-slice: read + write); unrolled layers keep them in place. Before the
         loops, XLA fills each stack with zeros: the forward scan's residual stacks and the
@@ -1143,7 +1177,8 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
     traffic = {
         "layer elementwise forward": e["forward"] * shard_tokens * layers,
         "layer elementwise backward": e["backward"] * shard_tokens * layers,
-        "recomputed elementwise forward": e["forward"] * shard_tokens * layers if recomputes else 0.0,
+        "recomputed elementwise forward": recomputed_bytes_per_token(
+            m, t, policy, cfg.remat.names, c=c, flash=flash, tp=tp) * shard_tokens * layers,
         "saved residuals copied into the scan stack": 2 * mem.activations.layers * accum if m.scan_layers else 0.0,
         "scan stacks zero-filled before the loops": (
             (mem.activations.layers + p * weight_elems_per_device(m, mesh, LAYER_PARAMS, gathered=False)) * accum

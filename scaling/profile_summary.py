@@ -31,12 +31,14 @@ How the trace is laid out (jax 0.11, XLA's profiler, read from its exporter):
 Categories, in this order of precedence: collectives (NCCL kernels, all-reduce/all-gather/
 reduce-scatter/all-to-all/collective-permute ops), copy/dynamic-update-slice (memcpy, memset, copy,
 transpose and dynamic-update-slice kernels), attention (cuDNN / flash / Pallas attention
-kernels), matmul (cuBLAS / cutlass / Triton gemm fusions, dots, convolutions), optimizer
+kernels, and with --hlo a hand-written kernel's custom call whose op name says attention),
+matmul (cuBLAS / cutlass / Triton gemm fusions, dots, convolutions), optimizer
 update (what lies outside autodiff: op names without `jvp(` / `transpose(`, i.e. AdamW,
 clipping, the gradient norm, the non-finite guard), elementwise/reduction fusions (by fusion
-name), other (control flow, other modules). Idle is the part of the profiled window (first to
-last kernel of the main module) in which no kernel runs. With several devices (or CPU threads)
-kernel and category times are summed over them, so they can exceed the window.
+name), other (control flow, other modules, other hand-written kernels' custom calls). Idle is
+the part of the profiled window (first to last kernel of the main module) in which no kernel
+runs. With several devices (or CPU threads) kernel and category times are summed over them, so
+they can exceed the window.
 
 Bad input (a missing or unreadable trace, a trace without kernels, --steps < 1, --top < 0, a
 missing --hlo file, an unknown --module, an --md or --json naming an input file or each other)
@@ -355,6 +357,11 @@ def classify(e: Event, hlo: dict[str, HloInstr] | None) -> tuple[str, str]:
         or "gemm" in (info.backend_kind if info else "")
     ):
         return MATMUL, phase
+    if opcode == "custom-call":
+        # A hand-written kernel (Pallas, Mosaic GPU): not an XLA fusion. Mosaic GPU names all of
+        # its kernels `anonymous_mosaic_gpu_kernel`, so the op's name stack says which it is
+        # (scaling's flash attention runs under a `flash_attention_*` named scope).
+        return (ATTENTION if _ATTENTION_RE.search(op_name) else OTHER), phase
     if _CONTROL_RE.match(op or name):
         return OTHER, phase
     if phase == OUTSIDE:

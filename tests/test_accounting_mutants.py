@@ -657,6 +657,24 @@ def test_elementwise_bytes_by_hand():
     assert x == {"forward": (640 + 192 + 144) * 2 + core, "backward": (768 + 192 + 240) * 2 + 2 * core}
 
 
+def test_recomputed_bytes_by_hand():
+    """What a policy redoes of the layer's elementwise forward: the norms with the mid-layer
+    residual add (5·D), RoPE (2·(N+K)·H) and the SwiGLU product: F written beside the SwiGLU
+    backward when gate and up are saved, 3·F as its own kernel when they are recomputed."""
+    fused, alone = (5 * D + 2 * (N + K) * H + F) * 2, (5 * D + 2 * (N + K) * H + 3 * F) * 2
+    rb = acc.recomputed_bytes_per_token
+    assert rb(SMALL, 16, R.none, c=2, flash=True) == 0
+    for policy, names in ((R.dots, ()), (R.selective, ()), (R.names, ("mlp_gate", "mlp_up")),
+                          (R.offload, ("mlp_up", "mlp_gate", "query_proj"))):
+        assert rb(SMALL, 16, policy, names, c=2, flash=True) == fused, policy
+    for policy, names in ((R.full, ()), (R.names, ("mlp_gate",)), (R.offload, ("out_proj",))):
+        assert rb(SMALL, 16, policy, names, c=2, flash=True) == alone, policy
+    # tensor=2 halves head- and MLP-sized tensors; an XLA core recomputes its softmax passes
+    assert rb(SMALL, 16, R.dots, c=2, flash=False, tp=2) == (5 * D + (N + K) * H + F / 2) * 2 + 10 * N * 16 / 2
+    # the layer forward it had been priced as: 10·D + 2·(N+K)·H + 3·F
+    assert rb(SMALL, 16, R.full, c=2, flash=True) < acc.elementwise_bytes_per_token(SMALL, 16, c=2, flash=True)["forward"]
+
+
 def test_step_time_adds_kernels_and_overlaps_comms():
     rates = acc.Rates(matmul=600e12, attention=200e12, hbm=3e12, host=64e9, f32_matmul=250e12)
     st = acc.StepTime(6e12, 2e12, {"a": 1e9, "b": 2e9}, rates, comm_seconds=5e-3, host_bytes=64e6,
@@ -691,7 +709,8 @@ def test_training_time_traffic_by_hand():
     assert st.traffic == pytest.approx({
         "layer elementwise forward": e["forward"] * tokens * L,
         "layer elementwise backward": e["backward"] * tokens * L,
-        "recomputed elementwise forward": e["forward"] * tokens * L,
+        # full: the norms (2·D + 3·D with the mid residual add), RoPE, h on its own (3·F), the XLA core
+        "recomputed elementwise forward": ((5 * D + 2 * (N + K) * H + 3 * F) * c + 10 * N * 16) * tokens * L,
         "saved residuals copied into the scan stack": 2 * L * X_IN * 32 * 2,  # per micro-batch of 2
         # zero-filled before the loops: the residual stack and the f32 layer-gradient stack
         "scan stacks zero-filled before the loops": (L * X_IN * 32 + p * L * (LAYER_MATMUL + 2 * D)) * 2,

@@ -278,3 +278,18 @@ def test_mosaic_flash_attention_lowers_under_x64(as_h100, causal):
     with jax.enable_x64(True):
         text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kvs, kvs)
     assert text.count(MOSAIC_CALL) == 3
+
+
+def test_mosaic_attention_kernels_carry_their_names_in_the_op_name(as_h100):
+    """Mosaic GPU names every kernel `anonymous_mosaic_gpu_kernel`; a profile tells attention
+    from other hand-written kernels by the op's name stack (scaling.profile_summary), which the
+    flash_attention_fwd / _bwd scopes put there, forward and backward."""
+    q, kvs = sds((1, 256, 8, 128)), sds((1, 256, 2, 128))
+
+    def loss(q, k, v):
+        return flash_attention(q, k, v, causal=True, backend="mosaic").astype(jnp.float32).sum()
+
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, kvs, kvs)
+    assert text.count(MOSAIC_CALL) == 3
+    locs = [line for line in text.splitlines() if line.startswith("#loc") and "flash_attention_" in line]
+    assert any("flash_attention_fwd" in line for line in locs) and any("flash_attention_bwd" in line for line in locs)

@@ -210,6 +210,30 @@ def test_classification_beyond_kernel_names():
     assert ps.classify(ps.Event("kernel_9", 0.0, 1.0, (1, 1), {}), None) == (ps.OTHER, ps.UNKNOWN)
 
 
+def test_hand_written_kernels_are_not_fusions():
+    """A Mosaic GPU custom call (every kernel `anonymous_mosaic_gpu_kernel`) had counted as an
+    elementwise fusion once the HLO text was given (it is an HLO instruction): the 1b's flash
+    attention, 25-31 ms a step on the H200, among the memory-bound kernels. Its op name decides:
+    attention under a flash_attention scope, else other, in or outside autodiff."""
+    mosaic = "mosaic_gpu_v2"
+    hlo = {
+        "mpmd_map.1": ps.HloInstr("custom-call", "jit(f)/jvp(jit(_forward))/flash_attention_fwd/jit(_call)/anonymous/mpmd_map",
+                                  target=mosaic),
+        "mpmd_map.2": ps.HloInstr("custom-call", "jit(f)/transpose(jvp())/jit(_backward)/flash_attention_bwd/anonymous/mpmd_map",
+                                  target=mosaic),
+        "mpmd_map.3": ps.HloInstr("custom-call", "jit(f)/jvp()/anonymous/mpmd_map", target=mosaic),
+        "mpmd_map.4": ps.HloInstr("custom-call", "jit(step)/anonymous/mpmd_map", target=mosaic),
+    }
+
+    def cls(op):
+        return ps.classify(ps.Event("anonymous_mosaic_gpu_kernel", 0.0, 1.0, (1, 1), {"hlo_op": op}), hlo)
+
+    assert cls("mpmd_map.1") == (ps.ATTENTION, ps.FORWARD)
+    assert cls("mpmd_map.2") == (ps.ATTENTION, ps.BACKWARD)
+    assert cls("mpmd_map.3") == (ps.OTHER, ps.FORWARD)
+    assert cls("mpmd_map.4") == (ps.OTHER, ps.OUTSIDE)  # not the optimizer: a kernel of our own
+
+
 # ----------------------------------------------------------------------------- other trace layouts
 
 

@@ -35,6 +35,16 @@ def test_measured_terms_regroup_the_kernels():
                                "memory-bound": 350e-6, "window": 1500e-6})
 
 
+def test_the_optimizer_category_is_memory_bound():
+    """A profile taken without command buffers files the optimizer's kernels under their own
+    category: they had dropped out of the measured memory-bound term (12 ms of the 1b's step)."""
+    s = summary()
+    s["categories"]["optimizer update (outside autodiff)"] = {"us": 2 * 70.0, "count": 2}
+    s["window_us"] += 2 * 70.0
+    m = S.measured(s)
+    assert m["memory-bound"] == pytest.approx(420e-6) and m["window"] == pytest.approx(1570e-6)
+
+
 def test_predicted_terms_are_training_times(tmp_path, capsys):
     terms, flops = S.predicted("tiny", 64, 2, "unrolled", "h200")
     cfg = load_config(ROOT / "configs" / "models" / "tiny.yaml", [
