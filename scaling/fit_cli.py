@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,11 @@ def check_args(args: argparse.Namespace) -> None:
         _floats(args.predict, "--predict")
     if args.out:
         require(not Path(args.out).exists() or Path(args.out).is_dir(), "--out", "a directory (it is an existing file)", args.out)
+    # A separator made the PNGs' folder a missing subfolder of --out: the command failed after
+    # writing fit.json, with an error naming no flag.
+    seps = {"/", os.sep, os.altsep} - {None}
+    require(not any(ch in args.plot_prefix for ch in seps), "--plot-prefix",
+            "a file-name prefix without a path separator (the PNGs go in --out)", args.plot_prefix)
 
 
 def _default_out(results: Path) -> Path:

@@ -32,7 +32,10 @@ HOFFMANN_2022 = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 BESIROGLU_2024 = {"E": 1.82, "A": 482.01, "B": 2085.43, "alpha": 0.3478, "beta": 0.3658}
 
 FLOPS_PER_TOKEN_PER_PARAM = 6.0  # C ≈ 6 N D: forward 2ND + backward 4ND [K20, Sec. 2.1].
+LOG_FLOAT_MAX = math.log(np.finfo(float).max)  # 709.78: e^a past it is inf.
+MAX_K_SPREAD = 100.0  # largest max/min of C/(N D) over the runs read as one set of units.
 MIN_POINTS_PARAMETRIC = 6  # more observations than the five parameters of L(N, D).
+MIN_DISTINCT_PARAMETRIC = 3  # distinct N (and D): E + A/N^alpha has three parameters.
 MIN_POINTS_POWER_LAW = 4  # more observations than the three parameters of E + (X_c/X)^alpha.
 MIN_POINTS_PER_BUDGET = 3  # a parabola has three coefficients.
 
@@ -129,20 +132,21 @@ def _lbfgs_batched(
         if rows.size == 0:
             break
         gr, sh, yh, rh = g[rows], s_hist[rows], y_hist[rows], rho[rows]  # gather once
-        # Two-loop recursion (Nocedal & Wright 2006, Alg. 7.4), one row per start.
-        q = gr.copy()
-        alphas = np.zeros((rows.size, memory))
-        for j in range(memory):
-            a_j = rh[:, j] * np.einsum("kp,kp->k", sh[:, j], q)
-            q -= a_j[:, None] * yh[:, j]
-            alphas[:, j] = a_j
         have = rh[:, 0] > 0
         gnorm = np.linalg.norm(gr, axis=1)
         yy = np.einsum("kp,kp->k", yh[:, 0], yh[:, 0])
+        # Two-loop recursion (Nocedal & Wright 2006, Alg. 7.4), one row per start.
         # Initial Hessian scale s·y / y·y, or a unit-length first step along -g.
         # (rho y.y underflows to 0 when a row has all but converged: gamma is then inf, the
-        # direction non-finite, and the descent check below restarts that row along -g.)
+        # direction non-finite, and the descent check below restarts that row along -g. A row
+        # running off to a huge coefficient overflows the same way, in the first loop too.)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            q = gr.copy()
+            alphas = np.zeros((rows.size, memory))
+            for j in range(memory):
+                a_j = rh[:, j] * np.einsum("kp,kp->k", sh[:, j], q)
+                q -= a_j[:, None] * yh[:, j]
+                alphas[:, j] = a_j
             gamma = np.where(have, 1.0 / np.where(have, rh[:, 0] * yy, 1.0), 1.0 / np.maximum(gnorm, 1e-300))  # [K']
             d = gamma[:, None] * q
             for j in reversed(range(memory)):
@@ -179,7 +183,8 @@ def _lbfgs_batched(
         x[mr] += s_new
         f[mr] = f_new[moved]
         g[mr] = g_new[moved]
-        curv = sy > 1e-12 * np.linalg.norm(s_new, axis=1) * np.linalg.norm(y_new, axis=1)
+        # (s·y below 1/float max, as a row runs off to a huge coefficient, made rho = inf.)
+        curv = (sy > 1e-12 * np.linalg.norm(s_new, axis=1) * np.linalg.norm(y_new, axis=1)) & (sy > 1.0 / np.finfo(float).max)
         cr = mr[curv]
         s_hist[cr, 1:] = s_hist[cr, :-1]
         s_hist[cr, 0] = s_new[curv]
@@ -424,7 +429,7 @@ def group_budgets(c: Any, *, tol_dex: float = 0.02) -> np.ndarray:
     """
     if not tol_dex >= 0:
         raise ValueError(f"tol_dex must be >= 0 decades, got {tol_dex!r}")
-    logc = np.log10(np.asarray(c, dtype=float))
+    logc = np.log10(_as_positive("C", c))  # (a NaN or negative C had joined the first group)
     order = np.argsort(logc, kind="stable")
     labels = np.empty(logc.size, dtype=int)
     label = 0
@@ -445,6 +450,8 @@ def snap_budgets(c: Any, nominal: Sequence[float], *, tol_dex: float = 0.05) -> 
         raise ValueError(f"tol_dex must be >= 0 decades, got {tol_dex!r}")
     logc = np.log10(_as_positive("C", c))
     nom = np.log10(_as_positive("nominal budgets", nominal))
+    if nom.size == 0:
+        raise ValueError("nominal budgets: expected at least one budget, got none")
     dist = np.abs(logc[:, None] - nom[None])
     j = np.argmin(dist, axis=1)
     return np.where(dist[np.arange(logc.size), j] <= tol_dex, 10.0 ** nom[j], np.nan)
@@ -582,8 +589,14 @@ class ChinchillaFit:
 
     @property
     def params_log(self) -> np.ndarray:
-        """[a, b, e, alpha, beta], the optimiser's coordinates."""
-        return np.array([math.log(self.A), math.log(self.B), math.log(self.E), self.alpha, self.beta])
+        """[a, b, e, alpha, beta], the optimiser's coordinates.
+
+        A fit that sends E to 0 (e < -745 underflows e^e, as where the data leave E unidentified)
+        has e = -inf here; math.log(0.0) raised "math domain error"."""
+        def log(v: float) -> float:
+            return math.log(v) if v > 0 else -math.inf
+
+        return np.array([log(self.A), log(self.B), log(self.E), self.alpha, self.beta])
 
     def predict(self, n: Any, d: Any) -> np.ndarray:
         n = np.asarray(n, dtype=float)
@@ -668,6 +681,16 @@ def fit_chinchilla(
         raise ValueError(f"inputs differ in length: N={n.size} D={d.size} loss={loss.size}")
     if n.size < MIN_POINTS_PARAMETRIC:
         raise ValueError(f"the parametric fit needs at least {MIN_POINTS_PARAMETRIC} points, got {n.size}")
+    # E + A/N^alpha takes one value per distinct N: through fewer than three, E, A and alpha are
+    # not determined (likewise E, B, beta and D), and the fit returned an arbitrary one (a
+    # single model size gave alpha = 1.0 with objective 0, and 1e11 tokens per parameter).
+    for name, v in (("N", n), ("D", d)):
+        distinct = np.unique(v)
+        if distinct.size < MIN_DISTINCT_PARAMETRIC:
+            raise ValueError(
+                f"the parametric fit needs at least {MIN_DISTINCT_PARAMETRIC} distinct {name} values, "
+                f"got {distinct.size} ({', '.join(f'{x:g}' for x in distinct)})"
+            )
     _check_huber_delta(huber_delta)
     if not (isinstance(bootstrap, (int, np.integer)) and bootstrap >= 0):
         raise ValueError(f"bootstrap must be a count of resamples >= 0, got {bootstrap!r}")
@@ -678,13 +701,27 @@ def fit_chinchilla(
     logx = np.log(np.stack([n, d]))  # [2, n]
     logy = np.log(loss)
     starts = paper_grid() if starts is None else np.atleast_2d(np.asarray(starts, dtype=float))
+    if starts.ndim != 2 or starts.shape[1] != len(PARAM_NAMES) or starts.shape[0] == 0:  # (numpy's broadcast error named nothing)
+        raise ValueError(f"starts must have shape [K, 5] (rows [a, b, e, alpha, beta], K >= 1), got shape {starts.shape}")
+    if not np.isfinite(starts).all():
+        raise ValueError(f"starts must be finite; row {int(np.flatnonzero(~np.isfinite(starts).all(axis=1))[0])} is not")
     best, fbest, ends, fends = _fit_lse(logx, logy, starts, huber_delta)
+    a, b, e, alpha, beta = (float(v) for v in best)
+    # A coefficient past float range (math.exp raised OverflowError, a traceback from `fit`):
+    # the best fit runs off, as on resamples of the 15-run GPU sweep (A = e^788, alpha = 63),
+    # and L(N, D) has no finite form to report or predict with.
+    over = [f"{name} = e^{v:.4g}" for name, v in (("A", a), ("B", b), ("E", e)) if v > LOG_FLOAT_MAX]
+    if over:
+        raise ValueError(
+            f"the parametric fit runs off: {', '.join(over)} is past float range (alpha = {alpha:.4g}, "
+            f"beta = {beta:.4g}); these {n.size} runs do not determine L(N, D) (more runs, or a wider "
+            "range of N and D, would)"
+        )
 
     ci = samples = None
     if bootstrap > 0:
         samples = _bootstrap(logx, logy, best, ends[_distinct_best(ends, fends, 8)], huber_delta, bootstrap, seed)
         ci = _ci_from_samples(samples, ci_level)
-    a, b, e, alpha, beta = (float(v) for v in best)
     return ChinchillaFit(
         E=math.exp(e),
         A=math.exp(a),
@@ -751,6 +788,9 @@ def compute_optimal(
     c_arr = np.asarray(c, dtype=float)
     if not np.all(np.isfinite(c_arr) & (c_arr > 0)):
         raise ValueError(f"compute budgets C must be finite and positive, got {c!r}")
+    kf = flops_per_token_per_param
+    if not (isinstance(kf, (int, float, np.floating)) and math.isfinite(kf) and kf > 0):  # 0 gave inf, NaN or < 0 gave NaN
+        raise ValueError(f"flops_per_token_per_param (k in C = k N D) must be a finite number > 0 (6 for C = 6ND), got {kf!r}")
     bad = {k: v for k, v in (("A", fit.A), ("B", fit.B), ("alpha", fit.alpha), ("beta", fit.beta)) if not v > 0}
     if bad:
         raise ValueError(
@@ -845,6 +885,22 @@ def _complete(
     d = np.where(np.isnan(d), c / (FLOPS_PER_TOKEN_PER_PARAM * n), d)
     c = np.where(np.isnan(c), FLOPS_PER_TOKEN_PER_PARAM * n * d, c)
     ok = np.isfinite(n) & np.isfinite(d) & np.isfinite(c) & np.isfinite(loss)
+    # k = C/(N D) is the training FLOPs per token per parameter: 6 for the dense part [K20,
+    # Sec. 2.1], 3-6 for a sweep's small models (embedding lookups are free), more with long
+    # contexts. A spread over more than MAX_K_SPREAD is no architecture but units that differ
+    # between rows (tokens in billions, C in PF-days, or a D filled as C/(6N) from such a C);
+    # it was used as it came: Approach 2 grouped and Kaplan's L(C) fitted mismatched C.
+    if ok.any():
+        k = c[ok] / (n[ok] * d[ok])
+        lo, hi = int(np.argmin(k)), int(np.argmax(k))
+        if k[hi] > MAX_K_SPREAD * k[lo]:
+            at = np.flatnonzero(ok)
+            names = "{!r}, {!r} and {!r}".format(*(cols[key][0] for key in ("N", "D", "C")))
+            raise ValueError(
+                f"{source}: columns {names} disagree about units: C/(N D) is {k[lo]:.3g} at "
+                f"{labels[at[lo]]} but {k[hi]:.3g} at {labels[at[hi]]}, more than a factor of "
+                f"{MAX_K_SPREAD:g} apart (training FLOPs are about 6 N D); give every row in the same units"
+            )
     return RunTable(n[ok], d[ok], c[ok], loss[ok], source, None if budget is None else budget[ok], int((~ok).sum()))
 
 
@@ -907,7 +963,15 @@ def _load_sweep(db: Path) -> RunTable:
 
 
 def _read_sweep(db: Path) -> RunTable:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    # Path.as_uri() percent-encodes '?', '#' and '%': pasted into "file:{db}?mode=ro", a
+    # directory named "sweep#2" made SQLite open (and create) a file "sweep" in the cwd.
+    # A store without a -wal or -journal file beside it (no runner writing, none crashed) is
+    # read as immutable: mode=ro on a WAL store created -wal/-shm files next to it, and failed
+    # ("attempt to write a readonly database") where the directory is not writable. With one
+    # (a runner is live), read-only through it, which sees the runner's committed rows.
+    side = [db.with_name(db.name + ext) for ext in ("-wal", "-journal")]
+    mode = "mode=ro" if any(f.exists() for f in side) else "immutable=1"
+    con = sqlite3.connect(f"{db.resolve().as_uri()}?{mode}", uri=True)
     try:
         have = {row[1] for row in con.execute("PRAGMA table_info(points)")}
         if not have:
@@ -919,23 +983,37 @@ def _read_sweep(db: Path) -> RunTable:
         target = "target" if "target" in have else "NULL"
         pid = "id" if "id" in have else "rowid"
         rows = con.execute(
-            f"SELECT n_params, tokens, flops, COALESCE(eval_loss, final_loss), {target}, {pid} "
+            f"SELECT n_params, tokens, flops, eval_loss, final_loss, {target}, {pid} "
             "FROM points WHERE status = 'done' ORDER BY rowid"
         ).fetchall()
     finally:
         con.close()
-    arr = np.array([[_float(v) for v in row[:5]] for row in rows], dtype=float).reshape(-1, 5)
-    ids = [str(row[5]) for row in rows]
+    ids = [str(row[6]) for row in rows]
+    names = ("n_params", "tokens", "flops", "eval_loss", "final_loss", "target")
+    arr = np.empty((len(rows), 6))
+    for i, row in enumerate(rows):
+        for j, name in enumerate(names):
+            try:
+                arr[i, j] = _float(row[j])
+            except (TypeError, ValueError):
+                raise ValueError(f"{db}: column {name!r} holds a non-number at point {ids[i]}: {row[j]!r}") from None
+    # One kind of loss for every run: the held-out eval loss where the store has any, else the
+    # train loss. Filling a missing eval loss with the train loss (the mean over the last
+    # logging window, 0.01-0.4 above the eval loss on docs/results/sweep_isoflop_gpu_v2) made
+    # that run an outlier of up to 10% in a fit whose residuals are ~1%; such a run is now a
+    # missing value, left out and counted.
+    use_eval = bool(np.isfinite(arr[:, 3]).any())
+    loss_name, loss = ("eval_loss", arr[:, 3]) if use_eval else ("final_loss", arr[:, 4])
     # IsoFLOP points (ids `C<budget>-L<depth>-s<seed>`) record the budget they were planned
     # for as `target`; the C they used differs by up to half a step, which for short runs is
     # more than the spacing `group_budgets` chains over, so the fitter groups by the target.
     isoflop = np.array([i.startswith("C") for i in ids], dtype=bool)
-    budget = np.where(isoflop, arr[:, 4], np.nan)
+    budget = np.where(isoflop, arr[:, 5], np.nan)
     cols = {
         "N": ("n_params", arr[:, 0]),
         "D": ("tokens", arr[:, 1]),
         "C": ("flops", arr[:, 2]),
-        "loss": ("eval_loss/final_loss", arr[:, 3]),
+        "loss": (loss_name, loss),
     }
     labels = [f"point {i}" for i in ids]
     return _complete(cols, labels, str(db), budget if np.isfinite(budget).any() else None)
@@ -947,8 +1025,9 @@ def load_results(path: str | Path) -> RunTable:
     CSV: columns (case-insensitive) N | n_params | params | Model Size; D | tokens | Training Tokens
     and/or C | flops | Training FLOP; eval_loss | loss | final_loss. A missing D is C/(6N), a
     missing C is 6ND (the Chinchilla CSV gives C, so D = C/(6N) as in [B24]).
-    Sweep store: table `points`, rows with status 'done', loss = eval_loss, else final_loss;
-    `budget` holds the IsoFLOP points' `target`.
+    Sweep store: table `points`, rows with status 'done'; loss = eval_loss if any row has one
+    (a row without one is then a missing value), else final_loss for every row; `budget` holds
+    the IsoFLOP points' `target`.
 
     Rows with a missing N or loss, or neither D nor C, are left out and counted in `n_skipped`;
     a value that is present but not finite and positive is an error naming its column and row.
@@ -989,6 +1068,8 @@ def make_plots(
     the residuals plot says so. `reference` = (label, fit) adds a published law to the
     allocation plot. Allocations use the runs' own C = k N D (`flops_per_token_per_param`),
     so the curves sit on the same compute axis as the runs. Returns the written paths."""
+    if not isinstance(out_dir, (str, Path)) or not str(out_dir):  # (None: pathlib's TypeError named no argument)
+        raise ValueError(f"make_plots: out_dir must be the directory for the PNGs (a str or Path), got {out_dir!r}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1059,6 +1140,10 @@ def make_plots(
                 label=f"power law on frontier: E + (C_c/C)^{compute_fit.alpha:.3f}")
     if fit is not None:
         ax.axhline(fit.E, color="C0", ls=":", lw=1, label=f"E = {fit.E:.3f}")
+    # One budget (C equal to rounding): autoscaling a log axis over it warned "identical low and high xlims".
+    one_budget = c_hi < 1.01 * c_lo
+    if one_budget:
+        ax.set_xlim(c_lo / 2, c_hi * 10)  # (the curves above span c_lo ... 10 c_hi)
     ax.set_xscale("log")
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("final loss")
@@ -1112,6 +1197,8 @@ def make_plots(
     axes[0].axhline(0, color="k", lw=0.8)
     for sgn in (-1, 1):
         axes[0].axhline(sgn * fit.huber_delta, color="0.5", lw=0.8, ls=":")
+    if one_budget:
+        axes[0].set_xlim(c_lo / 2, c_hi * 2)
     axes[0].set_xscale("log")
     axes[0].set_xlabel("training compute C (FLOPs)")
     axes[0].set_ylabel("log L - log L̂")

@@ -207,7 +207,8 @@ def test_load_results_sweep_store(tmp_path: Path) -> None:
     )
     rows = [
         (1e6, 2e7, 1.2e14, 4.0, 3.9, "done"),
-        (2e6, 4e7, None, 3.5, None, "done"),  # no eval: final loss; no flops: 6ND
+        (2e6, 4e7, None, 3.5, 3.4, "done"),  # no flops: 6ND
+        (3e6, 5e7, 9e14, 3.3, None, "done"),  # no eval where others have one: missing, not the train loss
         (4e6, None, 9.6e14, 3.2, 3.1, "done"),  # no tokens: C/(6N)
         (8e6, 1e8, 4.8e15, 3.0, 2.9, "running"),
         (8e6, 1e8, 4.8e15, None, None, "failed"),
@@ -216,8 +217,8 @@ def test_load_results_sweep_store(tmp_path: Path) -> None:
     con.commit()
     con.close()
     runs = sl.load_results(tmp_path)
-    assert len(runs) == 3
-    np.testing.assert_allclose(runs.loss, [3.9, 3.5, 3.1])
+    assert len(runs) == 3 and runs.n_skipped == 1
+    np.testing.assert_allclose(runs.loss, [3.9, 3.4, 3.1])
     np.testing.assert_allclose(runs.c, [1.2e14, 6 * 2e6 * 4e7, 9.6e14])
     np.testing.assert_allclose(runs.d, [2e7, 4e7, 9.6e14 / (6 * 4e6)])
 
