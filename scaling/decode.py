@@ -947,12 +947,114 @@ def _cache_dtype(cache_dtype, compute_dtype) -> jnp.dtype:
     return dt
 
 
+def check_decoder_options(*, max_batch=None, max_len=None, chunk=DEFAULT_CHUNK, min_batch=None,
+                          layers="auto", megakernel_short_reach=MEGAKERNEL_SHORT_REACH,
+                          prefill_tokens=PREFILL_TOKENS, sampler="auto") -> None:
+    """Decoder's options that need no model, checked (ValueError naming the option and what it
+    may be). Apart from the Decoder so that a CLI can check its flags before it loads a model."""
+    # (a float had been taken as a bound, 0 refused every call with "1 prompts exceed the batch")
+    if max_batch is not None and (not _is_int(max_batch) or max_batch < 1):
+        raise ValueError(f"{max_batch=} must be an int >= 1, or None (any batch)")
+    if max_len is not None and (not _is_int(max_len) or max_len < 1):
+        raise ValueError(f"{max_len=} must be an int >= 1")
+    if not _is_int(chunk) or chunk < 1:  # (a float failed inside the trace)
+        raise ValueError(f"{chunk=} must be an int >= 1")
+    if min_batch is not None and (not _is_int(min_batch) or min_batch < 1 or min_batch & (min_batch - 1)):
+        raise ValueError(f"{min_batch=} must be a power of two >= 1")
+    try:
+        DecodeLayerImpl(layers)
+    except ValueError:
+        raise ValueError(f"layers={layers!r}: allowed {[x.value for x in DecodeLayerImpl]}") from None
+    # (_is_int: True had been taken as 1, and numpy's ints refused)
+    if not _is_int(megakernel_short_reach) or megakernel_short_reach < 0:
+        raise ValueError(f"megakernel_short_reach must be an int >= 0 (0: off), got {megakernel_short_reach!r}")
+    if not _is_int(prefill_tokens) or prefill_tokens < 1:
+        raise ValueError(f"prefill_tokens must be an int >= 1, got {prefill_tokens!r}")
+    if not isinstance(sampler, str) or sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+
+
+def check_sampling(max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0, *, vocab_size=None) -> None:
+    """A call's numbers checked (ValueError naming the argument and its range). vocab_size None
+    leaves top_k's upper bound to the call (a CLI checks its flags before the model loads)."""
+    # (a float would have run int(max_new_tokens) steps; a float top_k failed inside the compile)
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    # (NaN would sample from NaN logits; inf makes every logit 0, so top-k and top-p keep everything)
+    if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1 or (vocab_size is not None and top_k > vocab_size)):
+        raise ValueError(f"top_k={top_k!r} must be an int in [1, vocab_size"
+                         + (f"={vocab_size}]" if vocab_size is not None else "]"))
+    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    # (JAX's key(seed) keeps a seed's low 32 bits: 2**32 would draw what 0 draws, -1 what 2**32 - 1 does)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def check_call(vocab_size: int, max_batch: int | None, prompts, max_new_tokens, temperature=0.0, top_k=None,
+               top_p=None, max_len=None, seed=0, stop_tokens=()) -> dict:
+    """Every error a call can make, raised before anything compiles. Returns _stream's arguments:
+    the prompts as a list of rows, the numbers as Python's, the stop ids, max_len resolved."""
+    v = vocab_size
+    if isinstance(prompts, (np.ndarray, jax.Array)):  # a [prompts, tokens] array of equal-length prompts
+        if prompts.ndim != 2:
+            raise ValueError(f"prompts as an array must be 2-D [prompts, tokens], got shape {tuple(prompts.shape)}")
+        prompts = list(np.asarray(prompts))
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if max_batch is not None and len(prompts) > max_batch:
+        raise ValueError(f"{len(prompts)} prompts exceed the batch this decoder was built for "
+                         f"(max_batch={max_batch})")
+    longest = 0
+    for i, p in enumerate(prompts):
+        if _is_int(p):
+            raise ValueError("prompts must be a list of token-id lists, one per prompt, not a flat list of ids "
+                             "(one prompt is [ids])")
+        try:
+            arr = np.asarray(p)
+        except ValueError:  # (ragged nesting)
+            arr = np.asarray(None)
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+        if arr.size == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        bad = arr[(arr < 0) | (arr >= v)]
+        if bad.size:
+            raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, {v})")
+        longest = max(longest, arr.size)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed, vocab_size=v)
+    if stop_tokens is None:  # (as transformers' eos_token_id=None: no stop tokens)
+        stop_tokens = ()
+    # (checked here, not when the generator first runs: an int had raised a TypeError there)
+    if _is_int(stop_tokens) or isinstance(stop_tokens, (str, bytes)):
+        raise ValueError(f"stop_tokens must be a list of token ids, got {stop_tokens!r} (one id is [id])")
+    try:
+        stop = list(stop_tokens)
+    except TypeError:
+        raise ValueError(f"stop_tokens must be a list of token ids, got {type(stop_tokens).__name__}") from None
+    for x in stop:
+        if not _is_int(x):
+            raise ValueError(f"stop_tokens must be integer token ids, got {x!r}")
+    stop = sorted({int(x) for x in stop if 0 <= x < v})  # (an id outside the vocabulary is never drawn)
+    if max_len is not None and (not _is_int(max_len) or max_len < 1):
+        raise ValueError(f"max_len={max_len!r} must be an int >= 1")
+    if max_len is None:
+        max_len = _round_up(longest + int(max_new_tokens), LEN_BUCKET)
+    if longest > max_len:
+        raise ValueError(f"a prompt of {longest} tokens is longer than the cache (max_len={max_len})")
+    return dict(prompts=prompts, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
+                seed=int(seed), stop_tokens=stop, max_len=int(max_len))
 
 
 @dataclasses.dataclass
@@ -1024,9 +1126,9 @@ class Decoder:
         self.cfg = model.cfg
         self.dtype = model.compute_dtype
         self.cache_dtype = _cache_dtype(cache_dtype, self.dtype)
-        # (a float had been taken as a bound, 0 refused every call with "1 prompts exceed the batch")
-        if max_batch is not None and (not _is_int(max_batch) or max_batch < 1):
-            raise ValueError(f"{max_batch=} must be an int >= 1, or None (any batch)")
+        check_decoder_options(max_batch=max_batch, max_len=max_len, chunk=chunk, min_batch=min_batch, layers=layers,
+                              megakernel_short_reach=megakernel_short_reach, prefill_tokens=prefill_tokens,
+                              sampler=sampler)
         self.max_batch = max_batch
         self.max_len = max_len
         self.attn_impl = resolve_decode_impl(attention, self.cfg)
@@ -1038,17 +1140,9 @@ class Decoder:
         prefill_core = resolve_impl(self.core_impl, seq_len=max_len, head_dim=self.cfg.resolved_head_dim, dtype=self.dtype)
         if jnp.dtype(self.dtype) == jnp.float32 and prefill_core == AttentionImpl.cudnn:
             self.core_impl = AttentionImpl.xla  # cuDNN's fused attention takes only 16-bit inputs
-        if not _is_int(chunk) or chunk < 1:  # (a float failed inside the trace)
-            raise ValueError(f"{chunk=} must be an int >= 1")
-        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be an int >= 1, got {prefill_tokens!r}")
-        self.prefill_tokens = prefill_tokens
-        if sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        self.prefill_tokens = int(prefill_tokens)
         self.sampler = sampler
         self.chunk = chunk
-        if min_batch is not None and (not _is_int(min_batch) or min_batch < 1 or min_batch & (min_batch - 1)):
-            raise ValueError(f"{min_batch=} must be a power of two >= 1")
         gpu = jax.default_backend() == "gpu"
         self.min_batch = min_batch if min_batch is not None else (GPU_MIN_BATCH if gpu else 1)  # XLA steps
         self.pallas_min_batch = min_batch if min_batch is not None else PALLAS_MIN_BATCH
@@ -1071,9 +1165,7 @@ class Decoder:
             raise ValueError(f"megakernel_options set the megakernel's plan: they need layers='megakernel', got "
                              f"layers={self.layer_impl.value!r}")
         self.mk_options = parse_megakernel_options(megakernel_options)
-        if not isinstance(megakernel_short_reach, int) or megakernel_short_reach < 0:
-            raise ValueError(f"megakernel_short_reach must be an int >= 0 (0: off), got {megakernel_short_reach!r}")
-        self.short_reach = megakernel_short_reach
+        self.short_reach = int(megakernel_short_reach)
         if self.mk_options:
             try:
                 megakernel_plan(self.cfg, MEGAKERNEL_CHECK_LEN, self.mk_options).check()
@@ -1091,8 +1183,6 @@ class Decoder:
         self.pallas_max_batch = {DecodeLayerImpl.pallas: PALLAS_MAX_BATCH, DecodeLayerImpl.pallas_tma: decode_tma.ROWS,
                                  DecodeLayerImpl.auto: AUTO_PALLAS_MAX_BATCH}.get(self.layer_impl, 0)
         self.gemv_blocks = gemv_blocks
-        if max_len is not None and (not _is_int(max_len) or max_len < 1):
-            raise ValueError(f"{max_len=} must be an int >= 1")
         self.weights = prepare_weights(model, self.dtype, rows=self.pallas_max_batch > 0 or self.megakernel)
         # auto: batch-1 steps on the megakernel on a Hopper GPU, unless auto_megakernel_reason says why not
         self.auto_megakernel_reason = None
@@ -1148,70 +1238,8 @@ class Decoder:
     # ---------------------------------------------------------------- validation
 
     def _check(self, prompts, max_new_tokens, temperature, top_k, top_p, max_len, seed=0, stop_tokens=()) -> dict:
-        """Every error a call can make, raised before anything compiles. Returns _stream's arguments:
-        the prompts as a list of rows, the numbers as Python's, the stop ids, max_len resolved."""
-        v = self.cfg.vocab_size
-        if isinstance(prompts, (np.ndarray, jax.Array)):  # a [prompts, tokens] array of equal-length prompts
-            if prompts.ndim != 2:
-                raise ValueError(f"prompts as an array must be 2-D [prompts, tokens], got shape {tuple(prompts.shape)}")
-            prompts = list(np.asarray(prompts))
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of token-id lists")
-        if self.max_batch is not None and len(prompts) > self.max_batch:
-            raise ValueError(f"{len(prompts)} prompts exceed the batch this decoder was built for "
-                             f"(max_batch={self.max_batch})")
-        longest = 0
-        for i, p in enumerate(prompts):
-            if _is_int(p):
-                raise ValueError("prompts must be a list of token-id lists, one per prompt, not a flat list of ids "
-                                 "(one prompt is [ids])")
-            try:
-                arr = np.asarray(p)
-            except ValueError:  # (ragged nesting)
-                arr = np.asarray(None)
-            if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-                raise ValueError(f"prompt {i} must be a flat list of integer token ids")
-            if arr.size == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            bad = arr[(arr < 0) | (arr >= v)]
-            if bad.size:
-                raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, {v})")
-            longest = max(longest, arr.size)
-        # (a float would have run int(max_new_tokens) steps; a float top_k failed inside the compile)
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-        # (NaN would sample from NaN logits; inf makes every logit 0, so top-k and top-p keep everything)
-        if not _is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)")
-        if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= v):
-            raise ValueError(f"top_k={top_k!r} must be an int in [1, vocab_size={v}]")
-        if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
-            raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
-        # (JAX's key(seed) keeps a seed's low 32 bits: 2**32 would draw what 0 draws, -1 what 2**32 - 1 does)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
-        if stop_tokens is None:  # (as transformers' eos_token_id=None: no stop tokens)
-            stop_tokens = ()
-        # (checked here, not when the generator first runs: an int had raised a TypeError there)
-        if _is_int(stop_tokens) or isinstance(stop_tokens, (str, bytes)):
-            raise ValueError(f"stop_tokens must be a list of token ids, got {stop_tokens!r} (one id is [id])")
-        try:
-            stop = list(stop_tokens)
-        except TypeError:
-            raise ValueError(f"stop_tokens must be a list of token ids, got {type(stop_tokens).__name__}") from None
-        for x in stop:
-            if not _is_int(x):
-                raise ValueError(f"stop_tokens must be integer token ids, got {x!r}")
-        stop = sorted({int(x) for x in stop if 0 <= x < v})  # (an id outside the vocabulary is never drawn)
-        if max_len is not None and (not _is_int(max_len) or max_len < 1):
-            raise ValueError(f"max_len={max_len!r} must be an int >= 1")
-        if max_len is None:
-            max_len = _round_up(longest + int(max_new_tokens), LEN_BUCKET)
-        if longest > max_len:
-            raise ValueError(f"a prompt of {longest} tokens is longer than the cache (max_len={max_len})")
-        return dict(prompts=prompts, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                    top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
-                    seed=int(seed), stop_tokens=stop, max_len=int(max_len))
+        return check_call(self.cfg.vocab_size, self.max_batch, prompts, max_new_tokens, temperature, top_k, top_p,
+                          max_len, seed, stop_tokens)
 
     # ------------------------------------------------------------------ decoding
 
@@ -1373,6 +1401,9 @@ def generate(
     Greedy when temperature == 0. A row stops after a stop token (included in its output),
     after max_new_tokens, or when its cache (max_len, default prompt + new tokens) is full.
     """
+    # (the call's arguments before the Decoder re-lays the weights out: that had come first)
+    check_call(model.cfg.vocab_size, None, prompts, max_new_tokens, temperature, top_k, top_p, max_len, seed,
+               stop_tokens)
     dec = Decoder(model, max_len=max_len)
     out = dec.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                        stop_tokens=stop_tokens)

@@ -21,7 +21,12 @@ class _HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(path))
+        from scaling.interop.hf import HFFormatError
+
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception (had been a traceback)
+            raise HFFormatError(f"{path}: cannot read it as a tokenizers file ({e})") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
@@ -63,8 +68,9 @@ def load_hf_dir(d: Path):
 
     if not (d / "tokenizer.json").exists():
         raise FileNotFoundError(f"{d} has no tokenizer.json (the fast-tokenizer file); cannot encode the prompt")
+    tok, stop = _HFTokenizer(d / "tokenizer.json"), _hf_stop_ids(d)  # (their errors before the weights load)
     cfg, model = hf.load(d)
-    return model, _HFTokenizer(d / "tokenizer.json"), _hf_stop_ids(d)
+    return model, tok, stop
 
 
 def load_run_dir(d: Path, step: int | None = None):
@@ -77,7 +83,11 @@ def load_run_dir(d: Path, step: int | None = None):
     cfg = load_config(d / "config.yaml")
     if not (d / "tokenizer.json").exists():
         raise FileNotFoundError(f"{d} has no tokenizer.json")
-    tok = load_tokenizer(d / "tokenizer.json")
+    try:
+        tok = load_tokenizer(d / "tokenizer.json")
+    except Exception as e:  # noqa: BLE001 - json's errors, a JSON list's AttributeError, tokenizers' bare Exception
+        # (had been a traceback, or json's message naming no file)
+        raise ValueError(f"{d / 'tokenizer.json'}: cannot read it as a tokenizer ({type(e).__name__}: {e})") from None
     try:
         params = checkpoint.load_params(d, cfg.model, step=step)
     except checkpoint.CheckpointError as e:
@@ -123,13 +133,40 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flags(args) -> None:
+    """ValueError naming the flag whose value decode would refuse, raised before the model loads
+    (it had come after: minutes for a large model to learn of --max-new-tokens 0). --top-k's
+    upper bound, the vocabulary, is checked once the model is there."""
+    from scaling import decode
+
+    checks = (
+        ("--max-new-tokens", lambda: decode.check_sampling(args.max_new_tokens)),
+        ("--temperature", lambda: decode.check_sampling(1, temperature=args.temperature)),
+        ("--top-k", lambda: decode.check_sampling(1, top_k=args.top_k)),
+        ("--top-p", lambda: decode.check_sampling(1, top_p=args.top_p)),
+        ("--seed", lambda: decode.check_sampling(1, seed=args.seed)),
+        ("--max-len", lambda: decode.check_decoder_options(max_len=args.max_len)),
+        ("--chunk", lambda: decode.check_decoder_options(chunk=args.chunk)),
+        ("--layers", lambda: decode.check_decoder_options(layers=args.layers)),
+        ("--sampler", lambda: decode.check_decoder_options(sampler=args.sampler)),
+        ("--prefill-tokens", lambda: args.prefill_tokens is None
+         or decode.check_decoder_options(prefill_tokens=args.prefill_tokens)),
+    )
+    for flag, check in checks:
+        try:
+            check()
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from scaling import decode
 
     try:
+        check_flags(args)
         model, tok, stop = load_any(args.checkpoint, args.step)
-    except (FileNotFoundError, ValueError, ConfigError) as e:
+    except (OSError, ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = [tok.encode(p) for p in args.prompt]
@@ -163,16 +200,24 @@ def main(argv: list[str] | None = None) -> int:
             head = tok.decode(prompts[0])
             items_stream = dec.stream(prompts, args.max_new_tokens, **kw)  # (bad arguments raise here)
             sys.stdout.write(args.prompt[0])
-            for items in items_stream:
-                for _, toks, _ in items:
-                    new += toks
-                text = continuation(tok, prompts[0], [t for t in new if t not in stop], head)
-                # Hold back a trailing partial UTF-8 character until its remaining bytes arrive.
-                ready = text[: len(text) - 1] if text.endswith("\ufffd") else text
-                if ready.startswith(shown):
-                    sys.stdout.write(ready[len(shown):])
-                    shown = ready
+            try:
+                for items in items_stream:
+                    for _, toks, _ in items:
+                        new += toks
+                    text = continuation(tok, prompts[0], [t for t in new if t not in stop], head)
+                    # Hold back a trailing partial UTF-8 character until its remaining bytes arrive:
+                    # every trailing U+FFFD, as a byte-fallback decoder (Llama 2's) gives one per byte
+                    # (holding back one had printed the first of two, and the character was lost).
+                    ready = text.rstrip("\ufffd")
+                    if ready.startswith(shown):
+                        sys.stdout.write(ready[len(shown):])
+                        shown = ready
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                # Ctrl-C: end the streamed line (the caller's "interrupted" had run on after the text).
+                sys.stdout.write("\n")
                 sys.stdout.flush()
+                raise
             text = continuation(tok, prompts[0], [t for t in new if t not in stop], head)
             sys.stdout.write(text[len(shown):] + "\n")
             dt = time.perf_counter() - t0

@@ -62,6 +62,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
             return {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, TypeError, ValueError) as e:
         raise HFFormatError(f"{path}: cannot read safetensors: {e}") from None
+    except AttributeError as e:  # (numpy has no such dtype: an FP8 checkpoint's F8_E4M3 had been a traceback)
+        raise HFFormatError(f"{path}: holds tensors of a dtype numpy cannot read ({e}); allowed: F16, BF16, F32 "
+                            "(a quantized checkpoint?)") from None
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
@@ -142,10 +145,16 @@ def config_from_hf(hf: dict, *, param_dtype: DType | None = None) -> ModelConfig
     arch = hf.get("architectures") or []
     model_type = hf.get("model_type", "llama")
     if model_type not in ("llama", "mistral") and not any("Llama" in a for a in arch):
-        raise HFFormatError(f"model_type={model_type!r} is not a Llama-family model")
+        raise HFFormatError(f"model_type={model_type!r} is not a Llama-family model; allowed: 'llama', 'mistral'")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise HFFormatError(f"{flag}=true is not supported (our Llama has no biases)")
+            raise HFFormatError(f"{flag}={json.dumps(hf[flag])} is not supported (our Llama has no biases); "
+                                "allowed: false")
+    # (the weights are codes and scales the model would read as weights: an int8 or fp8 checkpoint)
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise HFFormatError(f"quantization_config (quant_method={method!r}): quantized checkpoints are not supported; "
+                            "allowed: none (float16, bfloat16 or float32 weights)")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFFormatError(f"hidden_act={hf['hidden_act']!r}: only silu (SwiGLU) is supported")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -304,7 +313,7 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _unused_ok(name: str, cfg: ModelConfig) -> bool:
     """Tensors a checkpoint may hold that the model rightly does not read: RoPE's inverse
     frequencies (older saves keep the buffer; ours follow from the config) and, with tied
-    embeddings, lm_head.weight (transformers ties it to the embedding too, not reading it)."""
+    embeddings, lm_head.weight equal to the embedding (check_hf_tensors refuses one that differs)."""
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
@@ -312,10 +321,20 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+def _same(a, b, rows: int = 8192) -> bool:
+    """Equal shapes and values, compared a block of rows at a time (a vocabulary-sized
+    comparison at once would hold a bool per element: 0.5 GB for a 128k x 4k embedding)."""
+    if a is b:
+        return True
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))
+
+
 def check_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
     """HFFormatError naming the tensors that are missing, have another shape than config.json
-    gives them, or would not be read (more layers than num_hidden_layers, biases): each would
-    load a model that computes something other than the checkpoint's."""
+    gives them, or would not be read (more layers than num_hidden_layers, biases), and a tied
+    config's lm_head.weight that is not the embedding: each would load a model that computes
+    something other than the checkpoint's."""
     want = hf_tensor_shapes(cfg)
     missing = [name for name in want if name not in tensors]
     if missing:
@@ -337,6 +356,14 @@ def check_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
     if extra:
         raise HFFormatError(f"tensors the model would not read (config.json: {cfg.num_layers} layers, no biases): "
                             f"{_names(extra)}")
+    # Tied, with a head that is not the embedding: transformers 5.24 then leaves the two untied (it
+    # warns), 4.x ties them into one; we had taken the embedding silently. config.json must say which.
+    head, embed = tensors.get("lm_head.weight"), tensors["model.embed_tokens.weight"]
+    if cfg.tie_embeddings and head is not None and not _same(head, embed):
+        raise HFFormatError("tie_word_embeddings=true, but lm_head.weight is not model.embed_tokens.weight "
+                            "(transformers 5 loads the two untied, 4.x ties them into one); allowed: "
+                            "tie_word_embeddings=false in config.json to load the head, or a checkpoint without "
+                            "lm_head.weight (or with it equal) to tie them")
 
 
 def _stack(tensors, names):
@@ -347,6 +374,11 @@ def params_from_hf(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
     """HF tensors -> our parameter pytree (numpy, the checkpoint's dtype); HFFormatError where the
     tensors are not those of cfg (check_hf_tensors)."""
     d, n, k, h, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if cfg.tie_embeddings and embed not in tensors and head in tensors:
+        # A tied checkpoint that keeps the one matrix under the head's name: transformers 5 loads it
+        # (tying fills the embedding from it); it had been refused as missing its embedding.
+        tensors = {**tensors, embed: tensors[head]}
     check_hf_tensors(cfg, tensors)
 
     def get(name):
