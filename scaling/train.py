@@ -721,6 +721,10 @@ def train(cfg: Config, run_dir: str | None = None, *, config_path: str | None = 
     maybe_initialize(cfg.mesh)
     is_main = jax.process_index() == 0
     log = log or (lambda msg: print(msg, flush=True) if is_main else None)
+    if run_dir is not None and not str(run_dir).strip():
+        # `--run_dir=$DIR` with DIR unset: a fresh run under a default name would silently not
+        # resume the run the caller meant (config files refuse an empty run_dir alike).
+        raise ConfigError("--run_dir: must not be empty (leave it out for runs/<config name>-<timestamp>)")
     run_dir_path = Path(run_dir or cfg.run_dir or default_run_dir(config_path))
     created = not run_dir_path.exists()
     try:

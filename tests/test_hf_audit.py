@@ -289,3 +289,18 @@ def test_cli_names_a_run_directorys_unreadable_tokenizer(tmp_path, capsys, monke
     monkeypatch.setattr(checkpoint, "load_params", no_read)
     assert main(["--checkpoint", str(tmp_path), "--prompt", "a"]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'tokenizer.json'}: cannot read it as a tokenizer (")
+
+
+def test_save_given_a_whole_config_names_the_argument(tmp_path):
+    """`save(cfg, model, path)` with the whole Config (the README had shown it so) failed with
+    "'Config' object has no attribute 'vocab_size'" from deep inside; it now says to pass .model,
+    before anything is written."""
+    from scaling.config import load_config
+
+    cfg = load_config(None, ["--model.num_layers=1", "--model.hidden_size=32", "--model.num_heads=2",
+                             "--model.num_kv_heads=1", "--model.mlp_dim=64", "--model.vocab_size=300"])
+    with pytest.raises(TypeError, match=r"model_config: got a whole Config; pass its \.model"):
+        hf.save_params(cfg, {}, tmp_path / "out")
+    with pytest.raises(TypeError, match="model_config: takes a ModelConfig, got dict"):
+        hf.save_params({"vocab_size": 300}, {}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

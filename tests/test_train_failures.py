@@ -307,3 +307,14 @@ def test_remat_names_under_a_policy_that_ignores_them_is_said(tmp_path, capsys):
         in capsys.readouterr().out
     assert main(argv[:-2] + ["--run_dir", str(tmp_path / "run2"), "--remat.policy=names", "--remat.names=[query_proj]"]) == 0
     assert "remat.names" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", ["", "  "])
+def test_an_empty_run_dir_flag_is_refused_not_a_fresh_run(tmp_path, monkeypatch, capsys, given):
+    """`--run_dir=$DIR` with DIR unset had trained a fresh run under runs/<name>-<timestamp>
+    (the empty string read as "not given") instead of resuming the one meant; a config file's
+    empty run_dir was already refused."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", TINY, f"--run_dir={given}", *SMALL, "--train.steps=1"]) == 2
+    assert "--run_dir: must not be empty" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from scaling.config import AttentionConfig, DType, ModelConfig
+from scaling.config import AttentionConfig, Config, DType, ModelConfig
 from scaling.model import Transformer
 
 # The dtypes weights are held and saved in (ModelConfig's param_dtype, less "auto").
@@ -495,6 +495,15 @@ def save(model_config: ModelConfig, model: Transformer, path: str | os.PathLike,
     return save_params(model_config, params, path, dtype=dtype, tokenizer=tokenizer)
 
 
+def _check_model_config(model_config) -> None:
+    """A whole `Config` (or anything else) in place of its `.model` had failed on an attribute
+    deep inside: name the argument and what it takes."""
+    if isinstance(model_config, Config):
+        raise TypeError("model_config: got a whole Config; pass its .model (a ModelConfig), e.g. save(cfg.model, model, path)")
+    if not isinstance(model_config, ModelConfig):
+        raise TypeError(f"model_config: takes a ModelConfig, got {type(model_config).__name__}")
+
+
 def _check_params_match(cfg: ModelConfig, params: dict) -> None:
     """ValueError naming the parameters that a model of `cfg` lacks, has no place for, or holds in
     another shape. A config other than the model's had been written beside its weights: 4 heads of
@@ -513,6 +522,7 @@ def _check_params_match(cfg: ModelConfig, params: dict) -> None:
 def save_params(model_config: ModelConfig, params: dict, path: str | os.PathLike, *, dtype=None,
                 tokenizer=None) -> Path:
     """`save` from a pure dict of params (a checkpoint's, `scaling.checkpoint.load_params`)."""
+    _check_model_config(model_config)
     path = Path(path)
     if tokenizer is not None:
         tokenizer = _as_tokenizer(tokenizer)
