@@ -16,8 +16,9 @@ backward kernel (the SwiGLU product under `dots`), which then counts as backward
   matmul, attention (custom calls: our Pallas/Mosaic kernels), optimizer (outside autodiff),
   loss/head/embedding (a vocab-sized result or operand, the embedding's gather and scatter), weights
   (casts, slices and gradient conversions: no activation among the kernel's result and
-  operands), scan stacks (zero-filling broadcasts, dynamic-update-slices), memsets, layer
-  forward, layer backward, recomputed forward.
+  operands), scan stacks (zero-filling broadcasts, dynamic-update-slices), copies the trace
+  names no op for (XLA's memcpys in a scanned step), memsets, layer forward, layer backward,
+  recomputed forward.
 Beside them, the accounting's terms at the hardware table's rates (--hardware).
 """
 
@@ -37,7 +38,7 @@ MATMUL = re.compile(r"^(nvjet|sm90_xmma|cutlass|gemm_fusion|.*cublas)", re.I)
 INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(\(?[^\s]+)\s+([\w\-$]+)\(.*?(?:op_name=\"([^\"]*)\")?", re.M)
 
 GROUPS = ("matmul", "attention", "layer forward", "layer backward", "recomputed forward", "weights",
-          "loss/head/embedding", "optimizer", "scan stacks", "memsets")
+          "loss/head/embedding", "optimizer", "scan stacks", "copies (no HLO op)", "memsets")
 # accounting.training_time's traffic terms that each memory-bound group stands for
 TERMS = {
     "layer forward": ("layer elementwise forward",),
@@ -108,6 +109,8 @@ def group_of(kernel: str, op: list | None, batch: int, seq: int, vocab: int) -> 
     types = [rtype, *operands]
     if kernel.startswith("Memset"):
         return "memsets"
+    if op is None and kernel.lower().startswith("memcpy"):
+        return "copies (no HLO op)"  # a scanned step's: 130 a step on the 1b, 5 ms
     if MATMUL.match(kernel) or "gemm" in opcode:
         return "matmul"
     if opcode == "custom-call" or "mosaic" in kernel:

@@ -52,6 +52,7 @@ def write_profile(tmp_path, steps=2):
         ("loop_multiply_fusion_1", "again", 5), ("loop_multiply_fusion_2", "bwd", 7), ("input_reduce_fusion_1", "lse", 2),
         ("loop_multiply_fusion_3", "head", 6), ("loop_multiply_fusion_4", "adam", 9), ("anonymous_mosaic_gpu_kernel", "mpmd_map", 30),
         ("nvjet_sm90_tst_128x128", "custom-call.1", 50), ("Memset 3", "", 1), ("loop_broadcast_fusion", "zeros", 8),
+        ("MemcpyD2D", "", 11),
     ]
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -83,6 +84,7 @@ def test_groups_by_hand(tmp_path):
         "matmul": 50,
         "memsets": 1,
         "scan stacks": 8,
+        "copies (no HLO op)": 11,  # not the optimizer's, whose op names are outside autodiff
     })
 
 
