@@ -8,7 +8,10 @@ For each preset (configs/models/) at --tokens tokens (batch x sequence) it times
 backward (x @ W, dx, dW) in one compiled program:
   - layer: the seven projections of a layer (q, k, v, o, gate, up, down), the matmuls that
     `accounting.training_time` divides by the matmul rate;
-  - head: the output projection [tokens, D] x [D, V] (bf16 in and out, as the chunked loss runs it).
+  - head: the output projection [tokens, D] x [D, V] (bf16 in and out, as the chunked loss runs it);
+  - f32 head backward: the one-pass loss's dx = dlogits W^T and dW = x^T dlogits, whose f32 logit
+    gradients promote the bf16 side to f32 (TF32 tensor cores, XLA's default precision on the GPU):
+    the matmuls `accounting.training_time` divides by the f32 rate (`hardware.f32_matmul_fraction`).
 Each rate is FLOPs / the median of 5 batches of --reps calls queued back to back. The question
 it answers: does one rate (`hardware.matmul_fraction`, from the square) price every model's
 matmuls, or do small models' thin matmuls run slower (docs/benchmarks.md)?
@@ -56,6 +59,20 @@ def fwd_bwd_rate(shapes: list[tuple[int, int]], tokens: int, reps: int) -> float
     return sum(6 * tokens * i * o for i, o in shapes) / seconds_per_call(lambda: run(xs, ws, cts), reps)
 
 
+def head_f32_backward_rate(hidden: int, vocab: int, tokens: int, reps: int) -> float:
+    """FLOP/s of the one-pass loss's output-head backward: f32 [tokens, V] logit gradients times
+    the bf16 weight [D, V] and the bf16 input [tokens, D], promoted to f32 (4 tokens D V FLOPs)."""
+    import jax
+    import jax.numpy as jnp
+
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    dlogits = jax.random.normal(k1, (tokens, vocab), jnp.float32)
+    w = jax.random.normal(k2, (hidden, vocab), jnp.bfloat16) * 0.02
+    x = jax.random.normal(k3, (tokens, hidden), jnp.bfloat16)
+    run = jax.jit(lambda g, w, x: (jnp.einsum("tv,dv->td", g, w), jnp.einsum("td,tv->dv", x, g)))
+    return 4 * tokens * hidden * vocab / seconds_per_call(lambda: run(dlogits, w, x), reps)
+
+
 def square_rate(n: int, reps: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -99,16 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     frac = (lambda r: f"{r / peak:.3f}") if peak else (lambda r: "n/a")  # noqa: E731
     print(f"# bf16 matmul rates, {jax.devices()[0].device_kind}, jax {jax.__version__}, {args.tokens} tokens\n")
     print(f"square {args.square}^3: {square / 1e12:,.1f} TFLOP/s ({frac(square)} of the datasheet)\n")
-    print("| model | D | F | layer TFLOP/s | / square | head TFLOP/s | / square | layer of datasheet |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | D | F | layer TFLOP/s | / square | head TFLOP/s | / square | layer of datasheet | f32 head bwd TFLOP/s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name in models:
         m = load_config(ROOT / "configs" / "models" / f"{name}.yaml").model
         layer = fwd_bwd_rate(layer_shapes(m), args.tokens, args.reps)
         head = fwd_bwd_rate([(m.hidden_size, m.vocab_size)], args.tokens, args.reps)
-        rows.append({"model": name, "hidden": m.hidden_size, "mlp": m.mlp_dim, "layer": layer, "head": head})
+        head_f32 = head_f32_backward_rate(m.hidden_size, m.vocab_size, args.tokens, args.reps)
+        rows.append({"model": name, "hidden": m.hidden_size, "mlp": m.mlp_dim, "layer": layer, "head": head,
+                     "head_f32_bwd": head_f32})
         print(f"| {name} | {m.hidden_size} | {m.mlp_dim} | {layer / 1e12:,.1f} | {layer / square:.3f} | "
-              f"{head / 1e12:,.1f} | {head / square:.3f} | {frac(layer)} |", flush=True)
+              f"{head / 1e12:,.1f} | {head / square:.3f} | {frac(layer)} | {head_f32 / 1e12:,.1f} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                                                "tokens": args.tokens, "square": square, "rows": rows}, indent=1))

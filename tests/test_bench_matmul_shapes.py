@@ -27,6 +27,8 @@ def test_rates_are_flops_over_the_timed_seconds(monkeypatch):
     shapes = [(8, 16), (16, 8)]
     assert B.fwd_bwd_rate(shapes, 32, 1) == pytest.approx(6 * 32 * (8 * 16 + 16 * 8) / 2e-3)
     assert B.square_rate(16, 1) == pytest.approx(2 * 16**3 / 2e-3)
+    # the f32 head backward: dx and dW, 2 x 2 x tokens x D x V
+    assert B.head_f32_backward_rate(8, 40, 32, 1) == pytest.approx(4 * 32 * 8 * 40 / 2e-3)
 
 
 def test_cpu_run_writes_a_row_per_model(tmp_path, capsys):
@@ -34,6 +36,7 @@ def test_cpu_run_writes_a_row_per_model(tmp_path, capsys):
     assert B.main(["--models", "tiny", "--tokens", "64", "--square", "64", "--reps", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["model"] for r in rows] == ["tiny"] and rows[0]["layer"] > 0 and rows[0]["head"] > 0
+    assert rows[0]["head_f32_bwd"] > 0
     assert "| tiny | 128 |" in capsys.readouterr().out
 
 
