@@ -35,14 +35,16 @@ def _segment_mask(segment_ids):
 
 def xla_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=None):
     """Reference: softmax(q k^T / sqrt(H)) v, GQA by grouping query heads. Scores and softmax in
-    f32; the probabilities are rounded to v's dtype for the P·V product (f32 accumulation), as the
-    flash kernels do."""
+    f32 (f64 for f64 inputs, under jax_enable_x64); the probabilities are rounded to v's dtype for
+    the P·V product (accumulated in that precision), as the flash kernels do."""
     check_attention_args(q_btnh, k_bskh, v_bskh, causal=causal, segment_ids=segment_ids)
     b, t, n, h = q_btnh.shape
     s, kh = k_bskh.shape[1], k_bskh.shape[2]
     g = n // kh
+    # (f32 for f64 inputs too had rounded their scores and output to f32, silently)
+    acc = jnp.promote_types(q_btnh.dtype, jnp.float32)
     q_btkgh = q_btnh.reshape(b, t, kh, g, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=acc)
     logits = logits / math.sqrt(h)
     mask = jnp.ones((t, s), bool) if not causal else jnp.tril(jnp.ones((t, s), bool))
     mask = mask[None]
@@ -53,7 +55,7 @@ def xla_attention(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids=No
     probs = jax.nn.softmax(logits, axis=-1)
     # Rows with no visible key (possible with segment ids) give 0, not a uniform average.
     probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh, preferred_element_type=acc)
     return out.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 

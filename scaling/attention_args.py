@@ -14,7 +14,7 @@ import numpy as np
 
 def check_attention_args(q, k, v, *, causal: bool, segment_ids) -> None:
     """Raise ValueError for ranks and shapes, TypeError for a causal flag that is not a bool, for
-    q/k/v that are not arrays of one floating dtype, and for segment ids that are not integers.
+    q/k/v that are not arrays of one floating dtype, and for segment ids that are not integer arrays.
 
     q [B, T, H, D]; k and v [B, S, KV, D], the same shape, with H a multiple of KV. causal needs
     T == S: the cores disagreed on where the diagonal lies otherwise (the XLA core bottom-right,
@@ -49,6 +49,13 @@ def check_attention_args(q, k, v, *, causal: bool, segment_ids) -> None:
     if segment_ids is None:
         return
     if isinstance(segment_ids, (tuple, list)):
+        # A nested list of ids ([[0, 0, 1], [0, 1, 1]] for B=2) is no pair of arrays: it was read
+        # as one and named "q_segment_ids must have shape ..., got None".
+        if any(not hasattr(x, "shape") for x in segment_ids):
+            kinds = ", ".join(type(x).__name__ for x in segment_ids)
+            raise TypeError(f"segment_ids must be None, one integer array [B, T] or a (q [B, T], kv [B, S]) pair of "
+                            f"arrays, got a {type(segment_ids).__name__} of {kinds or 'nothing'}; "
+                            f"wrap Python lists of ids in jnp.asarray")
         if len(segment_ids) != 2:
             raise ValueError(f"segment_ids pair must have 2 arrays (q [B, T], kv [B, S]), got {len(segment_ids)}")
         named = (("q_segment_ids", segment_ids[0], (b, t), "[B, T]"), ("kv_segment_ids", segment_ids[1], (b, s), "[B, S]"))
@@ -56,6 +63,9 @@ def check_attention_args(q, k, v, *, causal: bool, segment_ids) -> None:
         raise ValueError(f"a single segment_ids array needs equal q and kv lengths, got {t} and {s}; "
                          "pass a (q_segment_ids, kv_segment_ids) pair")
     else:
+        if not hasattr(segment_ids, "shape"):  # (a dict or an int was "got None" below)
+            raise TypeError(f"segment_ids must be None, one integer array [B, T] or a (q [B, T], kv [B, S]) pair of "
+                            f"arrays, got {type(segment_ids).__name__}")
         named = (("segment_ids", segment_ids, (b, t), "[B, T]"),)
     for name, ids, want, layout in named:
         shape = getattr(ids, "shape", None)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import numbers
 import os
+import re
 import sys
 import sysconfig
 import uuid
@@ -70,34 +71,72 @@ def default_corpus_files(max_mb: float) -> list[Path]:
     return out
 
 
-def text_files(path: Path, exclude: Path | None = None) -> list[Path]:
-    """A file, or a directory's text files (by suffix), leaving out hidden files and folders
+def text_files(path: Path, exclude: Path | None = None, log=None) -> list[Path]:
+    """A file, or a directory's text files (by suffix, in any case), leaving out hidden files and folders
     (`.git`, `.venv`, ...) and everything under `exclude` (the token cache: its own
-    tokenizer.json would otherwise join the corpus and change its key on every run)."""
+    tokenizer.json would otherwise join the corpus and change its key on every run).
+
+    Symlinked folders and files are followed (a corpus folder of links to datasets was read as
+    empty). Each real folder and file is read once, the first met in a sorted walk: a link cycle
+    ends, and a dataset linked twice is not trained on twice (nor split across train and eval).
+    Broken links are left out, and `log` says so."""
     if path.is_file():
-        if path.suffix in TOKEN_SUFFIXES:  # (read as text it trained a BPE on binary garbage)
+        if path.suffix.lower() in TOKEN_SUFFIXES:  # (read as text it trained a BPE on binary garbage)
             raise DataError(f"data.path={str(path)!r} is a token file ({path.suffix}), but data.source=text tokenizes "
                             f"text; set data.source=tokens to train on its ids (data.source: text, tokens or synthetic)")
         return [path]
     if path.is_dir():
         skip = exclude.resolve() if exclude is not None else None
-        files = []
-        for root, dirs, names in os.walk(path):  # (pruned: a .venv is never walked)
-            dirs[:] = [x for x in dirs if not x.startswith(".") and (skip is None or Path(root, x).resolve() != skip)]
-            files += [Path(root, n) for n in names if not n.startswith(".") and Path(n).suffix in TEXT_SUFFIXES]
-        files = sorted(f for f in files if f.is_file())
+        files, seen_dirs, seen_files, broken = [], set(), set(), []
+        for root, dirs, names in os.walk(path, followlinks=True):  # (pruned: a .venv is never walked)
+            st = os.stat(root)
+            if (st.st_dev, st.st_ino) in seen_dirs:  # a cycle, or a folder already read by another path
+                dirs[:] = []
+                continue
+            seen_dirs.add((st.st_dev, st.st_ino))
+            dirs[:] = sorted(x for x in dirs if not x.startswith(".") and (skip is None or Path(root, x).resolve() != skip))
+            for n in sorted(names):
+                f = Path(root, n)
+                if n.startswith("."):
+                    continue
+                if f.is_symlink() and not f.exists():  # (os.walk lists a dangling link among the files)
+                    broken.append(f)
+                elif f.suffix.lower() in TEXT_SUFFIXES and f.is_file():  # (README.TXT was skipped silently)
+                    fst = f.stat()
+                    if (fst.st_dev, fst.st_ino) not in seen_files:
+                        seen_files.add((fst.st_dev, fst.st_ino))
+                        files.append(f)
+        if broken and log is not None:
+            log(f"data: {len(broken)} broken symlink(s) under data.path={str(path)!r} left out "
+                f"(first: {broken[0]} -> {os.readlink(broken[0])})")
         if files:
-            return files
+            return sorted(files)
         raise DataError(f"data.path={str(path)!r} holds no text files (suffixes {sorted(TEXT_SUFFIXES)})")
     raise DataError(f"data.path={str(path)!r} does not exist")
 
 
-def read_documents(files: list[Path]) -> list[str]:
-    docs = []
+_ESCAPED_BYTE = re.compile(r"[\udc80-\udcff]")  # what surrogateescape makes of one undecodable byte
+
+
+def read_documents(files: list[Path], log=None) -> list[str]:
+    """Each file's text. Bytes that are not UTF-8 become U+FFFD, and `log` says how many, in how
+    many files, naming the first (they had been replaced silently). Valid files are decoded once,
+    as before; only a file that fails is read again, to count its bad bytes."""
+    docs, bad_files, bad_bytes = [], [], 0
     for p in files:
-        text = p.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            text = p.read_text(encoding="utf-8", errors="replace")
+            # surrogateescape maps each undecodable byte to one lone surrogate, which valid UTF-8 never gives
+            escaped = p.read_bytes().decode("utf-8", errors="surrogateescape")
+            bad_files.append(p)
+            bad_bytes += len(escaped) - len(_ESCAPED_BYTE.sub("", escaped))
         if text.strip():
             docs.append(text)
+    if bad_files and log is not None:
+        log(f"data: {len(bad_files)} of {len(files)} files are not valid UTF-8; {bad_bytes:,} bytes were replaced "
+            f"by U+FFFD (first: {bad_files[0]})")
     return docs
 
 
@@ -220,10 +259,17 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 def _corpus_key(cfg: Config, files: list[Path]) -> str:
     d = cfg.data
     h = hashlib.sha256()
+    real_dirs: dict[Path, Path] = {}  # (one resolve per folder, not per file: the key is computed every run)
     for p in files:
-        st = p.stat()
+        st = p.stat()  # (through links: a linked file's own size and mtime)
         # (ns: whole seconds kept a file rewritten at the same size within a second on the old tokens)
-        h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        line = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+        if p.parent not in real_dirs:
+            real_dirs[p.parent] = p.parent.resolve()
+        real = p.resolve() if p.is_symlink() else real_dirs[p.parent] / p.name
+        if real != p:  # a link moved to another file of the same size and mtime (rsync -a, cp -p) is new text
+            line += f"|{real}"
+        h.update(f"{line}\n".encode())
     h.update(f"{d.tokenizer.value}|{cfg.model.vocab_size}|{d.eval_fraction}|{DATA_SEED}|v2".encode())
     return h.hexdigest()[:16]
 
@@ -235,7 +281,7 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
     # entries, `data.path=.` named its entry "-<key>", and "~/corpus" was a missing folder.
     source = None if d.path is None else Path(d.path).expanduser().resolve()
     cache = Path(d.cache_dir).expanduser()
-    files = default_corpus_files(d.max_corpus_mb) if source is None else text_files(source, cache)
+    files = default_corpus_files(d.max_corpus_mb) if source is None else text_files(source, cache, log)
     directory = cache / f"{'stdlib' if source is None else source.name or 'root'}-{_corpus_key(cfg, files)}"
     meta_path = directory / "meta.json"
     damage = _cache_damage(directory) if meta_path.exists() else None
@@ -247,7 +293,7 @@ def build_token_store(cfg: Config, log=print) -> TokenStore:
             meta_path.unlink(missing_ok=True)
         what = f"Python {sys.version.split()[0]} stdlib sources" if d.path is None else d.path
         log(f"data: tokenizing {len(files)} files from {what} into {directory} (once)")
-        docs = read_documents(files)
+        docs = read_documents(files, log)
         if not docs:
             where = f"data.path={d.path!r}" if d.path is not None else "the default corpus"
             raise DataError(f"{where}: every file is empty or whitespace ({len(files)} files); no text to train on")
@@ -339,10 +385,10 @@ def load_token_file(cfg: Config) -> TokenStore:
     if not path.is_file():
         raise DataError(f"data.path={str(path)!r} is not a file (data.source=tokens reads one .npy or raw .bin token file)")
     where = f"data.path={str(path)!r}"
-    if path.suffix in TEXT_SUFFIXES:  # (its bytes read as uint16 ids: ASCII pairs all pass a GPT-2 range check)
+    if path.suffix.lower() in TEXT_SUFFIXES:  # (its bytes read as uint16 ids: ASCII pairs all pass a GPT-2 range check)
         raise DataError(f"{where} is a text file ({path.suffix}), but data.source=tokens reads .npy or raw .bin token "
                         f"ids; set data.source=text to tokenize it (data.source: text, tokens or synthetic)")
-    if path.suffix == ".npy":
+    if path.suffix.lower() == ".npy":  # (ids.NPY was read as raw ids, its header included)
         try:
             tokens = np.load(path, mmap_mode="r")
         except (ValueError, OSError, EOFError) as e:
