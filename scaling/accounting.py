@@ -633,14 +633,21 @@ def micro_batch(batch: int, grad_accum: int) -> int:
     return batch // grad_accum
 
 
+def moment_bytes(p: int) -> int:
+    """Bytes of an AdamW moment element for params of `p` bytes: float32 at least
+    (`optim.float32_moments`; in bf16 the second moment does not decay at b2 = 0.999)."""
+    return max(p, F32)
+
+
 def training_memory(cfg: Config, mesh: MeshShape, *, accelerator: bool = True, hw: Hardware | None = None,
                     policy: RematPolicyName | None = None, grad_accum: int | None = None,
                     batch_size: int | None = None) -> MemoryBytes:
     """Params, grads and AdamW state per device plus one micro-batch's activations, by phase.
 
-    AdamW (optax.adamw in scaling/optim.py) keeps two moments in the parameter dtype; the
-    parameters are the f32 master copy and the compute dtype is a per-use cast, so there
-    is no separate master copy: 4 + 4 + 8 = 16 bytes per parameter with f32 params [HSM-TR].
+    AdamW (optax.adamw in scaling/optim.py) keeps two moments, float32 whatever the param
+    dtype (`moment_bytes`); the parameters are the master copy and the compute dtype is a
+    per-use cast, so there is no separate master copy: 4 + 4 + 8 = 16 bytes per parameter with
+    f32 params [HSM-TR], 2 + 2 + 8 = 12 with bf16 params.
     Grad accumulation keeps an f32 sum of grads beside the micro-batch grads.
     `accelerator=False` prices the CPU: `auto` compute is f32 and gradients are allocated
     eagerly (MemoryBytes).
@@ -668,7 +675,7 @@ def training_memory(cfg: Config, mesh: MeshShape, *, accelerator: bool = True, h
     embed = 0 if m.tie_embeddings else dev_elems("embed.table_vd")
     if m.tie_embeddings:
         head += dev_elems("embed.table_vd")
-    return MemoryBytes(n_dev * p, n_dev * p, 2 * n_dev * p, act, head * p, embed * p,
+    return MemoryBytes(n_dev * p, n_dev * p, 2 * n_dev * moment_bytes(p), act, head * p, embed * p,
                        n_dev * p if accum > 1 else 0.0, eager_grads=not accelerator,
                        loss_in_forward=cfg.train.loss_chunk > 0)
 
@@ -893,8 +900,9 @@ def training_roofline(cfg: Config, mesh: MeshShape, hw: Hardware, *, policy: Rem
     read in the compute dtype forward and twice backward (per micro-batch; under FSDP the
     all-gathered weights, `gathered_params_per_device`, which are what the matmuls read), saved
     activations written once and read once, logits written and read in f32, and AdamW
-    reading params, grads and two moments and writing params and moments (7 param-sized
-    passes). Communication: `training_comms`, axes not overlapped with each other.
+    reading params, grads and two moments and writing params and moments (3 param-sized
+    passes and 4 of the float32 moments). Communication: `training_comms`, axes not overlapped
+    with each other.
     """
     m = cfg.model
     policy = cfg.remat.policy if policy is None else policy
@@ -910,7 +918,7 @@ def training_roofline(cfg: Config, mesh: MeshShape, hw: Hardware, *, policy: Rem
     n_dev = mem.params / p
     gathered = gathered_params_per_device(m, mesh)
     act = mem.activations
-    hbm = accum * (3 * gathered * c + 2 * (act.layers + act.head)) + 7 * n_dev * p
+    hbm = accum * (3 * gathered * c + 2 * (act.layers + act.head)) + (3 * p + 4 * moment_bytes(p)) * n_dev
     comms = sum(x.seconds for x in training_comms(cfg, mesh, hw, policy=policy, grad_accum=accum))
     return Roofline(tokens, model_flops, hw_flops, hbm, comms, hw_flops / hw.bf16_flops, hbm / hw.hbm_bandwidth,
                     hw.bf16_flops)
@@ -1115,7 +1123,8 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         f32 rate); chunked (train.loss_chunk), read each chunk's f32 logits once and write its
         c gradient ((4 + c)·V per token) plus the f32 dW accumulation per chunk;
       - the optimizer once per step: the global grad norm reads the grads, the fused AdamW
-        update reads params, grads and both moments and writes params and moments: 8·p·N;
+        update reads params, grads and both moments and writes params and moments:
+        (4·p + 4·m)·N with m the moments' float32 bytes (8·p·N for f32 params);
         grad accumulation adds a read + write of the f32 sum per micro-batch.
     `rates` default to the hardware table's achievable fractions (Rates.of(hw)); pass measured
     ones (experiments/bench_remat.py measures them in the same run). Collectives come from
@@ -1205,7 +1214,7 @@ def training_time(cfg: Config, mesh: MeshShape, hw: Hardware | None = None, *, r
         casts = (2 if recomputes else 1) * layer_w + other_w
         traffic["weight casts f32 -> c"] = (p + c) * casts * accum
         traffic["weight gradients c -> f32"] = (p + c) * n_dev * accum
-    traffic["optimizer (grad norm + fused AdamW)"] = 8 * p * n_dev
+    traffic["optimizer (grad norm + fused AdamW)"] = (4 * p + 4 * moment_bytes(p)) * n_dev
     if accum > 1:  # (the sum is f32 whatever the params' dtype: train.accumulate_grads)
         traffic["grad accumulation"] = 2 * F32 * n_dev * accum
     # Every collective adds to the step. Those of activations (Megatron's all-reduces, the

@@ -1,4 +1,4 @@
-"""AdamW with warmup + decay, global-norm clipping and a weight-decay mask."""
+"""AdamW (float32 moments) with warmup + decay, global-norm clipping and a weight-decay mask."""
 
 from __future__ import annotations
 
@@ -83,12 +83,36 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def float32_moments(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run `inner` (AdamW) on float32 views of the updates and params, so that its state is
+    float32 whatever the param dtype, and round its updates once to each param's dtype (the
+    updates' without params).
+
+    optax keeps Adam's second moment in the params' dtype. In bf16, b2 = 0.999 times the moment
+    rounds back to the moment itself (a 0.1% step is below bf16's 0.4% spacing): it never decays,
+    and after 5,000 steps of unit gradients the bias-corrected moment is ~2x its value (updates
+    ~30% small). float32 params pass through unchanged; float64 ones stay float64."""
+
+    def up(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree)
+
+    def init_fn(params):
+        return inner.init(up(params))
+
+    def update_fn(updates, state, params=None):
+        new, state = inner.update(up(updates), state, None if params is None else up(params))
+        # rounded once, to the dtype the update is applied in: the params' where given
+        return jax.tree.map(lambda n, t: n.astype(t.dtype), new, updates if params is None else params), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(cfg, total_steps)
     parts = []
     if cfg.clip_norm > 0:
         parts.append(clip_by_global_norm(cfg.clip_norm))
-    parts.append(
+    parts.append(float32_moments(
         optax.adamw(
             schedule,
             b1=cfg.b1,
@@ -97,5 +121,5 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
             weight_decay=cfg.weight_decay,
             mask=lambda params: decay_mask(params, cfg.decay_embeddings),
         )
-    )
+    ))
     return optax.chain(*parts)

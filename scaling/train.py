@@ -33,7 +33,7 @@ from scaling.checkpoint import CheckpointError, Checkpointer, complete_steps
 from scaling.config import AttentionImpl, Config, ConfigError, NonFinitePolicy, RematPolicyName, dump_yaml, to_dict
 from scaling.data import Dataset, make_dataset
 from scaling.model import Transformer, build_model
-from scaling.optim import learning_rate_schedule, make_optimizer
+from scaling.optim import global_norm, learning_rate_schedule, make_optimizer
 from scaling.sharding import axes as A
 from scaling.sharding import ShardingError, constrain, get_rule_set, logical_to_spec, make_mesh, sharding_rules, use_sharding
 from scaling.sharding.mesh import active
@@ -350,7 +350,7 @@ def make_train_step(setup: Setup):
             loss, grads = grad_fn(params, batch_bt)
         else:
             loss, grads = accumulate_grads(grad_fn, params, batch_bt, accum)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = global_norm(grads)  # float32 for bf16 grads (optax's sums in bf16; an f16 300 squares to inf)
         updates, new_opt = setup.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
 
