@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from scaling.config import AttentionImpl, Config, DType, ModelConfig, RematPolicyName
 from scaling.hardware import Hardware
 from scaling.sharding import axes as A
-from scaling.sharding.mesh import mesh_axes_of  # (a bare-string rule is one axis, as in logical_to_spec)
+from scaling.sharding.rules import mesh_axes_of  # (a bare-string rule is one axis, as in logical_to_spec)
 from scaling.sharding.rules import RuleSet, get_rule_set
 
 F32 = 4

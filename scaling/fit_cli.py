@@ -17,19 +17,22 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from scaling import scaling_laws as sl
 from scaling import strict_json
+
+if TYPE_CHECKING:  # (imported where used: scipy's optimize alone took 0.5 s of every `fit --help`)
+    import numpy as np
+
+    from scaling import scaling_laws as sl
 
 # Chinchilla's nine IsoFLOP budgets [Hoffmann et al. 2022, Fig. 3], for --isoflop-budgets chinchilla.
 CHINCHILLA_BUDGETS = (6e18, 1e19, 3e19, 6e19, 1e20, 3e20, 6e20, 1e21, 3e21)
 REFERENCES = {
     "none": None,
-    "hoffmann2022": ("Hoffmann et al. 2022 (published)", sl.HOFFMANN_2022),
-    "besiroglu2024": ("Besiroglu et al. 2024 (published)", sl.BESIROGLU_2024),
+    # (the parameters by their name in scaling_laws, which is imported after the arguments)
+    "hoffmann2022": ("Hoffmann et al. 2022 (published)", "HOFFMANN_2022"),
+    "besiroglu2024": ("Besiroglu et al. 2024 (published)", "BESIROGLU_2024"),
 }
 GROUP_TOL_DEX = 0.02  # chaining tolerance when budgets are inferred from C
 SNAP_TOL_DEX = 0.05  # distance to a named budget when budgets are given
@@ -116,6 +119,8 @@ def _prediction_budgets(c: np.ndarray) -> list[float]:
 
 def _kaplan_fits(runs: sl.RunTable, delta: float) -> tuple[dict[str, Any], dict[str, sl.PowerLawFit]]:
     """L(X) = E + (X_c/X)^alpha on the loss frontier in X (lowest loss at <= X), X in N, D, C."""
+    from scaling import scaling_laws as sl
+
     out: dict[str, Any] = {}
     fits: dict[str, sl.PowerLawFit] = {}
     for name, x in (("N", runs.n), ("D", runs.d), ("C", runs.c)):
@@ -133,6 +138,8 @@ def _kaplan_fits(runs: sl.RunTable, delta: float) -> tuple[dict[str, Any], dict[
 def _approach3(runs: sl.RunTable, args: argparse.Namespace) -> tuple[sl.ChinchillaFit | None, dict[str, Any]]:
     """The parametric fit and its report; with too few runs it is skipped (the other methods
     may still fit), the report's `error` naming the count and the minimum."""
+    from scaling import scaling_laws as sl
+
     if len(runs) < sl.MIN_POINTS_PARAMETRIC:
         return None, {
             "error": f"{len(runs)} usable runs; the parametric fit needs at least {sl.MIN_POINTS_PARAMETRIC}",
@@ -160,6 +167,8 @@ def _nothing_fitted(approach3: dict[str, Any], approach2: dict[str, Any], kaplan
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
+    from scaling import scaling_laws as sl  # (after the flags: a usage error needs no scipy)
+
     results = Path(args.results)
     runs_all = sl.load_results(results)
     left_out = f" ({runs_all.n_skipped} row(s) left out for a missing N, loss, or D and C)" if runs_all.n_skipped else ""
@@ -243,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plots = sl.make_plots(
             out_dir, runs, fit3, iso,
             compute_fit=kaplan_fits.get("C"),
-            reference=(ref[0], sl.published_fit(ref[1])) if ref else None,
+            reference=(ref[0], sl.published_fit(getattr(sl, ref[1]))) if ref else None,
             prefix=args.plot_prefix,
         )
     report["_out_dir"] = str(out_dir)
@@ -252,6 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _approach3_lines(report: dict[str, Any]) -> list[str]:
+    from scaling import scaling_laws as sl
+
     f3 = report["approach3"]
     if "error" in f3:  # too few runs (or a failed fit): no parameters to show
         return [f"Approach 3  skipped: {f3['error']}"]
@@ -302,6 +313,8 @@ def _summary(report: dict[str, Any]) -> str:
 
 def _allocation_lines(report: dict[str, Any]) -> list[str]:
     """The compute-optimal table; none when neither Approach 3 nor Approach 2 has one."""
+    from scaling import scaling_laws as sl
+
     a2 = report["approach2"]
     if "error" in report["approach3"] and "error" in a2:
         return []

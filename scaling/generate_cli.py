@@ -4,12 +4,17 @@ DIR is one of our run directories (config.yaml, tokenizer.json, checkpoints/<ste
 Orbax), an export of one (`python -m scaling export`: config.yaml, params/) or a Hugging Face
 Llama-family directory (config.json, *.safetensors, tokenizer.json). With one prompt the text streams as it is produced (a chunk of tokens at a
 time); with several (repeat --prompt) they decode as one ragged batch and print at the end.
-Generation stops at the tokenizer's end-of-sequence token unless --no-stop.
+Generation stops at the tokenizer's end-of-sequence token unless --no-stop. A Hugging Face
+directory's generation_config.json sets the stop ids and, where a flag does not, the sampling
+(do_sample, temperature, top_k, top_p, as transformers' generate reads them); what it set is
+said on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -36,22 +41,77 @@ class _HFTokenizer:
 
 
 def _hf_stop_ids(d: Path) -> list[int]:
-    """eos_token_id of generation_config.json and config.json (an id or a list): transformers'
-    generate stops at any of them. HFFormatError (a ValueError) naming the file if unreadable."""
+    """generation_config.json's eos_token_id (an id or a list) where that file sets one, as
+    transformers' generate reads it, else config.json's. Not both: an Instruct model lists its
+    end-of-turn ids in generation_config.json, and a config.json that transformers saved without
+    ids holds LlamaConfig's default eos 2, an ordinary token of most vocabularies (the union had
+    stopped there). HFFormatError (a ValueError) naming the file if unreadable."""
     from scaling.interop.hf import HFFormatError, _read_json
 
-    ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         f = d / name
-        if f.exists():
-            eos = _read_json(f).get("eos_token_id")
-            if eos is None:
-                continue
-            more = eos if isinstance(eos, list) else [eos]
-            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in more):
-                raise HFFormatError(f"{f}: eos_token_id={eos!r}; allowed: a token id or a list of them")
-            ids += more
-    return sorted(set(ids))
+        eos = _read_json(f).get("eos_token_id") if f.exists() else None
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise HFFormatError(f"{f}: eos_token_id={eos!r}; allowed: a token id or a list of them")
+        return sorted(set(ids))
+    return []
+
+
+def _hf_generation_config(d: Path) -> dict:
+    """generation_config.json's object ({} without the file; HFFormatError naming it if unreadable)."""
+    from scaling.interop.hf import _read_json
+
+    return _read_json(d / "generation_config.json") if (d / "generation_config.json").exists() else {}
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def sampling_settings(args, gen: dict, source: str = "generation_config.json") -> tuple[dict, list[str]]:
+    """(temperature, top_k, top_p for decode, the 'key=value's taken from `gen`).
+
+    Each flag given wins. Otherwise gen (a generation_config.json) as transformers' generate reads
+    it: do_sample true samples, at its temperature (1.0 where it sets none, transformers' default),
+    with its top_k (0: none) and top_p where it sets them; do_sample false or unset is greedy
+    whatever its temperature says. transformers' top_k=50 for a file that sets none is not added
+    (the directory did not ask for it). A positive --temperature samples with the file's top_k and
+    top_p, as transformers' generate(do_sample=True) does. A value taken that decode cannot use is
+    an HFFormatError naming `source` and the key; one not taken is not read."""
+    from scaling.interop.hf import HFFormatError
+
+    taken: list[str] = []
+
+    def take(key, ok, allowed, flag):
+        value = gen.get(key)
+        if value is not None:
+            if not ok(value):
+                raise HFFormatError(f"{source}: {key}={value!r}; allowed: {allowed} (or give {flag})")
+            taken.append(f"{key}={json.dumps(value)}")
+        return value
+
+    if args.temperature is not None:
+        temperature = args.temperature
+    else:
+        do_sample = take("do_sample", lambda v: isinstance(v, bool), "true or false", "--temperature")
+        if do_sample is not True:  # (greedy: none of the file's sampling values is used, so none is named)
+            return dict(temperature=0.0, top_k=args.top_k, top_p=args.top_p), []
+        temperature = take("temperature", lambda v: _is_real(v) and math.isfinite(v) and v >= 0,
+                           "a finite number >= 0", "--temperature")
+        if temperature is None:
+            temperature = 1.0
+            taken.append("temperature=1.0 (unset: transformers' default)")
+    top_k, top_p = args.top_k, args.top_p
+    if temperature > 0:
+        if top_k is None:
+            top_k = take("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                         "an int >= 0 (0: no top-k)", "--top-k") or None  # (0: none, as in transformers)
+        if top_p is None:
+            top_p = take("top_p", lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]", "--top-p")
+    return dict(temperature=float(temperature), top_k=top_k, top_p=top_p), taken
 
 
 def continuation(tok, prompt: list[int], new: list[int], head: str | None = None) -> str:
@@ -97,9 +157,13 @@ def load_run_dir(d: Path, step: int | None = None):
     return model, tok, ([eos] if eos is not None else [])
 
 
+def _is_hf_dir(d: Path) -> bool:
+    return (d / "config.json").exists() and (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").exists())
+
+
 def load_any(path: str | Path, step: int | None = None):
     d = Path(path)
-    if (d / "config.json").exists() and (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").exists()):
+    if _is_hf_dir(d):
         if step is not None:
             raise ValueError(f"--step {step}: {d} is a Hugging Face directory (one set of weights); --step picks a run "
                              "directory's checkpoint")
@@ -115,9 +179,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="run directory, its export, or Hugging Face model directory")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: a Hugging Face directory's generation_config.json, do_sample and "
+                        "temperature, as transformers reads them; else 0)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="default: generation_config.json's top_k when sampling, else none")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="default: generation_config.json's top_p when sampling, else none")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, 0..2**32-1 (the same seed, the same tokens)")
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
@@ -141,7 +209,7 @@ def check_flags(args) -> None:
 
     checks = (
         ("--max-new-tokens", lambda: decode.check_sampling(args.max_new_tokens)),
-        ("--temperature", lambda: decode.check_sampling(1, temperature=args.temperature)),
+        ("--temperature", lambda: args.temperature is None or decode.check_sampling(1, temperature=args.temperature)),
         ("--top-k", lambda: decode.check_sampling(1, top_k=args.top_k)),
         ("--top-p", lambda: decode.check_sampling(1, top_p=args.top_p)),
         ("--seed", lambda: decode.check_sampling(1, seed=args.seed)),
@@ -165,10 +233,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_flags(args)
+        d = Path(args.checkpoint)
+        gen_file = d / "generation_config.json"
+        # (before the weights load: a bad value is named in seconds, not after minutes)
+        sampling, taken = sampling_settings(args, _hf_generation_config(d) if _is_hf_dir(d) else {}, str(gen_file))
         model, tok, stop = load_any(args.checkpoint, args.step)
     except (OSError, ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.top_k is None and sampling["top_k"] is not None:
+        # (the file's top_k over the vocabulary keeps all of it, as transformers clamps it)
+        sampling["top_k"] = min(sampling["top_k"], model.cfg.vocab_size)
+    if taken:
+        print(f"sampling from {gen_file}: {', '.join(taken)} (a flag overrides each; --temperature 0 is greedy)",
+              file=sys.stderr)
     prompts = [tok.encode(p) for p in args.prompt]
     # (named as the user typed it: decode's "prompt 0 is empty" counts from 0 and knows no text)
     for text, ids in zip(args.prompt, prompts):
@@ -182,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-              stop_tokens=() if args.no_stop else stop, max_len=args.max_len)
+    kw = dict(**sampling, seed=args.seed, stop_tokens=() if args.no_stop else stop, max_len=args.max_len)
     if args.max_len is not None:
         # A row stops when its cache is full: say so, rather than end short without a word.
         for i, ids in enumerate(prompts):

@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
-import jax
+if TYPE_CHECKING:
+    import jax
 
 
 # Measured on one H200 (2026-11-22, jax 0.11.2; docs/benchmarks.md, docs/attention.md,
@@ -186,6 +188,8 @@ def get_hardware(name: str) -> Hardware:
 
 def detect(device: jax.Device | None = None) -> Hardware | None:
     """The table entry for a JAX device (by device_kind), or None (e.g. the CPU)."""
+    import jax  # (here, not at the top: `plan --help` reads the table without starting JAX)
+
     device = device or jax.devices()[0]
     return by_device_kind(device.device_kind)
 

@@ -18,10 +18,10 @@ import math
 import os
 import sys
 
-from scaling import accounting as acc
 from scaling.config import Config, RematPolicyName
-from scaling.hardware import HARDWARE, Hardware, get_hardware
-from scaling.sharding.mesh import MeshError, resolve_mesh_shape
+
+# (scaling.accounting, scaling.hardware and scaling.sharding import JAX and Flax: imported in the
+# functions that use them, so that `plan --help` and a usage error answer before they load)
 
 GiB = 2**30
 SEARCH_POLICIES = (RematPolicyName.none, RematPolicyName.dots, RematPolicyName.selective, RematPolicyName.full)
@@ -76,6 +76,8 @@ class Candidate:
 
 
 def evaluate(cfg: Config, mesh: acc.MeshShape, hw: Hardware, policy: RematPolicyName, accum: int) -> Candidate:
+    from scaling import accounting as acc
+
     mem = acc.training_memory(cfg, mesh, hw=hw, policy=policy, grad_accum=accum)
     roof = acc.training_roofline(cfg, mesh, hw, policy=policy, grad_accum=accum)
     time = acc.training_time(cfg, mesh, hw, policy=policy, grad_accum=accum)
@@ -83,6 +85,8 @@ def evaluate(cfg: Config, mesh: acc.MeshShape, hw: Hardware, policy: RematPolicy
 
 
 def report(cfg: Config, mesh: acc.MeshShape, hw: Hardware) -> str:
+    from scaling import accounting as acc
+
     m, t = cfg.model, cfg.train
     c = evaluate(cfg, mesh, hw, cfg.remat.policy, t.grad_accum)
     f = acc.flops_per_token(m, t.seq_len)
@@ -215,11 +219,15 @@ def batch_errors(cfg: Config, mesh: acc.MeshShape) -> list[str]:
 
 def mesh_errors(cfg: Config, mesh: acc.MeshShape) -> list[str]:
     """Why training could not run on this mesh (the trainer refuses each: exit 2), or []."""
+    from scaling import accounting as acc
+
     return acc.divisibility_errors(cfg.model, mesh) + batch_errors(cfg, mesh)
 
 
 def runnable_shapes(cfg: Config, devices: int) -> list[tuple[int, int, int]]:
     """(data, fsdp, tensor) shapes of `devices` that the config can train on as it stands."""
+    from scaling import accounting as acc
+
     return [s for s in _factorizations(devices) if not mesh_errors(cfg, acc.MeshShape(*s, cfg.mesh.rules))]
 
 
@@ -241,6 +249,8 @@ def mesh_error_message(cfg: Config, mesh: acc.MeshShape, *, shapes: bool = True)
 
 def _rejection(cfg: Config, hw: Hardware, mesh: acc.MeshShape) -> str | None:
     """Why the search skips a shape (None: it does not)."""
+    from scaling import accounting as acc
+
     if mesh.tensor > hw.devices_per_node:
         return f"tensor beyond a node of {hw.devices_per_node}"
     if acc.divisibility_errors(cfg.model, mesh):
@@ -252,6 +262,8 @@ def _rejection(cfg: Config, hw: Hardware, mesh: acc.MeshShape) -> str | None:
 
 def candidate_meshes(cfg: Config, hw: Hardware, devices: int) -> list[acc.MeshShape]:
     """Mesh shapes of `devices` (tensor within a node) that shard the model and split a micro-batch."""
+    from scaling import accounting as acc
+
     meshes = (acc.MeshShape(d, f, tp, cfg.mesh.rules) for d, f, tp in _factorizations(devices))
     return [m for m in meshes if _rejection(cfg, hw, m) is None]
 
@@ -296,6 +308,8 @@ def merge_ties(cands: list[Candidate]) -> list[tuple[Candidate, str]]:
 
 def search_summary(cfg: Config, hw: Hardware, devices: int, evaluated: list[Candidate]) -> str:
     """What the search covered and why shapes were skipped."""
+    from scaling import accounting as acc
+
     shapes = [acc.MeshShape(*s, cfg.mesh.rules) for s in _factorizations(devices)]
     why: dict[str, int] = {}
     for m in shapes:
@@ -357,6 +371,7 @@ def _run_search(cfg: Config, hw: Hardware, devices: int, top: int) -> int:
 
 def main(argv: list[str]) -> int:
     from scaling.__main__ import _config_args
+    from scaling.hardware import HARDWARE, get_hardware  # (--help lists its names; it imports JAX)
 
     def extra(p):
         p.add_argument("--hardware", default="h100",
@@ -366,6 +381,9 @@ def main(argv: list[str]) -> int:
         p.add_argument("--top", type=int, default=10)
 
     args, cfg = _config_args(argv, "plan", extra)
+    from scaling import accounting as acc
+    from scaling.sharding.mesh import MeshError, resolve_mesh_shape
+
     try:
         hw = get_hardware(args.hardware)
     except ValueError as e:

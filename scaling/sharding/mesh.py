@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scaling.config import AxisType, MeshConfig
 from scaling.sharding.axes import MESH_AXES
-from scaling.sharding.rules import RuleSet, get_rule_set
+from scaling.sharding.rules import RuleSet, get_rule_set, mesh_axes_of
 
 
 class MeshError(ValueError):
@@ -121,12 +121,6 @@ def sharding_rules(mesh: Mesh, rules: RuleSet | str) -> Iterator[None]:
 
 def active() -> tuple[Mesh, RuleSet] | None:
     return _ACTIVE.get()
-
-
-def mesh_axes_of(name: str, mapping) -> tuple[str, ...]:
-    """The mesh axes a rule maps `name` to; a bare string is one axis (not its characters)."""
-    axes = mapping.get(name, ())
-    return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def logical_to_spec(names: Sequence[str | None], mapping, mesh: Mesh | None = None) -> P:

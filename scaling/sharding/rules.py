@@ -83,3 +83,9 @@ def get_rule_set(name: str) -> RuleSet:
     if name not in RULE_SETS:
         raise ValueError(f"mesh.rules={name!r} is not a rule set; allowed: {', '.join(sorted(RULE_SETS))}")
     return RULE_SETS[name]
+
+
+def mesh_axes_of(name: str, mapping) -> tuple[str, ...]:
+    """The mesh axes a rule maps `name` to; a bare string is one axis (not its characters)."""
+    axes = mapping.get(name, ())
+    return (axes,) if isinstance(axes, str) else tuple(axes)
