@@ -398,8 +398,8 @@ def test_cli_seed_picks_the_sampled_tokens(tmp_path, capsys):
 
 
 def test_hf_stop_ids_from_both_files(tmp_path, capsys):
-    """Stop tokens: config.json's eos_token_id and generation_config.json's (an int or a list), as
-    transformers' generate stops at either. Here '!' (0x21) also stops: "a" -> "é"."""
+    """Stop tokens: generation_config.json's eos_token_id where it sets one (an int or a list), else
+    config.json's, as transformers' generate reads them. Here '!' (0x21) also stops: "a" -> "é"."""
     from scaling.generate_cli import load_any, main
 
     only_config = _successor_hf_dir(tmp_path, "only_config")
