@@ -5,14 +5,22 @@ state, step, RNG key and the non-finite counters as one pytree (Orbax StandardSa
 restored straight into the target shardings, so a checkpoint written on one mesh restores
 onto any other). `meta` is JSON: the data loader's position and the resolved config.
 
-How Orbax 0.12.4 marks a complete save (orbax/checkpoint/_src/path/atomicity.py): on a
-local or POSIX filesystem (AtomicRenameTemporaryPath, the default) step S is written into
-`S.orbax-checkpoint-tmp`, `commit_success.txt` is written into it once every item is on
-disk, and the directory is then renamed to `S`. A process killed mid-save therefore leaves
-a `*.orbax-checkpoint-tmp*` directory; on filesystems without atomic rename
-(CommitFileTemporaryPath, e.g. GCS) it leaves `S` without `commit_success.txt`. Either is
-a partial checkpoint: the next start reports it, removes it and resumes from the latest
-complete step.
+How Orbax 0.12.4 marks a complete save (orbax/checkpoint/_src/path/atomicity.py): our
+directory is always a local (POSIX) path, for which Orbax uses AtomicRenameTemporaryPath: step
+S is written into `S.orbax-checkpoint-tmp`, `commit_success.txt` is written into it once every
+item is on disk, and the directory is then renamed to `S`. The rename is what completes a save:
+Orbax 0.12.4 counts any step directory whose name has no `.orbax-checkpoint-tmp` in it as
+finished (validate_atomic_rename_final_path) and never reads `commit_success.txt` there, and
+older Orbax versions wrote none. So here too a step directory `S` is complete whether or not it
+holds `commit_success.txt`; only `*.orbax-checkpoint-tmp*` (a save cut off before its rename)
+and an empty `S` (nothing any Orbax version leaves after a save) are partial: the next start
+reports them, removes them and resumes from the latest complete step. A complete-looking step
+that fails to restore is moved to `checkpoints.unreadable/`, never deleted.
+
+Multi-host: every process restores its own shards, so damage can be in one process's files
+only. All processes try the same steps in the same order and agree after each try (a
+collective): a step is taken only when every process read it, so they never resume from
+different steps.
 
 Saving is asynchronous: `save` returns once the arrays are copied to host memory and the
 write to disk runs on a background thread while training continues.
@@ -42,6 +50,7 @@ logging.getLogger("absl").setLevel(logging.WARNING)
 TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_SUCCESS_FILE = "commit_success.txt"
 BROKEN_DIR = "checkpoints.unreadable"  # complete-looking checkpoints that failed to restore
+SUPERSEDED_DIR = "checkpoints.superseded"  # steps newer than an explicitly restored one, once training goes on
 
 
 class CheckpointError(RuntimeError):
@@ -52,8 +61,16 @@ class CheckpointMismatchError(ValueError):
     """The config's model does not fit the checkpoint; the message names each parameter."""
 
 
+def _empty_dir(p: Path) -> bool:
+    try:
+        return not any(p.iterdir())
+    except OSError:  # (unreadable: not known to be empty, so never removed as such)
+        return False
+
+
 def partial_checkpoints(directory: str | Path) -> list[Path]:
-    """Step directories an interrupted save left behind (see the module docstring)."""
+    """What an interrupted save left behind (see the module docstring): `*.orbax-checkpoint-tmp*`
+    entries, and step directories with nothing in them. Removing them loses nothing."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -61,19 +78,19 @@ def partial_checkpoints(directory: str | Path) -> list[Path]:
     for p in directory.iterdir():
         if TMP_DIR_SUFFIX in p.name:
             out.append(p)
-        elif p.is_dir() and p.name.isdigit() and not (p / COMMIT_SUCCESS_FILE).exists():
+        elif p.name.isdigit() and p.is_dir() and _empty_dir(p):
             out.append(p)
     return sorted(out)
 
 
 def complete_steps(directory: str | Path) -> list[int]:
-    """Steps whose save was committed, ascending."""
+    """Steps whose save was completed, ascending: step directories Orbax 0.12.4 counts as
+    finished (renamed from their temporary name), with or without `commit_success.txt`
+    (Orbax versions before it wrote none on a local filesystem); not empty ones."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(
-        int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / COMMIT_SUCCESS_FILE).exists()
-    )
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir() and not _empty_dir(p))
 
 
 def read_meta(step_dir: str | Path) -> dict:
@@ -195,8 +212,13 @@ class Checkpointer:
         # Handlers named up front, so a fresh manager (a resumed run) can read item metadata.
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        # Restores go through the items' handlers, not the manager: its restore ends in a barrier
+        # that a process whose read failed never reaches (see `restore`).
+        self._readers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._last_saved: int | None = None
         self._unchecked: int | None = None  # the step of the last save whose outcome is not known yet
+        self._superseded: tuple[int, list[int]] | None = None  # (k, steps newer) after `restore(step=k)`
+        self._log: Callable[[str], None] = print
 
     def _check_shared(self) -> None:
         """Multi-host: every process must see the directory process 0 writes to (one shared
@@ -232,10 +254,27 @@ class Checkpointer:
 
         A step saved already (a periodic save at the step a preemption arrived) is not
         saved again: Orbax would raise StepAlreadyExistsError.
+
+        The first save after `restore(step=k)` moves the steps newer than k that were on disk
+        then (another trajectory's) to `<run_dir>/checkpoints.superseded/`, saying so: Orbax
+        skips saving a step older than the newest it knows, and a restart would resume from
+        them. Saving a step older than one on disk otherwise raises CheckpointError.
         """
-        if step == self._last_saved or step in self.manager.all_steps():
+        if step == self._last_saved:
             return False
         self.wait()  # (Orbax waits for the previous save here too; this names its failure)
+        if self._superseded is not None:
+            self._move_superseded()
+        steps = list(self.manager.all_steps())
+        newer = [s for s in steps if s > step]
+        if newer:
+            raise CheckpointError(
+                f"step {step}: not saved: {self.directory} holds newer step(s) {newer}, and Orbax skips a save "
+                f"older than its newest step; to train on from an older step, restore it with "
+                f"restore(step=...) first (the newer steps are then moved to {self.run_dir / SUPERSEDED_DIR} at "
+                f"the first save), or move the newer steps out of {self.directory}")
+        if step in steps:
+            return False
         self._last_saved = self._unchecked = step
         try:
             started = self.manager.save(
@@ -290,35 +329,33 @@ class Checkpointer:
         moved to `<run_dir>/checkpoints.unreadable/` and the one before it is tried. An
         explicit `step` that fails to read raises CheckpointError naming it (nothing is moved).
         A shape mismatch with the config raises CheckpointMismatchError naming the leaves.
+
+        Nothing on disk changes for an explicit `step` older than the newest one; the first
+        `save` after it moves the newer steps aside (see `save`).
+
+        Multi-host: every process reads its own shards. A step counts as readable only when
+        every process read it (they agree after each try), so all restore the same step; the
+        processes that failed print their reason on stderr, and the error or the `log` line
+        names them.
         """
         log = log or print
-        if step is not None and step not in complete_steps(self.directory):
+        self._log = log
+        have = _steps_of_process_0(self.directory)  # (one list for all: they try the same steps)
+        if step is not None and step not in have:
             raise CheckpointError(f"step {step}: no complete checkpoint of that step in {self.directory}; "
-                                  f"have {complete_steps(self.directory)}")
-        steps = [step] if step is not None else complete_steps(self.directory)[::-1]
+                                  f"have {have}")
         failed = []
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-        for s in steps:
-            try:
-                saved = self.manager.item_metadata(s)["state"]
-                if saved is None:
-                    raise CheckpointError("no readable metadata for the `state` item")
-            except Exception as e:  # noqa: BLE001 - unreadable: report, fall back
-                if step is not None:
-                    raise self._unreadable_step(s, e) from e
-                failed.append(s)
-                log(f"checkpoint: step {s} is unreadable ({_one_line(e)}); moved it to {self._move_aside(s)}")
-                continue
-            self.check_compatible(abstract_state, s, config, saved)
-            try:
-                restored = self.manager.restore(s, args=args)
-            except Exception as e:  # noqa: BLE001
-                if step is not None:
-                    raise self._unreadable_step(s, e) from e
-                failed.append(s)
-                log(f"checkpoint: step {s} is unreadable ({_one_line(e)}); moved it to {self._move_aside(s)}")
-                continue
-            return Restored(s, restored["state"], restored["meta"])
+        for s in [step] if step is not None else have[::-1]:
+            restored, why, where = self._read_step(abstract_state, s, config)
+            if restored is not None:
+                newer = [n for n in have if n > s]
+                self._superseded = (s, newer) if step is not None and newer else None
+                return restored
+            if step is not None:
+                raise CheckpointError(f"step {s}: the checkpoint {self.directory / str(s)} is unreadable{where} "
+                                      f"({why}); complete steps: {have}")
+            failed.append(s)
+            log(f"checkpoint: step {s} is unreadable{where} ({why}); moved it to {self._move_aside(s)}")
         if failed:
             raise CheckpointError(
                 f"no readable checkpoint in {self.directory}: steps {failed} failed to restore and were "
@@ -326,10 +363,50 @@ class Checkpointer:
             )
         return None
 
-    def _unreadable_step(self, step: int, e: Exception) -> CheckpointError:
-        # An explicitly asked-for step is not moved aside: the caller chose it.
-        return CheckpointError(f"step {step}: the checkpoint {self.directory / str(step)} is unreadable "
-                               f"({_one_line(e)}); complete steps: {complete_steps(self.directory)}")
+    def _read_step(self, abstract_state: Any, step: int, config: dict | None) -> tuple[Restored | None, str, str]:
+        """(Restored, "", "") when every process read `step`; else (None, why, where): the
+        reason (this process's own, if it failed) and " on process(es) [..]" when multi-host.
+        Raises CheckpointMismatchError (on every process) when the config does not fit."""
+        step_dir = self.directory / str(step)
+        mine: Exception | None = None  # this process's failure
+        mismatch: CheckpointMismatchError | None = None
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+            if saved is None:
+                raise CheckpointError("no readable metadata for the `state` item")
+        except Exception as e:  # noqa: BLE001 - unreadable metadata: report, fall back
+            mine = e
+        else:
+            try:
+                self.check_compatible(abstract_state, step, config, saved)
+            except CheckpointMismatchError as e:
+                mismatch = e
+        codes = _every_process(2 if mismatch else 1 if mine else 0)
+        if 2 in codes:
+            if mismatch is not None:
+                raise mismatch
+            which = [i for i, c in enumerate(codes) if c == 2]
+            raise CheckpointMismatchError(f"checkpoint {step_dir} does not match the config on process(es) {which} "
+                                          "(their errors name the leaves)")
+        if not any(codes):  # the metadata fits everywhere: read the arrays, each process its shards
+            try:
+                restored = Restored(
+                    step,
+                    self._readers["state"].restore(step_dir / "state", args=ocp.args.StandardRestore(abstract_state)),
+                    self._readers["meta"].restore(step_dir / "meta", args=ocp.args.JsonRestore()),
+                )
+            except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise bare Exceptions on bad data
+                mine = e
+            codes = _every_process(1 if mine else 0)
+            if not any(codes):
+                return restored, "", ""
+        bad = [i for i, c in enumerate(codes) if c]
+        where = f" on process(es) {bad}" if jax.process_count() > 1 else ""
+        if mine is not None and jax.process_index() != 0:  # (only process 0 logs: say why here)
+            print(f"[process {jax.process_index()}] checkpoint: step {step} in {self.directory} is unreadable here "
+                  f"({_one_line(mine)})", file=sys.stderr, flush=True)
+        why = _one_line(mine) if mine is not None else "see their stderr for the reason"
+        return None, why, where
 
     def _move_aside(self, step: int) -> Path:
         dest = self.run_dir / BROKEN_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -341,6 +418,24 @@ class Checkpointer:
         ocp.multihost.sync_global_processes(f"scaling_checkpoint_move_aside_{step}")
         self.manager.reload()
         return dest
+
+    def _move_superseded(self) -> None:
+        """The steps newer than the one `restore(step=k)` returned, out of the way of this run's
+        saves (every process calls this from `save`, at the same step)."""
+        (restored, steps), self._superseded = self._superseded, None
+        dest = self.run_dir / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
+        if jax.process_index() == 0:
+            dest.mkdir(parents=True, exist_ok=True)
+            for n in steps:
+                if (self.directory / str(n)).exists():
+                    to = dest / str(n)
+                    while to.exists():  # (the same steps superseded twice within a second)
+                        to = to.with_name(to.name + "+")
+                    shutil.move(str(self.directory / str(n)), to)
+        ocp.multihost.sync_global_processes(f"scaling_checkpoint_superseded_{restored}_{steps[-1]}")
+        self.manager.reload()
+        self._log(f"checkpoint: moved steps {steps} (newer than step {restored}, restored with restore(step=...): "
+                  f"another trajectory's) to {dest}; this run's saves replace them, and a restart resumes from those")
 
     def check(self) -> None:
         """Raise CheckpointError if the last asynchronous save has failed; never waits for one
@@ -372,6 +467,34 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+            for reader in self._readers.values():
+                reader.close()
+
+
+def _every_process(code: int) -> list[int]:
+    """Each process's `code`, by process index (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return [code]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return [int(c) for c in np.asarray(multihost_utils.process_allgather(np.int32(code))).ravel()]
+
+
+def _steps_of_process_0(directory: Path) -> list[int]:
+    """complete_steps as process 0 lists them, on every process (a collective), so that all
+    try the same steps in the same order even when a shared filesystem shows them late."""
+    steps = complete_steps(directory)
+    if jax.process_count() == 1:
+        return steps
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(steps))))
+    if n == 0:
+        return []
+    mine = np.array(steps if jax.process_index() == 0 else [0] * n, np.int32)
+    return [int(x) for x in np.asarray(multihost_utils.broadcast_one_to_all(mine))]
 
 
 # -------------------------------------------------------------------- params export

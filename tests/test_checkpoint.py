@@ -227,7 +227,7 @@ def test_async_save_returns_before_the_write_and_partial_is_ignored(tmp_path, mo
     ckd = killed / "checkpoints"
     assert [p.name for p in C.partial_checkpoints(ckd)] == ["2" + C.TMP_DIR_SUFFIX]
     assert C.complete_steps(ckd) == [1]
-    (ckd / "3").mkdir()  # a step directory without commit_success.txt (commit-file filesystems)
+    (ckd / "3").mkdir()  # an empty step directory: nothing of a save (one with files is complete: audit2)
     assert len(C.partial_checkpoints(ckd)) == 2
     ck2 = C.Checkpointer(killed, cfg)
     assert len(ck2.partial) == 2 and C.partial_checkpoints(ckd) == []  # reported, then removed
