@@ -256,6 +256,13 @@ def test_flash_attention_refuses_a_causal_flag_that_is_not_a_bool():
         flash_attention(q, k, v, causal="no", interpret=True)
 
 
+def test_flash_attention_refuses_an_interpret_flag_that_is_not_a_bool():
+    """`interpret="no"` is truthy: it had run interpret mode (on a GPU, slowly) without a word."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"interpret must be True or False, got 'no'"):
+        flash_attention(q, k, v, causal=True, interpret="no")
+
+
 def test_flash_attention_refuses_more_warps_than_a_cuda_block_holds():
     """num_warps 64 (2,048 threads) passed the check, whose message said 1..16."""
     q, k, v = _qkv()

@@ -874,6 +874,8 @@ def flash_attention(
     if bwd_workspace_bytes is not None and (isinstance(bwd_workspace_bytes, bool) or not isinstance(bwd_workspace_bytes, int)
                                             or bwd_workspace_bytes < 0):  # (True read as 1 byte)
         raise ValueError(f"bwd_workspace_bytes must be None or an int >= 0 (0: no dS workspace), got {bwd_workspace_bytes!r}")
+    if not isinstance(interpret, (bool, np.bool_)):  # ("no" is truthy: interpret mode on a GPU)
+        raise TypeError(f"interpret must be True or False, got {interpret!r}")
     _validate(q, k, v, causal, segment_ids, sm_scale, block_sizes)
     seg = split_segment_ids(segment_ids)
     if seg is not None:
