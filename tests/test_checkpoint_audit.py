@@ -9,20 +9,14 @@ JAX's preemption notifier keeps SIGTERM) at a deadline, so a hang fails instead 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from two_processes import N, join, run_pair, value
 
-N = 8192  # elements: stored in the OCDBT data files, one shard per process
 DEADLINE_S = 90
-
-
-def _value(step: int) -> np.ndarray:
-    return np.arange(N, dtype=np.float32) * step
 
 
 # ------------------------------------------------------------------ a failed first save
@@ -50,7 +44,7 @@ def _fail_saves_from(monkeypatch, first: int) -> None:
 def _save_and_wait(ck, step: int) -> str | None:
     from scaling import checkpoint as C
 
-    ck.save(step, {"w": _value(step)}, {"loader": {"next_index": step}})
+    ck.save(step, {"w": value(step)}, {"loader": {"next_index": step}})
     try:
         ck.wait()
     except C.CheckpointError as e:
@@ -86,36 +80,15 @@ def test_a_failed_save_keeps_the_checkpoint_that_keep_would_replace(tmp_path, mo
     assert msg is not None and msg.endswith("the newest complete checkpoint is step 1, and a restart resumes from it")
     restored = _restore_here(tmp_path)
     assert restored.step == 1 and restored.meta["loader"] == {"next_index": 1}
-    np.testing.assert_array_equal(np.asarray(restored.state["w"]), _value(1))
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), value(1))
 
 
 # ------------------------------------------------------------------ two processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pair(tmp_path: Path, tag: str, run_dirs: list[Path], phase: str, env_extra: dict | None = None):
     """Run two child processes to the end (or the deadline); (exit codes, logs)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
-           **(env_extra or {})}
-    port, procs = _free_port(), []
-    for pid in range(2):
-        log = open(tmp_path / f"{tag}{pid}.log", "w")
-        cmd = [sys.executable, __file__, str(port), str(pid), str(run_dirs[pid]), phase]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + DEADLINE_S
-    for p, log in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        log.close()
-    return [p.returncode for p, _ in procs], [(tmp_path / f"{tag}{pid}.log").read_text() for pid in range(2)]
+    return run_pair(__file__, tmp_path, tag, run_dirs, phase, DEADLINE_S, env_extra)
 
 
 def _restore_here(run_dir: Path, step: int | None = None):
@@ -152,7 +125,7 @@ def test_multihost_fallback_from_an_unreadable_step_leaves_every_process_agreein
     for pid in range(2):
         assert f"[{pid}] restored step 1, steps [1]" in logs[pid], logs[pid][-2000:]
     assert C.complete_steps(run / "checkpoints") == [1, 2]  # step 2 saved again, by both
-    np.testing.assert_array_equal(np.asarray(_restore_here(run, 2).state["w"]), _value(2))
+    np.testing.assert_array_equal(np.asarray(_restore_here(run, 2).state["w"]), value(2))
     assert len(list((tmp_path / "run" / C.BROKEN_DIR).iterdir())) == 1
 
 
@@ -173,17 +146,9 @@ def _child(port: str, pid: int, run_dir: str, phase: str) -> None:
 
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
+    sharding, state = join(port, pid)
     from scaling import checkpoint as C
     from scaling.config import load_config
-
-    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), PartitionSpec("x"))
-
-    def state(step):
-        return {"w": jax.make_array_from_callback((N,), sharding, lambda idx: _value(step)[idx])}
 
     cfg = load_config(None, ["--checkpoint.keep=5", "--checkpoint.async_save=false"]).checkpoint
     ck = C.Checkpointer(run_dir, cfg)
@@ -197,7 +162,7 @@ def _child(port: str, pid: int, run_dir: str, phase: str) -> None:
             shutil.move = lambda *a, **k: (time.sleep(slow), move(*a, **k))[1]
         restored = ck.restore({"w": jax.ShapeDtypeStruct((N,), np.float32, sharding=sharding)})
         for shard in restored.state["w"].addressable_shards:  # this process's share
-            np.testing.assert_array_equal(np.asarray(shard.data), _value(1)[shard.index])
+            np.testing.assert_array_equal(np.asarray(shard.data), value(1)[shard.index])
         print(f"[{pid}] restored step {restored.step}, steps {list(ck.manager.all_steps())}", flush=True)
         assert ck.save(2, state(2), {"loader": {"next_index": 2}})  # training reached step 2 again
     ck.close()

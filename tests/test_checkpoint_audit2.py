@@ -9,22 +9,14 @@ seconds, and each pair is killed (SIGKILL: JAX's preemption notifier keeps SIGTE
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from two_processes import N, join, run_pair, value
 import pytest
 
-N = 8192  # elements: one shard per process in the two-process test
 DEADLINE_S = 60
-
-
-def _value(step: int) -> np.ndarray:
-    return np.arange(N, dtype=np.float32) * step
 
 
 def _checkpointer(run_dir: Path, *flags: str):
@@ -43,7 +35,7 @@ def _target():
 def _saved(run_dir: Path, steps, scale: float = 1.0) -> None:
     ck = _checkpointer(run_dir)
     for s in steps:
-        assert ck.save(s, {"w": _value(s) * scale}, {"loader": {"next_index": s}})
+        assert ck.save(s, {"w": value(s) * scale}, {"loader": {"next_index": s}})
     ck.close()
 
 
@@ -70,7 +62,7 @@ def test_training_on_from_an_older_restored_step_saves_for_real_and_resumes_from
     lines: list[str] = []
     assert ck.restore(_target(), step=2, log=lines.append).step == 2
     assert C.complete_steps(tmp_path / "checkpoints") == [1, 2, 3, 4]  # a restore alone changes nothing on disk
-    assert ck.save(3, {"w": _value(3) * -1}, {"loader": {"next_index": 30}})
+    assert ck.save(3, {"w": value(3) * -1}, {"loader": {"next_index": 30}})
     ck.close()
     assert C.complete_steps(tmp_path / "checkpoints") == [1, 2, 3]
     moved = [line for line in lines if "moved steps [3, 4]" in line]
@@ -80,7 +72,7 @@ def test_training_on_from_an_older_restored_step_saves_for_real_and_resumes_from
 
     restored = _restore_latest(tmp_path)
     assert restored.step == 3 and restored.meta["loader"] == {"next_index": 30}
-    np.testing.assert_array_equal(np.asarray(restored.state["w"]), _value(3) * -1)
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), value(3) * -1)
 
 
 def test_saving_a_step_older_than_one_on_disk_without_restoring_it_says_what_to_do(tmp_path):
@@ -92,7 +84,7 @@ def test_saving_a_step_older_than_one_on_disk_without_restoring_it_says_what_to_
     try:
         with pytest.raises(C.CheckpointError, match=r"^step 2: not saved: .* holds newer step\(s\) \[3\].*"
                                                     r"restore\(step=\.\.\.\)"):
-            ck.save(2, {"w": _value(2)}, {"loader": {"next_index": 2}})
+            ck.save(2, {"w": value(2)}, {"loader": {"next_index": 2}})
     finally:
         ck.close()
     assert C.complete_steps(tmp_path / "checkpoints") == [1, 3]
@@ -123,7 +115,7 @@ def test_a_finished_step_without_commit_success_is_kept_and_restored(tmp_path):
     lines: list[str] = []
     restored = _restore_latest(tmp_path, lines)
     assert restored.step == 2
-    np.testing.assert_array_equal(np.asarray(restored.state["w"]), _value(2))
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), value(2))
     assert C.complete_steps(ckpts) == [1, 2] and not (ckpts / "7").exists()
     assert len(lines) == 1 and lines[0].startswith("checkpoint: step 9 is unreadable"), lines
     (aside,) = (tmp_path / C.BROKEN_DIR).iterdir()
@@ -133,29 +125,9 @@ def test_a_finished_step_without_commit_success_is_kept_and_restored(tmp_path):
 # ------------------------------------------------- two processes, damage in one process's shards
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pair(tmp_path: Path, tag: str, run_dir: Path, phase: str):
     """Run two child processes to the end (or the deadline); (exit codes, logs)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-    port, procs = _free_port(), []
-    for pid in range(2):
-        log = open(tmp_path / f"{tag}{pid}.log", "w")
-        cmd = [sys.executable, __file__, str(port), str(pid), str(run_dir), phase]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + DEADLINE_S
-    for p, log in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        log.close()
-    return [p.returncode for p, _ in procs], [(tmp_path / f"{tag}{pid}.log").read_text() for pid in range(2)]
+    return run_pair(__file__, tmp_path, tag, [run_dir, run_dir], phase, DEADLINE_S)
 
 
 def test_multihost_damage_in_one_process_shards_makes_every_process_take_the_same_step(tmp_path):
@@ -184,23 +156,15 @@ def test_multihost_damage_in_one_process_shards_makes_every_process_take_the_sam
     assert "checkpoint: step 2 is unreadable on process(es) [1] (see their stderr for the reason); moved it" in logs[0]
     assert "[process 1] checkpoint: step 2 in" in logs[1] and "is unreadable here (" in logs[1]
     assert C.complete_steps(run / "checkpoints") == [1, 2]  # step 2 saved again, by both
-    np.testing.assert_array_equal(np.asarray(_restore_latest(run).state["w"]), _value(2))
+    np.testing.assert_array_equal(np.asarray(_restore_latest(run).state["w"]), value(2))
     assert len(list((run / C.BROKEN_DIR).iterdir())) == 1
 
 
 def _child(port: str, pid: int, run_dir: str, phase: str) -> None:
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
+    sharding, state = join(port, pid)
     from scaling import checkpoint as C
-
-    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), PartitionSpec("x"))
-
-    def state(step):
-        return {"w": jax.make_array_from_callback((N,), sharding, lambda idx: _value(step)[idx])}
 
     ck = _checkpointer(Path(run_dir), "--checkpoint.async_save=false")
     if phase == "save":
@@ -214,7 +178,7 @@ def _child(port: str, pid: int, run_dir: str, phase: str) -> None:
             print(f"[{pid}] restore(step=2): {e}", flush=True)
         restored = ck.restore(target, log=lambda msg: print(msg, flush=True) if pid == 0 else None)
         for shard in restored.state["w"].addressable_shards:  # this process's share
-            np.testing.assert_array_equal(np.asarray(shard.data), _value(1)[shard.index])
+            np.testing.assert_array_equal(np.asarray(shard.data), value(1)[shard.index])
         print(f"[{pid}] restored step {restored.step}, steps {list(ck.manager.all_steps())}", flush=True)
         assert ck.save(2, state(2), {"loader": {"next_index": 2}})  # training reached step 2 again
     ck.close()
