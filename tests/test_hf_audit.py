@@ -16,32 +16,11 @@ import pytest
 
 from scaling import decode
 from scaling.interop import hf
+from test_hf_mutants import _successor_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_tiny"
 # (successor a -> "✓" (three bytes) -> EOS; ids are byte values, EOS 256)
 CHECK = {0x61: 0xE2, 0xE2: 0x9C, 0x9C: 0x93, 0x93: 256}
-
-
-def _successor_tensors(successor: dict[int, int], vocab=257, d=8):
-    """A 1-layer Llama whose greedy next token is successor[last] (attention and MLP weights zero:
-    the final hidden state is the last token's one-hot slot; the head maps a slot to its successor)."""
-    slots = {tok: i + 1 for i, tok in enumerate(successor)}  # slot 0: every other token -> "a"
-    embed = np.zeros((vocab, d), np.float32)
-    head = np.zeros((vocab, d), np.float32)
-    for tok in range(vocab):
-        embed[tok, slots.get(tok, 0)] = 1.0
-    for tok, slot in slots.items():
-        head[successor[tok], slot] = 1.0
-    head[0x61, 0] = 1.0
-    n, k, h, f = 2, 1, 4, 8
-    p = "model.layers.0."
-    zeros = {p + "self_attn.q_proj.weight": (n * h, d), p + "self_attn.k_proj.weight": (k * h, d),
-             p + "self_attn.v_proj.weight": (k * h, d), p + "self_attn.o_proj.weight": (d, n * h),
-             p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f)}
-    return {"model.embed_tokens.weight": embed, "lm_head.weight": head, "model.norm.weight": np.ones(d, np.float32),
-            p + "input_layernorm.weight": np.ones(d, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-            **{name: np.zeros(shape, np.float32) for name, shape in zeros.items()}}
 
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 257, "hidden_size": 8,
@@ -68,7 +47,7 @@ def _hf_dir(tmp_path, successor=CHECK, name="succ"):
     d = tmp_path / name
     d.mkdir()
     (d / "config.json").write_text(json.dumps(CONFIG))
-    hf.write_safetensors(d / "model.safetensors", _successor_tensors(successor))
+    hf.write_safetensors(d / "model.safetensors", _successor_tensors(successor=successor))
     _byte_fallback_tokenizer(d / "tokenizer.json")
     return d
 

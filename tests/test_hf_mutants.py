@@ -303,17 +303,19 @@ SUCCESSOR = {0x61: 0xC3, 0xC3: 0xA9, 0xA9: 0x21, 0x21: 0xE2, 0xE2: 0x9C, 0x9C: 0
 OTHERS_NEXT = 0x61  # every other token (EOS included) -> "a"
 
 
-def _successor_tensors(vocab=257, d=8):
-    """HF tensors of a 1-layer Llama whose greedy next token is SUCCESSOR[last token]: attention
-    and MLP weights are zero, so the final hidden state is the last token's embedding, a one-hot
-    slot; lm_head gives that slot's successor the only nonzero logit (sqrt(d) after the norm)."""
-    slots = {tok: i + 1 for i, tok in enumerate(SUCCESSOR)}  # slot 0: every other token
+def _successor_tensors(vocab=257, d=8, successor=None):
+    """HF tensors of a 1-layer Llama whose greedy next token is successor[last token] (SUCCESSOR
+    by default): attention and MLP weights are zero, so the final hidden state is the last token's
+    embedding, a one-hot slot; lm_head gives that slot's successor the only nonzero logit (sqrt(d)
+    after the norm)."""
+    successor = SUCCESSOR if successor is None else successor
+    slots = {tok: i + 1 for i, tok in enumerate(successor)}  # slot 0: every other token
     embed = np.zeros((vocab, d), np.float32)
     head = np.zeros((vocab, d), np.float32)
     for tok in range(vocab):
         embed[tok, slots.get(tok, 0)] = 1.0
     for tok, slot in slots.items():
-        head[SUCCESSOR[tok], slot] = 1.0
+        head[successor[tok], slot] = 1.0
     head[OTHERS_NEXT, 0] = 1.0
     n, k, h, f = 2, 1, 4, 8
     p = "model.layers.0."
