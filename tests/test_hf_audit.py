@@ -283,3 +283,32 @@ def test_save_given_a_whole_config_names_the_argument(tmp_path):
     with pytest.raises(TypeError, match="model_config: takes a ModelConfig, got dict"):
         hf.save_params({"vocab_size": 300}, {}, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_save_cut_short_leaves_no_config_json(tmp_path, monkeypatch):
+    """config.json had been written before the weights: a save that failed in the weights (a full
+    disk) left a directory that loaders took as whole, beside the previous save's weights (another
+    model's) or none. Now config.json is removed first and written last."""
+    from scaling.config import load_config
+    from scaling.model import build_model
+
+    cfg = load_config(None, ["--model.num_layers=1", "--model.hidden_size=32", "--model.num_heads=2",
+                             "--model.num_kv_heads=1", "--model.mlp_dim=64", "--model.vocab_size=300"]).model
+    model = build_model(cfg, seed=0)
+    out = tmp_path / "hf"
+    hf.save(cfg, model, out)
+    first = json.loads((out / "config.json").read_text())
+    assert first["num_hidden_layers"] == 1
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf, "write_safetensors", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        hf.save(cfg, model, out)
+    assert not (out / "config.json").exists()
+    with pytest.raises(hf.HFFormatError):
+        hf.load(out)
+    monkeypatch.undo()
+    hf.save(cfg, model, out)  # a save that completes writes it again
+    assert json.loads((out / "config.json").read_text()) == first

@@ -545,9 +545,14 @@ def save_params(model_config: ModelConfig, params: dict, path: str | os.PathLike
     if tokenizer is not None:
         hf_config["eos_token_id"] = int(tokenizer.eos_id)
         save_tokenizer(tokenizer, path, model_max_length=model_config.max_seq_len)
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    # config.json goes last: a save cut short (a full disk, Ctrl-C) leaves a directory without it,
+    # which every loader refuses, never a config beside weights of another model or half of them.
+    (path / "config.json").unlink(missing_ok=True)
     write_safetensors(path / "model.safetensors", tensors)
     _remove_stale_shards(path)
+    tmp = path / "config.json.tmp"
+    tmp.write_text(json.dumps(hf_config, indent=2) + "\n")
+    tmp.replace(path / "config.json")
     return path
 
 
