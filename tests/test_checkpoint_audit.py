@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from two_processes import N, join, run_pair, value
+from two_processes import N, check_step_1_and_train_on, join, run_pair, save_steps_1_and_2, value
 
 DEADLINE_S = 90
 
@@ -153,18 +153,14 @@ def _child(port: str, pid: int, run_dir: str, phase: str) -> None:
     cfg = load_config(None, ["--checkpoint.keep=5", "--checkpoint.async_save=false"]).checkpoint
     ck = C.Checkpointer(run_dir, cfg)
     if phase == "save":
-        for s in (1, 2):
-            ck.save(s, state(s), {"loader": {"next_index": s}})
+        save_steps_1_and_2(ck, state)
     else:
         slow = float(os.environ.get("AUDIT_SLOW_MOVE_S", 0))
         if slow and pid == 0:
             move = shutil.move
             shutil.move = lambda *a, **k: (time.sleep(slow), move(*a, **k))[1]
         restored = ck.restore({"w": jax.ShapeDtypeStruct((N,), np.float32, sharding=sharding)})
-        for shard in restored.state["w"].addressable_shards:  # this process's share
-            np.testing.assert_array_equal(np.asarray(shard.data), value(1)[shard.index])
-        print(f"[{pid}] restored step {restored.step}, steps {list(ck.manager.all_steps())}", flush=True)
-        assert ck.save(2, state(2), {"loader": {"next_index": 2}})  # training reached step 2 again
+        check_step_1_and_train_on(ck, restored, state, pid)
     ck.close()
 
 

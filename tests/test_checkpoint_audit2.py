@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from two_processes import N, join, run_pair, value
+from two_processes import N, check_step_1_and_train_on, join, run_pair, save_steps_1_and_2, value
 import pytest
 
 DEADLINE_S = 60
@@ -168,8 +168,7 @@ def _child(port: str, pid: int, run_dir: str, phase: str) -> None:
 
     ck = _checkpointer(Path(run_dir), "--checkpoint.async_save=false")
     if phase == "save":
-        for s in (1, 2):
-            ck.save(s, state(s), {"loader": {"next_index": s}})
+        save_steps_1_and_2(ck, state)
     else:
         target = {"w": jax.ShapeDtypeStruct((N,), np.float32, sharding=sharding)}
         try:
@@ -177,10 +176,7 @@ def _child(port: str, pid: int, run_dir: str, phase: str) -> None:
         except C.CheckpointError as e:
             print(f"[{pid}] restore(step=2): {e}", flush=True)
         restored = ck.restore(target, log=lambda msg: print(msg, flush=True) if pid == 0 else None)
-        for shard in restored.state["w"].addressable_shards:  # this process's share
-            np.testing.assert_array_equal(np.asarray(shard.data), value(1)[shard.index])
-        print(f"[{pid}] restored step {restored.step}, steps {list(ck.manager.all_steps())}", flush=True)
-        assert ck.save(2, state(2), {"loader": {"next_index": 2}})  # training reached step 2 again
+        check_step_1_and_train_on(ck, restored, state, pid)
     ck.close()
 
 

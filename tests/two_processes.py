@@ -62,3 +62,18 @@ def join(port: str, pid: int):
         return {"w": jax.make_array_from_callback((N,), sharding, lambda idx: value(step)[idx])}
 
     return sharding, state
+
+
+def save_steps_1_and_2(ck, state) -> None:
+    """The "save" phase: steps 1 and 2, each with its loader position."""
+    for s in (1, 2):
+        ck.save(s, state(s), {"loader": {"next_index": s}})
+
+
+def check_step_1_and_train_on(ck, restored, state, pid: int) -> None:
+    """After a restore that should fall back to step 1: this process's shard is step 1's, and
+    training reaches step 2 again (its save must happen)."""
+    for shard in restored.state["w"].addressable_shards:  # this process's share
+        np.testing.assert_array_equal(np.asarray(shard.data), value(1)[shard.index])
+    print(f"[{pid}] restored step {restored.step}, steps {list(ck.manager.all_steps())}", flush=True)
+    assert ck.save(2, state(2), {"loader": {"next_index": 2}})
